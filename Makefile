@@ -1,0 +1,51 @@
+# make demo · make test · make bench — each sets up what it needs on a fresh machine.
+#
+# The virtualenv and the Rust build cache live outside the checkout (override VENV and
+# CARGO_TARGET_DIR), so a fresh clone (as CI makes) reuses the multi-GB torch install and
+# the compiled dependencies instead of fetching and building them again.
+
+VENV ?= $(HOME)/.cache/tiercel/venv
+export CARGO_TARGET_DIR ?= $(HOME)/.cache/tiercel/target
+PY := $(VENV)/bin/python
+DEPS_STAMP := $(VENV)/.tiercel-deps
+BUILD_STAMP := $(VENV)/.tiercel-build
+SOURCES := $(shell find rust python -type f \( -name '*.rs' -o -name '*.py' -o -name 'Cargo.toml' \) 2>/dev/null) Cargo.toml pyproject.toml
+
+.PHONY: all venv build test test-rust test-python demo bench clean
+
+all: test
+
+venv: $(DEPS_STAMP)
+
+$(DEPS_STAMP): requirements-dev.txt
+	@echo "==> virtualenv in $(VENV) (first time: downloads torch, several GB; later runs skip this)"
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -m pip install --upgrade --progress-bar on pip >/dev/null
+	$(PY) -m pip install --progress-bar on -r requirements-dev.txt
+	@touch $@
+
+build: $(BUILD_STAMP)
+
+$(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
+	@echo "==> building the Rust core and the tiercel package into $(VENV)"
+	VIRTUAL_ENV=$(VENV) PATH=$(VENV)/bin:$$PATH maturin develop --release --quiet
+	@touch $@
+
+test-rust:
+	@echo "==> cargo test"
+	cargo test --release --workspace --quiet
+
+test-python: build
+	@echo "==> pytest"
+	$(PY) -m pytest -q tests
+
+test: test-rust test-python
+
+demo: build
+	$(PY) examples/torch_demo.py
+
+bench: build
+	$(PY) bench/save_restore.py
+
+clean:
+	rm -rf $(BUILD_STAMP) python/tiercel/_core*.so

@@ -1,0 +1,240 @@
+//! Named byte objects under one root: the storage interface that every tier except the
+//! memory tier stands on. Keys are '/'-separated paths relative to the root. The filesystem
+//! implementation lives here; object stores implement the same trait.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::error::{Error, Result};
+
+pub trait Blobs: Send + Sync {
+    /// Where `key` lives, for messages (a path or URL; never credentials).
+    fn describe(&self, key: &str) -> String;
+    /// Atomically replaces `key` with `data`.
+    fn put(&self, key: &str, data: &[u8]) -> Result<()>;
+    /// Creates `key` only if it does not exist; true when this call created it.
+    fn put_if_absent(&self, key: &str, data: &[u8]) -> Result<bool>;
+    /// A streaming writer whose object appears (atomically) only on `finish`.
+    fn create(&self, key: &str) -> Result<Box<dyn BlobWriter>>;
+    fn get(&self, key: &str) -> Result<Vec<u8>>;
+    /// Reads exactly `dst.len()` bytes at `offset`.
+    fn get_range(&self, key: &str, offset: u64, dst: &mut [u8]) -> Result<()>;
+    fn exists(&self, key: &str) -> Result<bool>;
+    /// Names of the entries directly under `prefix` ("" for the root).
+    fn list(&self, prefix: &str) -> Result<Vec<String>>;
+    /// Deletes `key`; a missing key is not an error.
+    fn delete(&self, key: &str) -> Result<()>;
+    /// Deletes everything under `prefix`.
+    fn delete_prefix(&self, prefix: &str) -> Result<()>;
+}
+
+pub trait BlobWriter: Send {
+    fn write(&mut self, data: &[u8]) -> Result<()>;
+    fn finish(self: Box<Self>) -> Result<()>;
+    fn abort(self: Box<Self>);
+}
+
+/// A directory on a local or network filesystem. Objects appear by rename (put, create) or
+/// by hard link (put_if_absent), both atomic on POSIX filesystems and NFS.
+pub struct FsBlobs {
+    tier: String,
+    root: PathBuf,
+}
+
+static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
+
+fn tmp_path(p: &Path) -> PathBuf {
+    let n = TMP_SEQ.fetch_add(1, Ordering::Relaxed);
+    let mut s = p.as_os_str().to_owned();
+    s.push(format!(".tmp-{}-{n}", std::process::id()));
+    PathBuf::from(s)
+}
+
+/// Temporary files left by a killed writer carry this marker; gc removes them.
+pub fn is_tmp_name(name: &str) -> bool {
+    name.contains(".tmp-")
+}
+
+impl FsBlobs {
+    pub fn new(tier: &str, root: &Path) -> Result<FsBlobs> {
+        fs::create_dir_all(root).map_err(|e| Error::io(tier, root, e))?;
+        Ok(FsBlobs { tier: tier.into(), root: root.into() })
+    }
+
+    fn path(&self, key: &str) -> PathBuf {
+        self.root.join(key)
+    }
+
+    fn err(&self, p: &Path, e: std::io::Error) -> Error {
+        Error::io(&self.tier, p, e)
+    }
+
+    fn ensure_parent(&self, p: &Path) -> Result<()> {
+        if let Some(dir) = p.parent() {
+            fs::create_dir_all(dir).map_err(|e| self.err(dir, e))?;
+        }
+        Ok(())
+    }
+
+    fn write_tmp(&self, p: &Path, data: &[u8]) -> Result<PathBuf> {
+        self.ensure_parent(p)?;
+        let tmp = tmp_path(p);
+        let res = (|| {
+            let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
+            f.write_all(data)?;
+            f.sync_all()
+        })();
+        if let Err(e) = res {
+            let _ = fs::remove_file(&tmp);
+            return Err(self.err(p, e));
+        }
+        Ok(tmp)
+    }
+}
+
+fn sync_dir(dir: &Path) {
+    // Makes the rename itself durable; best effort (some filesystems refuse to open dirs).
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
+impl Blobs for FsBlobs {
+    fn describe(&self, key: &str) -> String {
+        self.path(key).display().to_string()
+    }
+
+    fn put(&self, key: &str, data: &[u8]) -> Result<()> {
+        let p = self.path(key);
+        let tmp = self.write_tmp(&p, data)?;
+        fs::rename(&tmp, &p).map_err(|e| {
+            let _ = fs::remove_file(&tmp);
+            self.err(&p, e)
+        })?;
+        sync_dir(p.parent().unwrap_or(&self.root));
+        Ok(())
+    }
+
+    fn put_if_absent(&self, key: &str, data: &[u8]) -> Result<bool> {
+        let p = self.path(key);
+        let tmp = self.write_tmp(&p, data)?;
+        let res = fs::hard_link(&tmp, &p);
+        let _ = fs::remove_file(&tmp);
+        match res {
+            Ok(()) => {
+                sync_dir(p.parent().unwrap_or(&self.root));
+                Ok(true)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+            Err(e) => Err(self.err(&p, e)),
+        }
+    }
+
+    fn create(&self, key: &str) -> Result<Box<dyn BlobWriter>> {
+        let p = self.path(key);
+        self.ensure_parent(&p)?;
+        let tmp = tmp_path(&p);
+        let file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(|e| self.err(&p, e))?;
+        Ok(Box::new(FsWriter { tier: self.tier.clone(), file: std::io::BufWriter::with_capacity(1 << 20, file), tmp, dst: p }))
+    }
+
+    fn get(&self, key: &str) -> Result<Vec<u8>> {
+        let p = self.path(key);
+        fs::read(&p).map_err(|e| self.err(&p, e))
+    }
+
+    fn get_range(&self, key: &str, offset: u64, dst: &mut [u8]) -> Result<()> {
+        let p = self.path(key);
+        let f = File::open(&p).map_err(|e| self.err(&p, e))?;
+        f.read_exact_at(dst, offset).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                Error::integrity(format!("tier '{}': {} is shorter than its manifest says", self.tier, p.display()))
+            } else {
+                self.err(&p, e)
+            }
+        })
+    }
+
+    fn exists(&self, key: &str) -> Result<bool> {
+        let p = self.path(key);
+        match fs::metadata(&p) {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(self.err(&p, e)),
+        }
+    }
+
+    fn list(&self, prefix: &str) -> Result<Vec<String>> {
+        let p = self.path(prefix);
+        let rd = match fs::read_dir(&p) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+            Err(e) => return Err(self.err(&p, e)),
+        };
+        let mut names = vec![];
+        for entry in rd {
+            let entry = entry.map_err(|e| self.err(&p, e))?;
+            names.push(entry.file_name().to_string_lossy().into_owned());
+        }
+        names.sort();
+        Ok(names)
+    }
+
+    fn delete(&self, key: &str) -> Result<()> {
+        let p = self.path(key);
+        match fs::remove_file(&p) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(self.err(&p, e)),
+        }
+    }
+
+    fn delete_prefix(&self, prefix: &str) -> Result<()> {
+        let p = self.path(prefix);
+        match fs::remove_dir_all(&p) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(self.err(&p, e)),
+        }
+    }
+}
+
+struct FsWriter {
+    tier: String,
+    file: std::io::BufWriter<File>,
+    tmp: PathBuf,
+    dst: PathBuf,
+}
+
+impl BlobWriter for FsWriter {
+    fn write(&mut self, data: &[u8]) -> Result<()> {
+        self.file.write_all(data).map_err(|e| Error::io(&self.tier, &self.dst, e))
+    }
+
+    fn finish(self: Box<Self>) -> Result<()> {
+        let FsWriter { tier, file, tmp, dst } = *self;
+        let res = (|| {
+            let f = file.into_inner().map_err(|e| e.into_error())?;
+            f.sync_all()?;
+            fs::rename(&tmp, &dst)
+        })();
+        if let Err(e) = res {
+            let _ = fs::remove_file(&tmp);
+            return Err(Error::io(&tier, &dst, e));
+        }
+        sync_dir(dst.parent().unwrap_or(Path::new("/")));
+        Ok(())
+    }
+
+    fn abort(self: Box<Self>) {
+        let _ = fs::remove_file(&self.tmp);
+    }
+}

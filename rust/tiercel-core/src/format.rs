@@ -1,0 +1,267 @@
+//! The on-tier checkpoint format: names of steps and files, the per-rank manifest and the
+//! commit record. docs/format.md is the human-readable twin of this file; change both together.
+//!
+//! A tier holds one directory (or key prefix) per step:
+//! ```text
+//! step-000000000042/
+//!     rank-00000.part-000.data      data objects of rank 0 (memory tier: one per `put`;
+//!     rank-00000.manifest.json      blob tiers: a single rank-00000.data)
+//!     rank-00001....
+//!     COMMIT                        written last, once every rank's manifest is there
+//! ```
+//! A rank's manifest is written after its data (atomically), so a manifest present means the
+//! rank's data is complete; COMMIT present means every rank's is.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+pub const FORMAT_VERSION: u32 = 1;
+pub const MANIFEST_FORMAT: &str = "tiercel-manifest";
+pub const COMMIT_FORMAT: &str = "tiercel-commit";
+pub const COMMIT_NAME: &str = "COMMIT";
+/// Items start at multiples of this inside a data object, so that zero-copy views of any
+/// dtype are aligned (and cache-line aligned for the copy).
+pub const ITEM_ALIGN: u64 = 64;
+
+pub fn step_dir(step: u64) -> String {
+    format!("step-{step:012}")
+}
+
+/// Parses a `step-000000000042` directory name; anything else is not a step.
+pub fn parse_step_dir(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("step-")?;
+    if digits.len() != 12 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+pub fn manifest_name(rank: u32) -> String {
+    format!("rank-{rank:05}.manifest.json")
+}
+
+pub fn part_name(rank: u32, part: usize) -> String {
+    format!("rank-{rank:05}.part-{part:03}.data")
+}
+
+pub fn data_name(rank: u32) -> String {
+    format!("rank-{rank:05}.data")
+}
+
+pub fn align_up(x: u64, a: u64) -> u64 {
+    x.div_ceil(a) * a
+}
+
+/// One stored chunk: the unit of I/O, checksum and compression.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ChunkMeta {
+    /// Offset of the chunk inside its item (raw bytes).
+    pub offset: u64,
+    /// Raw (decoded) length.
+    pub len: u64,
+    /// CRC32C of the raw bytes.
+    pub crc32c: u32,
+    /// Index into `Manifest::objects` of the object that holds the stored bytes.
+    pub object: u32,
+    /// Where the stored (encoded) bytes start in that object, and how many there are.
+    pub stored_offset: u64,
+    pub stored_len: u64,
+    /// "raw", "zstd", or "bytegroupN+zstd" (N = item size in bytes); see codec.rs.
+    pub codec: String,
+}
+
+/// One named array, tensor or byte string of one rank.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ItemMeta {
+    /// Path-like name: the `put` name, then the keys down the tree ("optim/state/0/exp_avg").
+    pub name: String,
+    /// "array" (dtype + shape) or "bytes" (an opaque byte string, e.g. a pickled object).
+    pub kind: String,
+    /// Canonical dtype name ("float32", "bfloat16", "bool", "complex64", ... "uint8" for bytes).
+    pub dtype: String,
+    pub shape: Vec<u64>,
+    pub nbytes: u64,
+    /// Free-form facts the Python side needs to rebuild the value (framework, shard info);
+    /// tiercel-core stores it and never interprets it.
+    #[serde(default)]
+    pub meta: serde_json::Value,
+    pub chunks: Vec<ChunkMeta>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ObjectMeta {
+    pub name: String,
+    pub len: u64,
+}
+
+/// What one rank wrote for one step on one tier.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    pub step: u64,
+    pub rank: u32,
+    pub world_size: u32,
+    /// The tier this copy of the manifest describes (stored offsets differ per tier).
+    pub tier: String,
+    pub chunk_size: u64,
+    pub objects: Vec<ObjectMeta>,
+    /// The structure of each `put` value (nested dicts/lists/scalars with item references),
+    /// in the order they were put. Opaque to tiercel-core.
+    pub trees: Vec<(String, serde_json::Value)>,
+    pub items: Vec<ItemMeta>,
+}
+
+impl Manifest {
+    pub fn new(step: u64, rank: u32, world_size: u32, tier: &str, chunk_size: u64) -> Self {
+        Manifest {
+            format: MANIFEST_FORMAT.into(),
+            version: FORMAT_VERSION,
+            step,
+            rank,
+            world_size,
+            tier: tier.into(),
+            chunk_size,
+            objects: vec![],
+            trees: vec![],
+            items: vec![],
+        }
+    }
+
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("manifest serializes")
+    }
+
+    /// Decodes and checks a manifest read from `where_` (a path or key, for the message).
+    pub fn from_json(bytes: &[u8], where_: &str) -> Result<Self> {
+        let m: Manifest = serde_json::from_slice(bytes)
+            .map_err(|e| Error::integrity(format!("{where_}: not a valid tiercel manifest: {e}")))?;
+        if m.format != MANIFEST_FORMAT {
+            return Err(Error::integrity(format!("{where_}: format is '{}', expected '{MANIFEST_FORMAT}'", m.format)));
+        }
+        if m.version > FORMAT_VERSION {
+            return Err(Error::integrity(format!(
+                "{where_}: manifest version {} is newer than this tiercel understands ({FORMAT_VERSION}); upgrade tiercel",
+                m.version
+            )));
+        }
+        for item in &m.items {
+            let mut expect = 0u64;
+            for c in &item.chunks {
+                if c.offset != expect || c.object as usize >= m.objects.len() {
+                    return Err(Error::integrity(format!("{where_}: item '{}' has inconsistent chunk table", item.name)));
+                }
+                let obj = &m.objects[c.object as usize];
+                if c.stored_offset.checked_add(c.stored_len).is_none_or(|end| end > obj.len) {
+                    return Err(Error::integrity(format!(
+                        "{where_}: item '{}' chunk at {} lies outside object '{}'",
+                        item.name, c.offset, obj.name
+                    )));
+                }
+                expect += c.len;
+            }
+            if expect != item.nbytes {
+                return Err(Error::integrity(format!(
+                    "{where_}: item '{}' chunks cover {expect} bytes, item has {}",
+                    item.name, item.nbytes
+                )));
+            }
+        }
+        Ok(m)
+    }
+
+    pub fn total_bytes(&self) -> u64 {
+        self.items.iter().map(|i| i.nbytes).sum()
+    }
+
+    pub fn item_index(&self, name: &str) -> Option<usize> {
+        self.items.iter().position(|i| i.name == name)
+    }
+}
+
+/// The commit record of a step on a tier: written last, create-if-absent.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct CommitRecord {
+    pub format: String,
+    pub version: u32,
+    pub step: u64,
+    pub world_size: u32,
+    pub tier: String,
+    /// Seconds since the epoch when the commit was written.
+    pub time: f64,
+}
+
+impl CommitRecord {
+    pub fn new(step: u64, world_size: u32, tier: &str) -> Self {
+        let time = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        CommitRecord { format: COMMIT_FORMAT.into(), version: FORMAT_VERSION, step, world_size, tier: tier.into(), time }
+    }
+
+    pub fn from_json(bytes: &[u8], where_: &str) -> Result<Self> {
+        let c: CommitRecord = serde_json::from_slice(bytes)
+            .map_err(|e| Error::integrity(format!("{where_}: not a valid commit record: {e}")))?;
+        if c.format != COMMIT_FORMAT || c.version > FORMAT_VERSION {
+            return Err(Error::integrity(format!("{where_}: unknown commit record format/version")));
+        }
+        Ok(c)
+    }
+}
+
+/// Splits an item of `nbytes` into chunk (offset, len) pairs. Chunk lengths are multiples of
+/// the chunk size except the last, so the chunking is the same on every tier.
+pub fn chunk_ranges(nbytes: u64, chunk_size: u64) -> impl Iterator<Item = (u64, u64)> {
+    (0..nbytes.div_ceil(chunk_size)).map(move |i| {
+        let off = i * chunk_size;
+        (off, chunk_size.min(nbytes - off))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_dir_round_trip() {
+        assert_eq!(parse_step_dir(&step_dir(42)), Some(42));
+        assert_eq!(parse_step_dir("step-42"), None);
+        assert_eq!(parse_step_dir("step-00000000004x"), None);
+        assert!(step_dir(9) < step_dir(10));
+    }
+
+    #[test]
+    fn chunking_covers_item() {
+        let v: Vec<_> = chunk_ranges(10, 4).collect();
+        assert_eq!(v, vec![(0, 4), (4, 4), (8, 2)]);
+        assert_eq!(chunk_ranges(0, 4).count(), 0);
+    }
+
+    #[test]
+    fn manifest_rejects_bad_chunk_table() {
+        let mut m = Manifest::new(1, 0, 1, "ram", 4);
+        m.objects.push(ObjectMeta { name: "d".into(), len: 8 });
+        m.items.push(ItemMeta {
+            name: "a".into(),
+            kind: "array".into(),
+            dtype: "uint8".into(),
+            shape: vec![8],
+            nbytes: 8,
+            meta: serde_json::Value::Null,
+            chunks: vec![ChunkMeta {
+                offset: 0,
+                len: 8,
+                crc32c: 0,
+                object: 0,
+                stored_offset: 4,
+                stored_len: 8,
+                codec: "raw".into(),
+            }],
+        });
+        let e = Manifest::from_json(&m.to_json(), "x").unwrap_err();
+        assert!(e.message.contains("outside object"), "{}", e.message);
+        assert!(Manifest::from_json(b"{", "x/y.json").unwrap_err().message.contains("x/y.json"));
+    }
+}

@@ -1,0 +1,13 @@
+//! tiercel-core: the byte-moving core of tiercel, a tiered checkpoint store for distributed
+//! training. Pure Rust; the Python bindings live in tiercel-py and hold no logic of their own.
+
+pub mod blobs;
+pub mod codec;
+pub mod error;
+pub mod format;
+pub mod policy;
+pub mod scheduler;
+pub mod store;
+pub mod tier;
+
+pub use error::{Error, ErrorKind, Result};

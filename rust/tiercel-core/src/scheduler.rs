@@ -1,0 +1,295 @@
+//! The one scheduler of background byte movement. Every job has a link (the tier it moves
+//! bytes to or from), a priority and a size. Links carry token-bucket bandwidth limits, so a
+//! persist to a shared NFS or bucket never takes more than the policy grants; priorities make
+//! a restore overtake a flush, a flush overtake replication, replication overtake persistence.
+
+use std::collections::BinaryHeap;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Priority {
+    Restore = 0,
+    Flush = 1,
+    Replicate = 2,
+    Persist = 3,
+}
+
+/// A named path for bytes with an optional bandwidth limit (bytes per second).
+pub struct Link {
+    pub name: String,
+    rate: Option<f64>,
+    bucket: Mutex<(f64, Instant)>,
+}
+
+impl Link {
+    pub fn new(name: &str, bytes_per_sec: Option<u64>) -> Arc<Link> {
+        Arc::new(Link {
+            name: name.into(),
+            rate: bytes_per_sec.map(|r| r as f64),
+            bucket: Mutex::new((0.0, Instant::now())),
+        })
+    }
+
+    /// Takes `bytes` tokens, sleeping while the bucket is in debt. The bucket holds at most
+    /// 50 ms worth of tokens, so an idle link cannot burst far above its rate.
+    pub fn acquire(&self, bytes: u64) {
+        let Some(rate) = self.rate else { return };
+        let wait = {
+            let mut b = self.bucket.lock();
+            let now = Instant::now();
+            let burst = rate * 0.05;
+            b.0 = (b.0 + now.duration_since(b.1).as_secs_f64() * rate).min(burst);
+            b.1 = now;
+            b.0 -= bytes as f64;
+            if b.0 < 0.0 {
+                -b.0 / rate
+            } else {
+                0.0
+            }
+        };
+        if wait > 0.0 {
+            std::thread::sleep(Duration::from_secs_f64(wait));
+        }
+    }
+}
+
+/// How a job is started: run it, or tell it that a newer job with the same key replaced it
+/// while it was still waiting (a persist that fell behind is skipped, never queued forever).
+pub enum Start {
+    Run,
+    Superseded { by: String },
+}
+
+pub struct Job {
+    pub link: Arc<Link>,
+    pub priority: Priority,
+    pub size: u64,
+    pub label: String,
+    /// Jobs with the same key replace each other while queued.
+    pub supersede_key: Option<String>,
+    pub run: Box<dyn FnOnce(Start) + Send>,
+}
+
+struct Queued {
+    priority: Priority,
+    seq: u64,
+    job: Job,
+}
+
+impl PartialEq for Queued {
+    fn eq(&self, o: &Self) -> bool {
+        self.priority == o.priority && self.seq == o.seq
+    }
+}
+impl Eq for Queued {}
+impl PartialOrd for Queued {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Queued {
+    // BinaryHeap pops the greatest: the most urgent priority, then the oldest.
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        o.priority.cmp(&self.priority).then(o.seq.cmp(&self.seq))
+    }
+}
+
+#[derive(Default)]
+struct State {
+    queue: BinaryHeap<Queued>,
+    running: usize,
+    seq: u64,
+    shutdown: bool,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    wake: Condvar,
+    idle: Condvar,
+}
+
+pub struct Scheduler {
+    shared: Arc<Shared>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Scheduler {
+    pub fn new(threads: usize) -> Arc<Scheduler> {
+        let shared = Arc::new(Shared { state: Mutex::new(State::default()), wake: Condvar::new(), idle: Condvar::new() });
+        let workers = (0..threads.max(1))
+            .map(|i| {
+                let s = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("tiercel-io-{i}"))
+                    .spawn(move || worker(s))
+                    .expect("spawn scheduler worker")
+            })
+            .collect();
+        Arc::new(Scheduler { shared, workers: Mutex::new(workers) })
+    }
+
+    pub fn submit(&self, job: Job) {
+        let by = job.label.clone();
+        let mut superseded = vec![];
+        {
+            let mut st = self.shared.state.lock();
+            if let Some(key) = &job.supersede_key {
+                let old = std::mem::take(&mut st.queue);
+                for q in old.into_vec() {
+                    if q.job.supersede_key.as_ref() == Some(key) {
+                        superseded.push(q.job);
+                    } else {
+                        st.queue.push(q);
+                    }
+                }
+            }
+            st.seq += 1;
+            let seq = st.seq;
+            st.queue.push(Queued { priority: job.priority, seq, job });
+        }
+        self.shared.wake.notify_one();
+        for j in superseded {
+            (j.run)(Start::Superseded { by: by.clone() });
+        }
+    }
+
+    /// Blocks until no job is queued or running.
+    pub fn wait_idle(&self) {
+        let mut st = self.shared.state.lock();
+        while !st.queue.is_empty() || st.running > 0 {
+            self.shared.idle.wait(&mut st);
+        }
+    }
+
+    /// Number of jobs queued or running.
+    pub fn pending(&self) -> usize {
+        let st = self.shared.state.lock();
+        st.queue.len() + st.running
+    }
+
+    /// Finishes the queued jobs, then stops the workers.
+    pub fn shutdown(&self) {
+        self.wait_idle();
+        self.shared.state.lock().shutdown = true;
+        self.shared.wake.notify_all();
+        for w in self.workers.lock().drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+fn worker(s: Arc<Shared>) {
+    loop {
+        let job = {
+            let mut st = s.state.lock();
+            loop {
+                if let Some(q) = st.queue.pop() {
+                    st.running += 1;
+                    break q.job;
+                }
+                if st.shutdown {
+                    return;
+                }
+                s.wake.wait(&mut st);
+            }
+        };
+        // A panicking job must not take the worker (and every later job) down with it.
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (job.run)(Start::Run)));
+        let mut st = s.state.lock();
+        st.running -= 1;
+        if st.queue.is_empty() && st.running == 0 {
+            s.idle.notify_all();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    fn job(link: &Arc<Link>, p: Priority, key: Option<&str>, log: &Arc<Mutex<Vec<String>>>, label: &str) -> Job {
+        let log = log.clone();
+        let label2 = label.to_string();
+        Job {
+            link: link.clone(),
+            priority: p,
+            size: 0,
+            label: label.into(),
+            supersede_key: key.map(String::from),
+            run: Box::new(move |start| {
+                let tag = match start {
+                    Start::Run => label2,
+                    Start::Superseded { by } => format!("{label2} skipped for {by}"),
+                };
+                log.lock().push(tag);
+            }),
+        }
+    }
+
+    #[test]
+    fn priorities_and_supersede() {
+        let s = Scheduler::new(1);
+        let link = Link::new("l", None);
+        let log = Arc::new(Mutex::new(vec![]));
+        // Block the single worker so that the next submissions queue up.
+        let gate = Arc::new((Mutex::new(false), Condvar::new()));
+        let g = gate.clone();
+        s.submit(Job {
+            link: link.clone(),
+            priority: Priority::Persist,
+            size: 0,
+            label: "gate".into(),
+            supersede_key: None,
+            run: Box::new(move |_| {
+                let mut open = g.0.lock();
+                while !*open {
+                    g.1.wait(&mut open);
+                }
+            }),
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        s.submit(job(&link, Priority::Persist, Some("p"), &log, "persist-1"));
+        s.submit(job(&link, Priority::Replicate, None, &log, "replicate"));
+        s.submit(job(&link, Priority::Persist, Some("p"), &log, "persist-2"));
+        s.submit(job(&link, Priority::Restore, None, &log, "restore"));
+        *gate.0.lock() = true;
+        gate.1.notify_all();
+        s.wait_idle();
+        let got = log.lock().clone();
+        assert_eq!(got, vec!["persist-1 skipped for persist-2", "restore", "replicate", "persist-2"]);
+        s.shutdown();
+    }
+
+    #[test]
+    fn token_bucket_limits_rate() {
+        let link = Link::new("slow", Some(10_000_000)); // 10 MB/s
+        let t = Instant::now();
+        for _ in 0..10 {
+            link.acquire(500_000); // 5 MB in all: ~0.5 s
+        }
+        let dt = t.elapsed().as_secs_f64();
+        assert!(dt > 0.4 && dt < 1.5, "took {dt}");
+        let unlimited = Link::new("fast", None);
+        let t = Instant::now();
+        unlimited.acquire(1 << 40);
+        assert!(t.elapsed() < Duration::from_millis(10));
+    }
+
+    #[test]
+    fn panicking_job_does_not_kill_worker() {
+        let s = Scheduler::new(1);
+        let link = Link::new("l", None);
+        let n = Arc::new(AtomicUsize::new(0));
+        s.submit(Job { link: link.clone(), priority: Priority::Flush, size: 0, label: "boom".into(), supersede_key: None, run: Box::new(|_| panic!("boom")) });
+        let n2 = n.clone();
+        s.submit(Job { link, priority: Priority::Flush, size: 0, label: "ok".into(), supersede_key: None, run: Box::new(move |_| { n2.fetch_add(1, Ordering::SeqCst); }) });
+        s.wait_idle();
+        assert_eq!(n.load(Ordering::SeqCst), 1);
+        s.shutdown();
+    }
+}

@@ -1,0 +1,375 @@
+//! The Store end to end through its public API: save steps into the memory tier, let the
+//! background persist and evict them per policy, and restore them bit-identical from the
+//! fastest tier that has a valid copy.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use tempfile::TempDir;
+use tiercel_core::format;
+use tiercel_core::policy::Policy;
+use tiercel_core::store::{ItemData, ItemSpec, SaveHandle, StepReader, Store, TierState};
+use tiercel_core::tier::Tier;
+use tiercel_core::{ErrorKind, Result};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+// ---------------------------------------------------------------------------------------------
+// Fixtures
+// ---------------------------------------------------------------------------------------------
+
+/// Where one test's tiers live; removed when the test ends.
+struct Dirs {
+    shm: TempDir,
+    disk: TempDir,
+}
+
+impl Dirs {
+    fn new() -> Dirs {
+        Dirs {
+            shm: tempfile::Builder::new().prefix("tiercel-store-test-").tempdir_in("/dev/shm").unwrap(),
+            disk: tempfile::Builder::new().prefix("tiercel-store-test-").tempdir().unwrap(),
+        }
+    }
+    fn ram(&self) -> PathBuf {
+        self.shm.path().join("ram")
+    }
+    fn disk(&self) -> PathBuf {
+        self.disk.path().join("disk")
+    }
+    /// A policy of a memory tier "ram" (with `ram` settings) and, unless `disk` is None, an
+    /// fs tier "disk" (with `disk` settings), restored in that order.
+    fn policy(&self, ram: &str, disk: Option<&str>, store: &str) -> Policy {
+        let mut text = format!("[[tier]]\nname = \"ram\"\nkind = \"memory\"\nroot = {:?}\n{ram}\n", self.ram().display().to_string());
+        let mut order = vec!["\"ram\""];
+        if let Some(disk) = disk {
+            text += &format!("\n[[tier]]\nname = \"disk\"\nkind = \"fs\"\nurl = {:?}\n{disk}\n", self.disk().display().to_string());
+            order.push("\"disk\"");
+        }
+        text += &format!("\n[restore]\norder = [{}]\n\n[store]\nthreads = 2\nio_threads = 2\n{store}\n", order.join(", "));
+        Policy::from_toml(&text, "test.toml").unwrap_or_else(|e| panic!("{e}\n{text}"))
+    }
+}
+
+/// Deterministic noise (incompressible).
+fn noise(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+/// Smooth float32 values (compressible).
+fn floats(count: usize, seed: u64) -> Vec<u8> {
+    (0..count).flat_map(|i| ((i as f32 + seed as f32 * 10.0) * 0.001).sin().to_le_bytes()).collect()
+}
+
+/// One item to save: name, dtype, bytes.
+struct Item {
+    name: String,
+    dtype: &'static str,
+    bytes: Vec<u8>,
+}
+
+fn item(name: &str, dtype: &'static str, bytes: Vec<u8>) -> Item {
+    Item { name: name.into(), dtype, bytes }
+}
+
+/// Two puts per step ("model", "optim"): a multi-chunk float item (64 KiB chunks), a small
+/// one, random bytes over two chunks, and an empty one.
+fn step_items(step: u64) -> Vec<Vec<Item>> {
+    vec![
+        vec![item("model/w", "float32", floats(50_003, step)), item("model/b", "float32", noise(4096, step))],
+        vec![item("optim/m", "uint8", noise(100_000, step + 1000)), item("optim/empty", "uint8", vec![])],
+    ]
+}
+
+fn spec(it: &Item) -> ItemSpec {
+    let size = if it.dtype == "float32" { 4 } else { 1 };
+    ItemSpec {
+        name: it.name.clone(),
+        kind: "array".into(),
+        dtype: it.dtype.into(),
+        shape: vec![it.bytes.len() as u64 / size],
+        nbytes: it.bytes.len() as u64,
+        meta: json!({"framework": "test"}),
+    }
+}
+
+/// Saves `puts` as `step`: one part per put, copied from the items' memory.
+fn save(store: &Arc<Store>, step: u64, puts: &[Vec<Item>]) -> Result<Arc<SaveHandle>> {
+    let mut w = store.begin(step);
+    for (p, items) in puts.iter().enumerate() {
+        let tree = json!(items.iter().map(|i| i.name.clone()).collect::<Vec<_>>());
+        let (_, placed) = w.add_part(&format!("put{p}"), tree, items.iter().map(spec).collect())?;
+        let srcs: Vec<(usize, usize)> = placed.iter().zip(items).map(|(&(idx, _), it)| (idx, it.bytes.as_ptr() as usize)).collect();
+        // SAFETY: the items outlive the call and nothing writes to them meanwhile.
+        unsafe { w.copy_items(&srcs)? };
+    }
+    w.commit()
+}
+
+/// Saves and waits until every tier is final.
+fn save_wait(store: &Arc<Store>, step: u64, puts: &[Vec<Item>]) -> Arc<SaveHandle> {
+    let h = save(store, step, puts).unwrap_or_else(|e| panic!("save step {step}: {e}"));
+    assert!(h.wait(Some(WAIT)), "step {step} not done: {:?}", h.states());
+    h
+}
+
+fn state(h: &SaveHandle, tier: &str) -> TierState {
+    h.states().into_iter().find(|(n, _)| n == tier).unwrap().1
+}
+
+/// Restores every item of `step` (rank 0) and checks it against `puts`. Returns, per item
+/// name, the tier label and whether it came back as a zero-copy view.
+fn restore_check(store: &Arc<Store>, step: u64, tiers: Option<&[String]>, puts: &[Vec<Item>]) -> Vec<(String, String, bool)> {
+    let reader = StepReader::open(store, step, 0, tiers).unwrap_or_else(|e| panic!("open step {step}: {e}"));
+    let m = reader.manifest().clone();
+    let want: Vec<&Item> = puts.iter().flatten().collect();
+    assert_eq!(m.items.len(), want.len());
+    let idx: Vec<usize> = (0..m.items.len()).collect();
+    let got = reader.read_items(&idx).unwrap_or_else(|e| panic!("read step {step}: {e}"));
+    let mut out = vec![];
+    for (i, (data, label)) in got.iter().enumerate() {
+        let it = want.iter().find(|w| w.name == m.items[i].name).unwrap();
+        assert_eq!(m.items[i].dtype, it.dtype);
+        assert!(data.bytes() == &it.bytes[..], "step {step} item {} (from {label}) differs", it.name);
+        out.push((it.name.clone(), label.clone(), matches!(data, ItemData::View { .. })));
+    }
+    out
+}
+
+fn steps_of(store: &Store) -> Vec<(String, Vec<u64>)> {
+    store.steps().unwrap()
+}
+
+fn files_under(p: &Path) -> Vec<PathBuf> {
+    let mut out = vec![];
+    if let Ok(rd) = std::fs::read_dir(p) {
+        for e in rd.flatten() {
+            if e.path().is_dir() {
+                out.extend(files_under(&e.path()));
+            } else {
+                out.push(e.path());
+            }
+        }
+    }
+    out
+}
+
+/// Flips one byte of a stored file in place (the memory tier's segment keeps its inode).
+fn flip_byte(path: &Path, offset: u64) {
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, offset).unwrap();
+    b[0] ^= 0x40;
+    f.write_all_at(&b, offset).unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn keep_and_every_then_restore_each_step() {
+    let dirs = Dirs::new();
+    let policy = dirs.policy("keep = 2", Some("every = 2\ncompression = \"zstd:3\""), "chunk_size = \"64KiB\"");
+    let store = Store::open(policy, 0, 1).unwrap();
+    let data: Vec<_> = (1..=5).map(step_items).collect();
+    for step in 1..=5u64 {
+        let h = save_wait(&store, step, &data[step as usize - 1]);
+        assert_eq!(state(&h, "ram"), TierState::Done);
+        let disk = if step % 2 == 0 { TierState::Done } else { TierState::NotScheduled };
+        assert_eq!(state(&h, "disk"), disk, "step {step}");
+    }
+    store.flush();
+    assert_eq!(steps_of(&store), vec![("ram".to_string(), vec![4, 5]), ("disk".to_string(), vec![2, 4])]);
+    assert_eq!(store.restorable_steps(), vec![2, 4, 5]);
+
+    // The multi-chunk item is chunked at 64 KiB and compressed on disk.
+    let m = store.slot("disk").unwrap().tier.read_manifest(4, 0).unwrap();
+    let w = &m.items[m.item_index("model/w").unwrap()];
+    assert_eq!(w.chunks.len(), 4);
+    assert!(w.chunks.iter().any(|c| c.codec == "zstd"), "{:?}", w.chunks);
+
+    for step in [4, 5] {
+        for (name, label, view) in restore_check(&store, step, None, &data[step as usize - 1]) {
+            assert_eq!(label, "ram", "step {step} item {name}");
+            assert!(view || name == "optim/empty", "step {step} item {name} is not a zero-copy view");
+        }
+    }
+    for (name, label, view) in restore_check(&store, 2, None, &data[1]) {
+        assert_eq!(label, "disk", "step 2 item {name}");
+        assert!(!view);
+    }
+    // Step 4 restores from disk alone too.
+    for (_, label, _) in restore_check(&store, 4, Some(&["disk".to_string()]), &data[3]) {
+        assert_eq!(label, "disk");
+    }
+    for step in [1, 3, 6] {
+        let e = StepReader::open(&store, step, 0, None).err().expect("step should not be restorable");
+        assert_eq!(e.kind, ErrorKind::NotFound, "{}", e.message);
+        assert!(e.message.contains(&format!("step {step}")), "{}", e.message);
+    }
+    store.close();
+}
+
+#[test]
+fn corrupt_ram_copy_falls_back_to_disk() {
+    let dirs = Dirs::new();
+    let policy = dirs.policy("keep = 2", Some("every = 2\ncompression = \"zstd:3\""), "chunk_size = \"64KiB\"");
+    let store = Store::open(policy, 0, 1).unwrap();
+    let data: Vec<_> = (1..=4).map(step_items).collect();
+    for step in 1..=4u64 {
+        save_wait(&store, step, &data[step as usize - 1]);
+    }
+    store.flush();
+
+    // Damage chunk 1 of model/w in the ram copy of step 4.
+    let ram = store.memory();
+    let m = ram.read_manifest(4, 0).unwrap();
+    let c = &m.items[m.item_index("model/w").unwrap()].chunks[1];
+    let path = dirs.ram().join(format::step_dir(4)).join(&m.objects[c.object as usize].name);
+    assert_eq!(path.file_name().unwrap(), "rank-00000.part-000.data");
+    flip_byte(&path, c.stored_offset + 1000);
+
+    let reader = StepReader::open(&store, 4, 0, None).unwrap();
+    assert_eq!(reader.tiers(), vec!["ram", "disk"]);
+    let w = reader.manifest().item_index("model/w").unwrap();
+    let got = restore_check(&store, 4, None, &data[3]);
+    for (name, label, view) in &got {
+        if name == "model/w" {
+            assert!(label == "ram+disk" || label == "disk", "model/w came from {label}");
+            assert!(!view);
+        } else {
+            assert_eq!(label, "ram", "{name}");
+        }
+    }
+    let (bytes, _) = reader.read_items(&[w]).unwrap().remove(0);
+    assert!(bytes.bytes() == &data[3][0][0].bytes[..]);
+    let warnings = reader.warnings.lock().clone();
+    assert!(warnings.iter().any(|w| w.contains("model/w") && w.contains("tier 'ram'")), "{warnings:?}");
+
+    // With ram alone there is nothing to fall back to.
+    let only_ram = ["ram".to_string()];
+    let reader = StepReader::open(&store, 4, 0, Some(&only_ram)).unwrap();
+    let e = reader.read_items(&[w]).err().expect("corrupt chunk must not restore");
+    assert_eq!(e.kind, ErrorKind::Integrity, "{}", e.message);
+    for want in ["tier 'ram'", "step 4", "rank 0", "'model/w'", "chunk 1"] {
+        assert!(e.message.contains(want), "message lacks {want:?}: {}", e.message);
+    }
+    // The other items of the step are fine.
+    let b = reader.manifest().item_index("optim/m").unwrap();
+    assert!(reader.read_items(&[b]).unwrap()[0].0.bytes() == &data[3][1][0].bytes[..]);
+    store.close();
+}
+
+#[test]
+fn capacity_evicts_old_steps_and_refuses_what_cannot_fit() {
+    let dirs = Dirs::new();
+    // A step is 256 KiB of data plus a manifest and a commit record (a page each).
+    let step_puts = |step: u64| vec![vec![item("a", "uint8", noise(192 << 10, step)), item("b", "float32", floats(16 << 10, step))]];
+    let policy = dirs.policy("keep = 100\ncapacity = \"680KiB\"", None, "chunk_size = \"64KiB\"");
+    let cap = policy.memory_tier().capacity.unwrap();
+    let store = Store::open(policy, 0, 1).unwrap();
+    for step in 1..=6u64 {
+        let h = save_wait(&store, step, &step_puts(step));
+        assert_eq!(state(&h, "ram"), TierState::Done);
+        store.flush();
+        let used = store.memory().used_bytes().unwrap();
+        assert!(used <= cap, "step {step}: {used} bytes used of {cap}");
+        let ram = store.memory().committed_steps().unwrap();
+        assert_eq!(ram.last(), Some(&step));
+        assert!(ram.len() <= 2, "step {step}: ram holds {ram:?}");
+        for s in ram {
+            restore_check(&store, s, None, &step_puts(s));
+        }
+    }
+    let before = store.memory().committed_steps().unwrap();
+    assert_eq!(before.last(), Some(&6));
+
+    // A step bigger than the whole tier.
+    let big = vec![vec![item("huge", "uint8", noise(1 << 20, 7))]];
+    let e = save(&store, 7, &big).err().expect("a step larger than capacity must fail");
+    assert_eq!(e.kind, ErrorKind::Capacity, "{}", e.message);
+    for want in ["tier 'ram'", "step 7", "capacity"] {
+        assert!(e.message.contains(want), "message lacks {want:?}: {}", e.message);
+    }
+    store.flush();
+    let after = store.memory().committed_steps().unwrap();
+    assert!(after.contains(&6), "the newest committed step was evicted: {after:?}");
+    for s in &after {
+        restore_check(&store, *s, None, &step_puts(*s));
+    }
+    assert!(!store.memory().all_steps().unwrap().contains(&7));
+    assert!(!dirs.ram().join(format::step_dir(7)).exists() || files_under(&dirs.ram().join(format::step_dir(7))).is_empty());
+
+    // And saving goes on.
+    save_wait(&store, 8, &step_puts(8));
+    restore_check(&store, 8, None, &step_puts(8));
+    store.close();
+}
+
+#[test]
+fn dropped_writer_leaves_nothing() {
+    let dirs = Dirs::new();
+    let policy = dirs.policy("keep = 5", Some("compression = \"zstd:3\""), "chunk_size = \"64KiB\"");
+    let store = Store::open(policy, 0, 1).unwrap();
+    let data: Vec<_> = (1..=3).map(step_items).collect();
+    save_wait(&store, 1, &data[0]);
+    save_wait(&store, 2, &data[1]);
+    store.flush();
+    let before = steps_of(&store);
+
+    {
+        let puts = &data[2];
+        let mut w = store.begin(3);
+        let (_, placed) = w.add_part("put0", json!([]), puts[0].iter().map(spec).collect()).unwrap();
+        let srcs: Vec<(usize, usize)> = placed.iter().zip(&puts[0]).map(|(&(i, _), it)| (i, it.bytes.as_ptr() as usize)).collect();
+        unsafe { w.copy_items(&srcs).unwrap() };
+        w.add_part("put1", json!([]), puts[1].iter().map(spec).collect()).unwrap();
+        assert!(!files_under(&dirs.ram().join(format::step_dir(3))).is_empty(), "the writer allocated nothing");
+        // Dropped here without commit, as when the training step raises.
+    }
+    store.flush();
+    let leftovers = files_under(&dirs.ram().join(format::step_dir(3)));
+    assert!(leftovers.is_empty(), "the dropped step left {leftovers:?}");
+    assert!(files_under(&dirs.disk().join(format::step_dir(3))).is_empty());
+    assert_eq!(steps_of(&store), before);
+    restore_check(&store, 1, None, &data[0]);
+    restore_check(&store, 2, None, &data[1]);
+    assert!(StepReader::open(&store, 3, 0, None).is_err());
+
+    // The same step can be saved again afterwards.
+    let h = save_wait(&store, 3, &data[2]);
+    assert_eq!(h.states().iter().filter(|(_, s)| *s == TierState::Done).count(), 2);
+    store.flush();
+    restore_check(&store, 3, None, &data[2]);
+    restore_check(&store, 3, Some(&["disk".to_string()]), &data[2]);
+    store.close();
+}
+
+#[test]
+fn bandwidth_limits_persistence() {
+    let dirs = Dirs::new();
+    let policy = dirs.policy("", Some("bandwidth = \"20MB/s\"\ncompression = \"none\""), "chunk_size = \"1MiB\"");
+    assert_eq!(policy.tier("disk").unwrap().bandwidth, Some(20_000_000));
+    let store = Store::open(policy, 0, 1).unwrap();
+    let puts = vec![vec![item("big", "uint8", (0..10_000_000u32).map(|i| (i ^ (i >> 11)) as u8).collect())]];
+    let h = save_wait(&store, 1, &puts);
+    let took = h.elapsed().as_secs_f64();
+    // 10 MB at 20 MB/s is 0.5 s, less the 50 ms burst the bucket allows.
+    assert!(took >= 0.4, "10 MB persisted in {took:.3} s despite a 20 MB/s limit");
+    assert!(took < 10.0, "persisting 10 MB took {took:.3} s");
+    assert_eq!(state(&h, "disk"), TierState::Done);
+    restore_check(&store, 1, Some(&["disk".to_string()]), &puts);
+    store.close();
+}
