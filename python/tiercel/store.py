@@ -106,7 +106,7 @@ class Writer:
         if direct:
             self._core.copy_items(direct)
         if framework_copied:
-            self._core.checksum_items(framework_copied)
+            self._core.mark_written(framework_copied)
         del keep_alive
 
     def commit(self) -> SaveHandle:

@@ -256,159 +256,169 @@ impl StepWriter {
         self.parts.get(part).cloned().ok_or_else(|| Error::invalid(format!("no part {part} in step {}", self.step())))
     }
 
-    /// Copies items from contiguous host memory into their segment and checksums each chunk
-    /// while it is hot in cache, on the copy threads. `srcs`: (item index, source address).
+    /// Copies items from contiguous host memory into their segment on the copy threads.
+    /// `srcs`: (item index, source address). Checksums are computed later, in the
+    /// background: fusing them into the copy measured no faster than a second pass, and the
+    /// copy is the only part of a save that blocks training.
     ///
     /// # Safety
     /// Each source address must point to `nbytes` readable bytes of that item that stay
     /// alive and unchanged until this returns.
     pub unsafe fn copy_items(&mut self, srcs: &[(usize, usize)]) -> Result<()> {
-        self.run_chunks(srcs.iter().map(|&(i, p)| (i, Some(SendPtr(p as *const u8)))).collect())
-    }
-
-    /// Checksums items that the caller wrote into the segment itself (device tensors,
-    /// non-contiguous arrays).
-    pub fn checksum_items(&mut self, items: &[usize]) -> Result<()> {
-        self.run_chunks(items.iter().map(|&i| (i, None)).collect())
-    }
-
-    fn run_chunks(&mut self, work: Vec<(usize, Option<SendPtr>)>) -> Result<()> {
-        for &(i, _) in &work {
+        for &(i, _) in srcs {
             if i >= self.manifest.items.len() {
                 return Err(Error::invalid(format!("no item {i} in step {}", self.step())));
             }
         }
-        // Sub-blocks small enough to stay in L2 between the copy and the checksum.
-        const BLOCK: usize = 256 << 10;
-        let tasks: Vec<(usize, usize, Option<SendPtr>, SendPtr, usize)> = work
+        let tasks: Vec<(SendPtr, SendPtr, usize)> = srcs
             .iter()
             .flat_map(|&(i, src)| {
                 let it = &self.manifest.items[i];
-                let seg = &self.parts[it.chunks.first().map(|c| c.object as usize).unwrap_or(0)];
-                it.chunks.iter().enumerate().map(move |(c, ch)| {
-                    let dst = SendPtr(unsafe { seg.ptr().add(ch.stored_offset as usize) });
-                    let src = src.map(|p| SendPtr(unsafe { p.0.add(ch.offset as usize) }));
-                    (i, c, src, dst, ch.len as usize)
+                let parts = &self.parts;
+                it.chunks.iter().map(move |ch| {
+                    let dst = unsafe { parts[ch.object as usize].ptr().add(ch.stored_offset as usize) };
+                    (SendPtr(unsafe { (src as *const u8).add(ch.offset as usize) }), SendPtr(dst), ch.len as usize)
                 })
             })
             .collect();
-        let crcs: Vec<u32> = self.store.copy_pool.install(|| {
-            tasks
-                .par_iter()
-                .map(|&(_, _, src, dst, len)| {
-                    let mut crc = 0u32;
-                    let mut off = 0;
-                    while off < len {
-                        let n = BLOCK.min(len - off);
-                        let d = unsafe { std::slice::from_raw_parts_mut((dst.0 as *mut u8).add(off), n) };
-                        if let Some(s) = src {
-                            d.copy_from_slice(unsafe { std::slice::from_raw_parts(s.0.add(off), n) });
-                        }
-                        crc = crc32c::crc32c_append(crc, d);
-                        off += n;
-                    }
-                    crc
-                })
-                .collect()
+        self.store.copy_pool.install(|| {
+            tasks.par_iter().for_each(|&(src, dst, len)| unsafe {
+                std::ptr::copy_nonoverlapping(src.0, dst.0 as *mut u8, len);
+            })
         });
-        for (&(i, c, ..), crc) in tasks.iter().zip(crcs) {
-            self.manifest.items[i].chunks[c].crc32c = crc;
-        }
-        for &(i, _) in &work {
+        for &(i, _) in srcs {
             self.filled[i] = true;
         }
         Ok(())
     }
 
-    /// Ends the blocking part: publishes this rank's manifest on the memory tier (and commits
-    /// the step there if every rank has), then hands persistence and eviction to the
-    /// background. The returned handle tells what is done where.
+    /// Marks items the caller wrote into the segment itself (device tensors, non-contiguous
+    /// arrays copied by their framework).
+    pub fn mark_written(&mut self, items: &[usize]) -> Result<()> {
+        for &i in items {
+            let step = self.manifest.step;
+            *self.filled.get_mut(i).ok_or_else(|| Error::invalid(format!("no item {i} in step {step}")))? = true;
+        }
+        Ok(())
+    }
+
+    /// Ends the blocking part. In the background, in order: checksum every chunk, publish
+    /// this rank's manifest on the memory tier (committing the step there once every rank
+    /// has), persist to the tiers whose `every` selects this step, evict beyond `keep`, and
+    /// pre-fault segments for the next step. The returned handle tells what is done where.
     pub fn commit(mut self) -> Result<Arc<SaveHandle>> {
         if let Some(i) = self.filled.iter().position(|f| !f) {
-            return Err(Error::invalid(format!("step {}: item '{}' was laid out but never written", self.step(), self.manifest.items[i].name)));
+            return Err(Error::invalid(format!(
+                "step {}: item '{}' was laid out but never written",
+                self.step(),
+                self.manifest.items[i].name
+            )));
         }
         self.finished = true;
         let store = self.store.clone();
-        let manifest = Arc::new(std::mem::take(&mut self.manifest));
+        let manifest = std::mem::take(&mut self.manifest);
         let parts = std::mem::take(&mut self.parts);
-        let step = manifest.step;
-        store.memory.publish(&manifest)?;
-        let handle = SaveHandle::new(step, &store.slots);
-        let mem_name = store.memory_name();
-        match store.memory.try_commit(step, store.world_size) {
-            Ok(committed) => handle.set(&mem_name, if committed { TierState::Done } else { TierState::Written }),
-            Err(e) => handle.set(&mem_name, TierState::Failed(e.message)),
-        }
-        // Eviction and pre-faulting of the next step's segments, off the critical path.
-        {
-            let store2 = store.clone();
-            let sizes: Vec<u64> = parts.iter().map(|p| p.len() as u64).collect();
-            let mem_slot = &store.slots[0];
-            store.scheduler.submit(Job {
-                link: mem_slot.link.clone(),
-                priority: Priority::Flush,
-                size: 0,
-                label: format!("step {step}: retain+prefault {}", mem_name),
-                supersede_key: None,
-                run: Box::new(move |start| {
-                    if let Start::Run = start {
-                        let slot = &store2.slots[0];
-                        if let Err(e) = store2.retain(slot) {
-                            log::warn!("tier '{}': retention after step {step} failed: {e}", slot.config.name);
-                        }
-                        if let Err(e) = store2.memory.prefault(&sizes) {
-                            log::warn!("tier '{}': pre-faulting for the next step failed: {e}", slot.config.name);
-                        }
-                    }
-                }),
-            });
-        }
-        for (idx, slot) in store.slots.iter().enumerate() {
-            if slot.config.kind == TierKind::Memory {
-                continue;
-            }
-            if step % slot.config.every != 0 {
-                handle.set(&slot.config.name, TierState::NotScheduled);
-                continue;
-            }
-            let (store2, handle2, manifest2, parts2) = (store.clone(), handle.clone(), manifest.clone(), parts.clone());
-            let name = slot.config.name.clone();
-            store.scheduler.submit(Job {
-                link: slot.link.clone(),
-                priority: Priority::Persist,
-                size: manifest.total_bytes(),
-                label: format!("step {step}"),
-                supersede_key: Some(format!("persist:{name}")),
-                run: Box::new(move |start| {
-                    if let Start::Superseded { by } = start {
-                        handle2.set(&name, TierState::Skipped(format!("a newer save ({by}) replaced it while it waited")));
-                        return;
-                    }
-                    handle2.set(&name, TierState::Running);
-                    let slot = &store2.slots[idx];
-                    let src = SegmentSource { manifest: &manifest2, segments: &parts2 };
-                    let res = slot
-                        .tier
-                        .write_rank(&manifest2, &src, &slot.link)
-                        .and_then(|_| slot.tier.try_commit(step, store2.world_size));
-                    drop(parts2);
-                    match res {
-                        Ok(committed) => {
-                            handle2.set(&name, if committed { TierState::Done } else { TierState::Written });
-                            if let Err(e) = store2.retain(slot) {
-                                log::warn!("tier '{name}': retention after step {step} failed: {e}");
-                            }
-                        }
-                        Err(e) => {
-                            let e = e.context(format!("persisting step {step} of rank {} to tier '{name}'", store2.rank));
-                            log::error!("{e}");
-                            handle2.set(&name, TierState::Failed(e.message));
-                        }
-                    }
-                }),
-            });
-        }
+        let handle = SaveHandle::new(manifest.step, &store.slots);
+        let (store2, handle2) = (store.clone(), handle.clone());
+        store.scheduler.submit(Job {
+            link: store.slots[0].link.clone(),
+            priority: Priority::Flush,
+            size: manifest.total_bytes(),
+            label: format!("step {}", manifest.step),
+            supersede_key: None,
+            run: Box::new(move |_| flush_step(store2, handle2, manifest, parts)),
+        });
         Ok(handle)
+    }
+}
+
+/// The background half of a save (see `StepWriter::commit`).
+fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest, parts: Vec<Arc<Segment>>) {
+    let step = manifest.step;
+    let mem = &store.slots[0];
+    let mem_name = mem.config.name.clone();
+    handle.set(&mem_name, TierState::Running);
+    let work: Vec<(usize, usize)> = manifest
+        .items
+        .iter()
+        .enumerate()
+        .flat_map(|(i, it)| (0..it.chunks.len()).map(move |c| (i, c)))
+        .collect();
+    let crcs: Vec<u32> = store.copy_pool.install(|| {
+        work.par_iter()
+            .map(|&(i, c)| {
+                let ch = &manifest.items[i].chunks[c];
+                let start = ch.stored_offset as usize;
+                crc32c::crc32c(&parts[ch.object as usize].bytes()[start..start + ch.len as usize])
+            })
+            .collect()
+    });
+    for (&(i, c), crc) in work.iter().zip(crcs) {
+        manifest.items[i].chunks[c].crc32c = crc;
+    }
+    let res = store.memory.publish(&manifest).and_then(|_| store.memory.try_commit(step, store.world_size));
+    match res {
+        Ok(committed) => handle.set(&mem_name, if committed { TierState::Done } else { TierState::Written }),
+        Err(e) => {
+            let e = e.context(format!("step {step} rank {}", store.rank));
+            log::error!("{e}");
+            handle.set(&mem_name, TierState::Failed(e.message.clone()));
+            for slot in &store.slots[1..] {
+                handle.set(&slot.config.name, TierState::Skipped(format!("the memory tier failed: {}", e.message)));
+            }
+            return;
+        }
+    }
+    let manifest = Arc::new(manifest);
+    for (idx, slot) in store.slots.iter().enumerate().skip(1) {
+        if step % slot.config.every != 0 {
+            handle.set(&slot.config.name, TierState::NotScheduled);
+            continue;
+        }
+        let (store2, handle2, manifest2, parts2) = (store.clone(), handle.clone(), manifest.clone(), parts.clone());
+        let name = slot.config.name.clone();
+        store.scheduler.submit(Job {
+            link: slot.link.clone(),
+            priority: Priority::Persist,
+            size: manifest.total_bytes(),
+            label: format!("step {step}"),
+            supersede_key: Some(format!("persist:{name}")),
+            run: Box::new(move |start| {
+                if let Start::Superseded { by } = start {
+                    handle2.set(&name, TierState::Skipped(format!("a newer save ({by}) replaced it while it waited")));
+                    return;
+                }
+                handle2.set(&name, TierState::Running);
+                let slot = &store2.slots[idx];
+                let src = SegmentSource { manifest: &manifest2, segments: &parts2 };
+                let res = slot
+                    .tier
+                    .write_rank(&manifest2, &src, &slot.link)
+                    .and_then(|_| slot.tier.try_commit(step, store2.world_size));
+                drop(parts2);
+                match res {
+                    Ok(committed) => {
+                        handle2.set(&name, if committed { TierState::Done } else { TierState::Written });
+                        if let Err(e) = store2.retain(slot) {
+                            log::warn!("tier '{name}': retention after step {step} failed: {e}");
+                        }
+                    }
+                    Err(e) => {
+                        let e = e.context(format!("persisting step {step} of rank {} to tier '{name}'", store2.rank));
+                        log::error!("{e}");
+                        handle2.set(&name, TierState::Failed(e.message));
+                    }
+                }
+            }),
+        });
+    }
+    let sizes: Vec<u64> = parts.iter().map(|p| p.len() as u64).collect();
+    drop(parts);
+    if let Err(e) = store.retain(mem) {
+        log::warn!("tier '{mem_name}': retention after step {step} failed: {e}");
+    }
+    if let Err(e) = store.memory.prefault(&sizes) {
+        log::warn!("tier '{mem_name}': pre-faulting for the next step failed: {e}");
     }
 }
 

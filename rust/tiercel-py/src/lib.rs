@@ -295,9 +295,9 @@ impl StepWriter {
         py.allow_threads(|| self.with(|w| unsafe { w.copy_items(&srcs) }))
     }
 
-    /// Checksums items the caller wrote into the segment itself.
-    fn checksum_items(&self, py: Python<'_>, items: Vec<usize>) -> PyResult<()> {
-        py.allow_threads(|| self.with(|w| w.checksum_items(&items)))
+    /// Marks items the caller wrote into the segment itself (device tensors, strided arrays).
+    fn mark_written(&self, items: Vec<usize>) -> PyResult<()> {
+        self.with(|w| w.mark_written(&items))
     }
 
     /// The manifest as laid out so far (JSON).

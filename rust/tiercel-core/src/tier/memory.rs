@@ -309,12 +309,18 @@ impl MemoryTier {
         let path = self.root.join(format::step_dir(step)).join(object);
         let f = File::open(&path).map_err(|e| Error::io(&self.name, &path, e))?;
         let meta = f.metadata().map_err(|e| Error::io(&self.name, &path, e))?;
+        // Not MAP_POPULATE: on a private writable mapping it pre-faults for writing, which
+        // copies every page. MADV_POPULATE_READ maps the shared pages without copying.
         let view = if meta.len() == 0 {
             MmapMut::map_anon(0)
         } else {
-            unsafe { MmapOptions::new().populate().map_copy(&f) }
+            unsafe { MmapOptions::new().map_copy(&f) }
         }
         .map_err(|e| Error::io(&self.name, &path, e))?;
+        if !view.is_empty() {
+            const MADV_POPULATE_READ: libc::c_int = 22; // Linux 5.14+; older kernels refuse, harmlessly
+            unsafe { libc::madvise(view.as_ptr() as *mut libc::c_void, view.len(), MADV_POPULATE_READ) };
+        }
         let view = Arc::new(view);
         let mut views = self.views.lock();
         views.retain(|_, w| w.strong_count() > 0);
