@@ -9,6 +9,7 @@ are pickled into a byte item (DeepSpeed puts argparse namespaces and enums in it
 from __future__ import annotations
 
 import pickle
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,10 +17,11 @@ import numpy as np
 
 from . import _dtypes
 
-try:  # torch is optional: numpy-only users never import it
-    import torch
-except ImportError:  # pragma: no cover - exercised only without torch
-    torch = None
+
+def _torch() -> Any:
+    """torch if this process has imported it: a value can only be a tensor then, and a
+    numpy-only job (or the CLI) never pays for importing torch."""
+    return sys.modules.get("torch")
 
 
 @dataclass
@@ -86,6 +88,13 @@ class Flattener:
         return {"t": "item", "i": len(self.leaves) - 1}
 
     def node(self, v: Any, path: list[str]) -> dict:
+        # numpy scalars first: np.float64 and np.str_ subclass float and str, and would come
+        # back as plain Python values.
+        if isinstance(v, np.generic):
+            leaf = self._array(v, path)
+            if leaf is not None:
+                return self._leaf(leaf)
+            return self._pickled(v, path)
         s = _scalar(v)
         if s is not None:
             return s
@@ -100,6 +109,7 @@ class Flattener:
         if isinstance(v, (list, tuple)):
             kind = "list" if isinstance(v, list) else "tuple"
             return {"t": kind, "v": [self.node(x, [*path, str(i)]) for i, x in enumerate(v)]}
+        torch = _torch()
         if torch is not None and isinstance(v, torch.Tensor):
             return self._leaf(self._tensor(v, path))
         if isinstance(v, np.ndarray) or isinstance(v, np.generic):
@@ -109,6 +119,9 @@ class Flattener:
         if isinstance(v, (bytes, bytearray, memoryview)):
             mv = memoryview(v).cast("B")
             return self._leaf(Leaf(self._name(path), "bytes", "uint8", (mv.nbytes,), mv.nbytes, {"type": type(v).__name__}, mv))
+        return self._pickled(v, path)
+
+    def _pickled(self, v: Any, path: list[str]) -> dict:
         data = pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)
         return self._leaf(Leaf(self._name(path), "bytes", "uint8", (len(data),), len(data), {"type": "pickle", "class": type(v).__qualname__}, data))
 
@@ -129,7 +142,7 @@ class Flattener:
 
     def _tensor(self, t: Any, path: list[str]) -> Leaf:
         name = self._name(path)
-        if t.is_sparse or t.layout != torch.strided:
+        if t.is_sparse or t.layout != _torch().strided:
             raise TypeError(f"item '{name}': {t.layout} tensors are not supported; convert with .to_dense()")
         if t.device.type == "meta":
             raise TypeError(f"item '{name}' is a tensor on device 'meta', which holds no data to save")
@@ -138,7 +151,14 @@ class Flattener:
         meta = {"framework": "torch", "device": str(t.device)}
         if t.requires_grad:
             meta["requires_grad"] = True
-        return Leaf(name, "array", _dtypes.torch_name(t.dtype), tuple(t.shape), t.numel() * t.element_size(), meta, t.detach())
+        data = t.detach()
+        # A lazily conjugated or negated view (`z.conj()`, `x._neg_view()`) shares its data
+        # with the original and only carries a flag: its bytes are not its values.
+        if data.is_conj():
+            data = data.resolve_conj()
+        if data.is_neg():
+            data = data.resolve_neg()
+        return Leaf(name, "array", _dtypes.torch_name(t.dtype), tuple(t.shape), t.numel() * t.element_size(), meta, data)
 
 
 def flatten(prefix: str, value: Any) -> tuple[dict, list[Leaf]]:

@@ -6,7 +6,10 @@ can restore and takes the newest step all of them can; that takes one all-gather
 
 from __future__ import annotations
 
+import base64
 import os
+import pickle
+import sys
 from typing import Any, Protocol
 
 
@@ -47,16 +50,66 @@ class TorchCoordinator:
         return out
 
 
+class KVStoreCoordinator:
+    """Any torch.distributed Store (TCPStore, FileStore): set/get by key, usable without a
+    process group, as tools and tests do. `get` blocks until the key exists."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, prefix: str = "tiercel"):
+        self._store = store
+        self.rank = rank
+        self.world_size = world_size
+        self._prefix = prefix
+        self._round = 0
+
+    def all_gather(self, value: Any) -> list[Any]:
+        self._round += 1
+        key = f"{self._prefix}/{self._round}"
+        self._store.set(f"{key}/{self.rank}", pickle.dumps(value))
+        return [pickle.loads(self._store.get(f"{key}/{r}")) for r in range(self.world_size)]
+
+
+class JaxCoordinator:
+    """JAX's distributed client (after `jax.distributed.initialize`): its key-value store."""
+
+    def __init__(self, timeout_s: float = 300.0) -> None:
+        import jax
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        if client is None:
+            raise RuntimeError("jax.distributed is not initialized; call jax.distributed.initialize first")
+        self._client = client
+        self.rank = jax.process_index()
+        self.world_size = jax.process_count()
+        self._timeout_ms = int(timeout_s * 1000)
+        self._round = 0
+
+    def all_gather(self, value: Any) -> list[Any]:
+        self._round += 1
+        key = f"tiercel/{self._round}"
+        self._client.key_value_set(f"{key}/{self.rank}", base64.b64encode(pickle.dumps(value)).decode())
+        return [
+            pickle.loads(base64.b64decode(self._client.blocking_key_value_get(f"{key}/{r}", self._timeout_ms)))
+            for r in range(self.world_size)
+        ]
+
+
+def _jax_initialized() -> bool:
+    jax_dist = sys.modules.get("jax._src.distributed")
+    return jax_dist is not None and getattr(jax_dist.global_state, "client", None) is not None
+
+
 def default_coordinator(rank: int | None, world_size: int | None) -> tuple[Coordinator | None, int, int]:
     """The coordinator of the engine in use, and this process's rank and world size.
 
-    Order: torch.distributed if initialized; else RANK/WORLD_SIZE from the environment (as
+    Order: torch.distributed if initialized; JAX's distributed client if initialized; else
+    RANK/WORLD_SIZE from the environment (as
     torchrun sets them) with no coordinator (restores must then name their step); else a
     single process.
     """
-    try:
-        import torch.distributed as dist
-
+    torch_dist = sys.modules.get("torch.distributed")  # only if the job already uses torch
+    if torch_dist is not None:
+        dist = torch_dist
         if dist.is_available() and dist.is_initialized():
             c = TorchCoordinator()
             if rank is not None and rank != c.rank or world_size is not None and world_size != c.world_size:
@@ -65,8 +118,9 @@ def default_coordinator(rank: int | None, world_size: int | None) -> tuple[Coord
                     f"(rank {c.rank} of {c.world_size})"
                 )
             return c, c.rank, c.world_size
-    except ImportError:
-        pass
+    if _jax_initialized():
+        c = JaxCoordinator()
+        return c, c.rank, c.world_size
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
     if world_size is None:

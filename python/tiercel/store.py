@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import secrets
+import socket
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -19,13 +21,9 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from . import _core, _dtypes
-from ._tree import Leaf, flatten, tree_items, unflatten
+from ._tree import Leaf, _torch, flatten, tree_items, unflatten
 from .coordinator import Coordinator, default_coordinator
 
-try:
-    import torch
-except ImportError:  # pragma: no cover
-    torch = None
 
 PolicyLike = str | os.PathLike | Mapping[str, Any]
 
@@ -130,6 +128,7 @@ class Writer:
 def _host_address(leaf: Leaf) -> tuple[int, Any] | None:
     """(address, owner) of a leaf's bytes when they are contiguous in host memory."""
     obj = leaf.obj
+    torch = _torch()
     if torch is not None and isinstance(obj, torch.Tensor):
         if obj.device.type == "cpu" and obj.is_contiguous():
             return obj.data_ptr(), obj
@@ -152,6 +151,7 @@ def _copy_into(segment: _core.Buffer, offset: int, leaf: Leaf) -> None:
     """One copy by the framework straight into shared memory: device tensors (a single
     device-to-host transfer) and non-contiguous arrays."""
     obj = leaf.obj
+    torch = _torch()
     if torch is not None and isinstance(obj, torch.Tensor):
         dst = torch.frombuffer(segment, dtype=torch.uint8, count=leaf.nbytes, offset=offset)
         dst = dst.view(obj.dtype).view(obj.shape)
@@ -241,8 +241,10 @@ def _rebuild(item: dict, buf: _core.Buffer) -> Any:
     shape = tuple(item["shape"])
     dtype = item["dtype"]
     if meta.get("framework") == "torch":
-        if torch is None:
-            raise _core.InvalidArgumentError(f"item '{item['name']}' is a torch tensor; install torch to restore it")
+        try:
+            import torch
+        except ImportError:
+            raise _core.InvalidArgumentError(f"item '{item['name']}' is a torch tensor; install torch to restore it") from None
         tdt = _dtypes.torch_dtype(dtype)
         if item["nbytes"] == 0:
             t = torch.empty(shape, dtype=tdt)
@@ -290,7 +292,35 @@ class Store:
         self.rank: int = rank
         self.world_size: int = world_size
         self.last_restore: RestoreInfo | None = None
+        self._skipped: list[str] = []
         self._closed = False
+        if any(t["kind"] == "peer" for t in self._core.tiers()):
+            self._connect_peers()
+
+    def _connect_peers(self) -> None:
+        """Publishes this rank's host and peer address through the coordinator and learns
+        everyone else's (collective). The host name is the failure domain: $TIERCEL_HOST,
+        else the machine's name. The shared secret comes from the policy or
+        $TIERCEL_PEER_SECRET, else rank 0 makes one and hands it out over the coordinator."""
+        host = os.environ.get("TIERCEL_HOST") or socket.gethostname()
+        ip, port = self._core.peer_address().rsplit(":", 1)
+        if ip in ("0.0.0.0", "[::]"):
+            ip = os.environ.get("TIERCEL_ADVERTISE") or socket.gethostbyname(socket.gethostname())
+        secret = None
+        if not self._core.peer_has_secret() and self.rank == 0:
+            secret = secrets.token_hex(32)
+        mine = (host, f"{ip}:{port}", secret)
+        if self.world_size == 1:
+            everyone = [mine]
+        elif self.coordinator is None:
+            raise _core.InvalidArgumentError(
+                "a peer tier needs a coordinator to exchange addresses: initialize torch.distributed "
+                "(or jax.distributed) before opening the Store, or pass coordinator="
+            )
+        else:
+            everyone = self.coordinator.all_gather(mine)
+        shared = everyone[0][2]
+        self._core.connect_peers([e[0] for e in everyone], [e[1] for e in everyone], shared.encode() if shared else None)
 
     @classmethod
     def open(cls, policy: PolicyLike | None = None, **kwargs: Any) -> Store:
@@ -330,18 +360,43 @@ class Store:
 
     def latest_step(self) -> int | None:
         """The newest step that every rank can restore from some tier (collective when the
-        job has several ranks), or None."""
+        job has several ranks), or None.
+
+        A step counts for a rank only if the rank can open it: a commit record and its own
+        manifest readable on some tier in restore order. So when one rank's copy of the newest
+        step is gone (its manifest lost or corrupt on every tier), all ranks fall back together
+        to the newest step that each of them can still read."""
+        self._skipped = []
         mine = self._core.restorable_steps()
         if self.world_size == 1:
-            return mine[-1] if mine else None
+            for step in reversed(mine):
+                if self._can_open(step):
+                    return step
+            return None
         if self.coordinator is None:
             raise _core.InvalidArgumentError(
                 "a job of several ranks needs a coordinator to agree on the step: initialize torch.distributed "
                 "before opening the Store, pass coordinator=, or restore(step=N)"
             )
         everyone = self.coordinator.all_gather(mine)
-        common = set(everyone[0]).intersection(*map(set, everyone[1:]))
-        return max(common) if common else None
+        common = sorted(set(everyone[0]).intersection(*map(set, everyone[1:])), reverse=True)
+        # Every rank walks the same list in the same order: one all-gather per candidate,
+        # usually just the first.
+        for step in common:
+            oks = self.coordinator.all_gather(self._can_open(step))
+            if all(oks):
+                return step
+            bad = [r for r, ok in enumerate(oks) if not ok]
+            self._skipped.append(f"step {step}: rank(s) {bad} cannot restore it")
+        return None
+
+    def _can_open(self, step: int) -> bool:
+        try:
+            self._core.reader(step, None, None)
+            return True
+        except _core.TiercelError as e:
+            self._skipped.append(f"step {step} skipped on rank {self.rank}: {e}")
+            return False
 
     def reader(self, step: int | None = None, *, rank: int | None = None, tiers: list[str] | None = None) -> Reader:
         """A reader of `step` (default: the newest step restorable by every rank)."""
@@ -353,22 +408,29 @@ class Store:
         """Restores a step (default: the newest one every rank can restore) as the dict that
         was saved. Arrays from the memory tier are zero-copy views over shared memory;
         writing to them never changes the checkpoint."""
+        skipped: list[str] = []
         if step is None:
             step = self._require_latest()
+            skipped = list(self._skipped)
         t0 = time.perf_counter()
         r = Reader(self, step)
         state = r.get_all()
         r.info.seconds = time.perf_counter() - t0
+        r.info.warnings = skipped + r.info.warnings
         self.last_restore = r.info
         return state
 
     def _require_latest(self) -> int:
         step = self.latest_step()
         if step is None:
-            steps = self.steps()
+            try:
+                steps: Any = self.steps()
+            except _core.TiercelError as e:
+                steps = f"cannot list: {e}"
+            why = "".join(f"; {s}" for s in self._skipped)
             raise _core.NotFoundError(
                 f"rank {self.rank}: no step can be restored by every rank from tiers {self._core.restore_order} "
-                f"(committed here: {steps})"
+                f"(committed here: {steps}){why}"
             )
         return step
 

@@ -5,9 +5,12 @@ pub mod blobs;
 pub mod codec;
 pub mod error;
 pub mod format;
+pub mod object;
+pub mod placement;
 pub mod policy;
 pub mod scheduler;
 pub mod store;
 pub mod tier;
+pub mod transport;
 
 pub use error::{Error, ErrorKind, Result};

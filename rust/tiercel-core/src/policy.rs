@@ -34,17 +34,31 @@ const MAX_DEFAULT_THREADS: usize = 8;
 pub enum TierKind {
     Memory,
     Fs,
+    /// Replicas in the memory of m-1 peer hosts (GEMINI).
+    Peer,
+    /// An S3-compatible object store: `url = "s3://bucket/prefix"`.
+    S3,
+    /// Google Cloud Storage: `url = "gs://bucket/prefix"`.
+    Gcs,
 }
 
 impl TierKind {
     /// Every kind a policy may name, in the order error messages list them.
-    const ALL: &'static [TierKind] = &[TierKind::Memory, TierKind::Fs];
+    const ALL: &'static [TierKind] = &[TierKind::Memory, TierKind::Fs, TierKind::Peer, TierKind::S3, TierKind::Gcs];
 
     pub fn as_str(&self) -> &'static str {
         match self {
             TierKind::Memory => "memory",
             TierKind::Fs => "fs",
+            TierKind::Peer => "peer",
+            TierKind::S3 => "s3",
+            TierKind::Gcs => "gcs",
         }
+    }
+
+    /// An object store (s3, gcs): a bucket reached over HTTP.
+    pub fn is_object_store(&self) -> bool {
+        matches!(self, TierKind::S3 | TierKind::Gcs)
     }
 
     fn from_name(name: &str) -> Option<TierKind> {
@@ -128,7 +142,8 @@ impl fmt::Display for Compression {
 pub struct TierConfig {
     pub name: String,
     pub kind: TierKind,
-    /// memory: the `root` directory; fs: `url` as a plain path (a file:// URL becomes its path).
+    /// memory: the `root` directory; fs: `url` as a plain path (a file:// URL becomes its path);
+    /// s3, gcs: `url` as `s3://bucket/prefix` or `gs://bucket/prefix` (no trailing slash).
     pub location: String,
     /// Keep a copy of every Nth step on this tier (`step % every == 0`).
     pub every: u64,
@@ -141,7 +156,70 @@ pub struct TierConfig {
     pub capacity: Option<u64>,
     /// 1-based line where this `[[tier]]` table starts (0 when not from TOML).
     pub line: usize,
+    /// Peer tier only: how it replicates.
+    pub peer: Option<PeerConfig>,
+    /// s3 and gcs tiers only: how they reach their bucket.
+    pub object: Option<ObjectOptions>,
 }
+
+/// Default part size of an object-store tier's multipart uploads.
+pub const DEFAULT_PART_SIZE: u64 = 16 << 20;
+/// S3 refuses smaller parts (but the last); GCS's XML multipart API has the same rule.
+const MIN_PART_SIZE: u64 = 5 << 20;
+const MAX_PART_SIZE: u64 = 5 << 30;
+/// Default number of parts of one object uploaded at once.
+pub const DEFAULT_CONCURRENCY: usize = 4;
+const MAX_CONCURRENCY: usize = 64;
+
+/// How an s3 or gcs tier reaches its bucket. What is `None` here comes from the environment
+/// and the SDK config files, as the AWS and Google SDKs read them (see `crate::object`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectOptions {
+    /// `endpoint`: the server's base URL (`http://127.0.0.1:9000`), for S3-compatible servers
+    /// and emulators.
+    pub endpoint: Option<String>,
+    /// `region` (s3 only).
+    pub region: Option<String>,
+    /// `allow_http`: permit plain-HTTP endpoints (implied by an `http://` endpoint).
+    pub allow_http: Option<bool>,
+    /// `part_size`: bytes per multipart part; objects up to this size go in one PUT.
+    pub part_size: u64,
+    /// `concurrency`: parts of one object in flight at once.
+    pub concurrency: usize,
+    /// `timeout`: seconds one HTTP request may take before it is retried.
+    pub timeout: Option<u64>,
+    /// `retries`: how often a failed request is retried (backoff from 0.1 s up to 15 s).
+    pub retries: Option<usize>,
+}
+
+impl Default for ObjectOptions {
+    fn default() -> Self {
+        ObjectOptions {
+            endpoint: None,
+            region: None,
+            allow_http: None,
+            part_size: DEFAULT_PART_SIZE,
+            concurrency: DEFAULT_CONCURRENCY,
+            timeout: None,
+            retries: None,
+        }
+    }
+}
+
+/// The keys of a `kind = "peer"` tier; its `location` is the `listen` address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerConfig {
+    /// m: copies of each host's data, its own included (GEMINI's m), so m-1 peers.
+    pub replicas: usize,
+    /// "mixed" (groups of m, a ring for the remainder), "group" or "ring".
+    pub placement: String,
+    /// The shared secret peers authenticate with; else $TIERCEL_PEER_SECRET, else one is
+    /// handed out through the coordinator.
+    pub secret: Option<String>,
+}
+
+pub const DEFAULT_PEER_LISTEN: &str = "0.0.0.0:0";
+pub const DEFAULT_REPLICAS: usize = 2;
 
 #[derive(Debug, Clone)]
 pub struct Policy {
@@ -448,7 +526,22 @@ const TIER_KEYS: &[&str] = &[
     "compression",
     "bandwidth",
     "capacity",
+    "replicas",
+    "placement",
+    "listen",
+    "secret",
+    "endpoint",
+    "region",
+    "allow_http",
+    "part_size",
+    "concurrency",
+    "timeout",
+    "retries",
 ];
+/// Keys that only object-store tiers (s3, gcs) take.
+const OBJECT_KEYS: &[&str] = &["endpoint", "region", "allow_http", "part_size", "concurrency", "timeout", "retries"];
+/// Keys that only a peer tier takes.
+const PEER_KEYS: &[&str] = &["replicas", "placement", "listen", "secret"];
 const RESTORE_KEYS: &[&str] = &["order"];
 const STORE_KEYS: &[&str] = &["chunk_size", "threads", "io_threads"];
 /// Where each key belongs, to point a key written in the wrong table to the right one.
@@ -685,10 +778,81 @@ impl Checker<'_> {
             _ => {}
         }
 
+        if kind != TierKind::Peer {
+            if let Some(key) = PEER_KEYS.iter().find(|k| get(k).is_some()) {
+                return Err(self.at(
+                    get(key).unwrap(),
+                    &key_path(key),
+                    format!("`{key}` is only valid for kind \"peer\""),
+                ));
+            }
+        }
+        if kind == TierKind::Peer {
+            for key in ["root", "url"] {
+                if let Some(n) = get(key) {
+                    return Err(self.at(n, &key_path(key), format!(
+                        "`{key}` is not valid for kind \"peer\": peer copies live under the memory tier's root; \
+                         set `listen` for the address to serve them on"
+                    )));
+                }
+            }
+            let listen = match get("listen") {
+                Some(n) => {
+                    let v = self.string(n, &key_path("listen"))?;
+                    if v.parse::<std::net::SocketAddr>().is_err() {
+                        return Err(self.at(n, &key_path("listen"), format!("expected an address such as \"0.0.0.0:7070\", got {v:?}")));
+                    }
+                    v.to_string()
+                }
+                None => DEFAULT_PEER_LISTEN.to_string(),
+            };
+            let replicas = match get("replicas") {
+                Some(n) => {
+                    let r = self.positive_int(n, &key_path("replicas"))? as usize;
+                    if r < 2 {
+                        return Err(self.at(n, &key_path("replicas"), "a peer tier needs replicas >= 2 (this host's copy and at least one peer's)".to_string()));
+                    }
+                    r
+                }
+                None => DEFAULT_REPLICAS,
+            };
+            let placement = match get("placement") {
+                Some(n) => {
+                    let v = self.string(n, &key_path("placement"))?;
+                    if !["mixed", "group", "ring"].contains(&v) {
+                        return Err(self.at(n, &key_path("placement"), format!("expected \"mixed\", \"group\" or \"ring\", got {v:?}")));
+                    }
+                    v.to_string()
+                }
+                None => "mixed".to_string(),
+            };
+            let secret = get("secret").map(|n| self.string(n, &key_path("secret")).map(String::from)).transpose()?;
+            let optional = |key: &str| get(key).map(|n| (n, key_path(key)));
+            if let Some((n, p)) = optional("compression") {
+                return Err(self.at(n, &p, "a peer tier stores raw chunks in memory; `compression` is not valid".to_string()));
+            }
+            return Ok(TierConfig {
+                every: optional("every").map_or(Ok(1), |(n, p)| self.positive_int(n, &p))?,
+                keep: optional("keep").map_or(Ok(Some(DEFAULT_MEMORY_KEEP)), |(n, p)| self.count(n, &p).map(Some))?,
+                compression: Compression::none(),
+                bandwidth: optional("bandwidth")
+                    .map(|(n, p)| self.bytes(n, &p, parse_bandwidth, "a bandwidth such as \"2GB/s\""))
+                    .transpose()?,
+                capacity: None,
+                name: name.to_string(),
+                kind,
+                location: listen,
+                line: self.line(node).unwrap_or(0),
+                peer: Some(PeerConfig { replicas, placement, secret }),
+                object: None,
+            });
+        }
+
         // Each kind takes its location under one key; the other key is a mistake.
         let (location_key, other_key) = match kind {
             TierKind::Memory => ("root", "url"),
-            TierKind::Fs => ("url", "root"),
+            TierKind::Fs | TierKind::S3 | TierKind::Gcs => ("url", "root"),
+            TierKind::Peer => unreachable!("handled above"),
         };
         if let Some(other) = get(other_key) {
             return Err(self.at(
@@ -701,6 +865,9 @@ impl Checker<'_> {
             let what = match kind {
                 TierKind::Memory => "the shared-memory directory, e.g. \"/dev/shm/tiercel\"",
                 TierKind::Fs => "a directory path or file:// URL",
+                TierKind::S3 => "the bucket and prefix, e.g. \"s3://bucket/checkpoints/run1\"",
+                TierKind::Gcs => "the bucket and prefix, e.g. \"gs://bucket/checkpoints/run1\"",
+                TierKind::Peer => unreachable!(),
             };
             missing(&path, location_key, what)
         })?;
@@ -710,13 +877,29 @@ impl Checker<'_> {
             TierKind::Fs => {
                 fs_path(location).map_err(|m| self.at(location_node, &key_path("url"), m))?
             }
+            TierKind::S3 | TierKind::Gcs => object_url(&kind, location)
+                .map_err(|m| self.at(location_node, &key_path("url"), m))?,
+            TierKind::Peer => unreachable!(),
         };
 
         let (default_keep, default_compression) = match kind {
             TierKind::Memory => (Some(DEFAULT_MEMORY_KEEP), Compression::none()),
-            TierKind::Fs => (None, Compression::zstd(DEFAULT_ZSTD_LEVEL)),
+            TierKind::Fs | TierKind::S3 | TierKind::Gcs => (None, Compression::zstd(DEFAULT_ZSTD_LEVEL)),
+            TierKind::Peer => unreachable!(),
         };
         let optional = |key: &str| get(key).map(|n| (n, key_path(key)));
+        let object = if kind.is_object_store() {
+            Some(self.object_options(&kind, &optional)?)
+        } else {
+            if let Some((key, node)) = entries.iter().find(|(k, _)| OBJECT_KEYS.contains(&k.as_str())) {
+                return Err(self.at(
+                    node,
+                    &key_path(key),
+                    format!("`{key}` is not valid for kind {kind_name:?}; it applies to \"s3\" and \"gcs\" tiers"),
+                ));
+            }
+            None
+        };
         Ok(TierConfig {
             every: optional("every").map_or(Ok(1), |(n, p)| self.positive_int(n, &p))?,
             keep: optional("keep")
@@ -737,7 +920,64 @@ impl Checker<'_> {
             kind,
             location,
             line: self.line(node).unwrap_or(0),
+            peer: None,
+            object,
         })
+    }
+
+    /// The object-store keys of an s3 or gcs tier.
+    fn object_options<'n>(
+        &self,
+        kind: &TierKind,
+        optional: &dyn Fn(&str) -> Option<(&'n Node, String)>,
+    ) -> Result<ObjectOptions> {
+        let mut o = ObjectOptions::default();
+        if let Some((n, p)) = optional("endpoint") {
+            let e = self.string(n, &p)?.trim().trim_end_matches('/');
+            let rest = e.strip_prefix("http://").or_else(|| e.strip_prefix("https://"));
+            if !rest.is_some_and(|r| !r.is_empty() && !r.contains(char::is_whitespace)) {
+                return Err(self.expected(n, &p, "an http:// or https:// URL such as \"http://127.0.0.1:9000\""));
+            }
+            o.endpoint = Some(e.to_string());
+        }
+        if let Some((n, p)) = optional("region") {
+            if *kind != TierKind::S3 {
+                return Err(self.at(n, &p, format!("`region` is not valid for kind {:?}; it applies to \"s3\" tiers", kind.as_str())));
+            }
+            o.region = Some(self.string(n, &p)?.trim().to_string());
+        }
+        if let Some((n, p)) = optional("allow_http") {
+            match n.value {
+                Value::Bool(b) => o.allow_http = Some(b),
+                _ => return Err(self.expected(n, &p, "true or false")),
+            }
+        }
+        if let Some((n, p)) = optional("part_size") {
+            let size = self.bytes(n, &p, parse_size, "a size such as \"16MiB\"")?;
+            if !(MIN_PART_SIZE..=MAX_PART_SIZE).contains(&size) {
+                return Err(self.at(n, &p, format!(
+                    "expected a size between 5MiB (the smallest part S3 accepts) and 5GiB, got {}", n.describe()
+                )));
+            }
+            o.part_size = size;
+        }
+        if let Some((n, p)) = optional("concurrency") {
+            let c = self.count(n, &p)?;
+            if c > MAX_CONCURRENCY {
+                return Err(self.expected(n, &p, &format!("a positive integer up to {MAX_CONCURRENCY}")));
+            }
+            o.concurrency = c;
+        }
+        if let Some((n, p)) = optional("timeout") {
+            o.timeout = Some(self.positive_int(n, &p)?);
+        }
+        if let Some((n, p)) = optional("retries") {
+            match n.value {
+                Value::Int(r) if (0..=100).contains(&r) => o.retries = Some(r as usize),
+                _ => return Err(self.expected(n, &p, "an integer from 0 to 100")),
+            }
+        }
+        Ok(o)
     }
 
     /// `[restore] order`, if given.
@@ -823,6 +1063,37 @@ fn fs_path(url: &str) -> std::result::Result<String, String> {
         ));
     }
     Ok(path.to_string())
+}
+
+/// The `s3://bucket/prefix` or `gs://bucket/prefix` URL of an object-store tier, normalized
+/// (no trailing slash, no empty segments).
+fn object_url(kind: &TierKind, url: &str) -> std::result::Result<String, String> {
+    let scheme = match kind {
+        TierKind::Gcs => "gs",
+        _ => "s3",
+    };
+    let example = format!("{scheme}://bucket/checkpoints/run1");
+    let Some(rest) = url.trim().strip_prefix(&format!("{scheme}://")) else {
+        let article = if scheme == "s3" { "an" } else { "a" };
+        return Err(format!("expected {article} {scheme}:// URL for kind {:?} such as {example:?}, got {url:?}", kind.as_str()));
+    };
+    let mut parts = rest.split('/').filter(|p| !p.is_empty());
+    let bucket = parts.next().unwrap_or("");
+    // What S3 and GCS both accept (GCS also takes `_` and longer dotted names).
+    let valid_bucket = (3..=222).contains(&bucket.len())
+        && bucket.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-._".contains(&b))
+        && bucket.as_bytes()[0].is_ascii_alphanumeric()
+        && bucket.as_bytes()[bucket.len() - 1].is_ascii_alphanumeric();
+    if !valid_bucket {
+        return Err(format!(
+            "expected a bucket name of lowercase letters, digits, `-` and `.` (3 or more) after {scheme}://, got {url:?} (e.g. {example:?})"
+        ));
+    }
+    let prefix: Vec<&str> = parts.collect();
+    if let Some(bad) = prefix.iter().find(|p| **p == "." || **p == ".." || p.contains(char::is_control)) {
+        return Err(format!("the prefix of {url:?} has an invalid segment {bad:?}"));
+    }
+    Ok(if prefix.is_empty() { format!("{scheme}://{bucket}") } else { format!("{scheme}://{bucket}/{}", prefix.join("/")) })
 }
 
 /// The known key closest to `key` by edit distance, if close enough to be a likely typo, or
@@ -1181,11 +1452,11 @@ order = ["ram", "disk"]
             6,
             &["tier[1].name: duplicate tier name \"ram\", already used by tier[0]"],
         );
-        let msg = toml_err(&with_disk("").replace("\"fs\"", "\"s3\""));
+        let msg = toml_err(&with_disk("").replace("\"fs\"", "\"tape\""));
         assert_at(
             &msg,
             7,
-            &["tier[1] (\"disk\").kind: unknown kind \"s3\"; known kinds: \"memory\", \"fs\""],
+            &["tier[1] (\"disk\").kind: unknown kind \"tape\"; known kinds: \"memory\", \"fs\"", "\"s3\", \"gcs\""],
         );
         let msg = toml_err("[[tier]]\nname = \"ram\"\nroot = \"/r\"\n");
         assert_at(
@@ -1410,6 +1681,69 @@ order = ["ram", "disk"]
             assert_eq!(Compression::parse(&c.to_string()), Ok(c));
         }
         assert_eq!(zstd(9, true).to_string(), "bytegroup+zstd:9");
+    }
+
+    /// `MINIMAL` plus an object-store tier "bucket" of `kind` at `url`, with `extra` lines
+    /// (which start at line 9).
+    fn with_bucket(kind: &str, url: &str, extra: &str) -> String {
+        format!("{MINIMAL}[[tier]]\nname = \"bucket\"\nkind = \"{kind}\"\nurl = \"{url}\"\n{extra}")
+    }
+
+    #[test]
+    fn object_store_tiers() {
+        let p = Policy::from_toml(&with_bucket("s3", "s3://ckpt/run1/", ""), "p.toml").unwrap();
+        let t = &p.tiers[1];
+        assert_eq!((t.kind.as_str(), t.location.as_str()), ("s3", "s3://ckpt/run1"));
+        assert_eq!(t.object, Some(ObjectOptions::default()));
+        assert_eq!((t.keep, t.compression.to_string()), (None, "zstd:3".to_string()));
+        assert_eq!(p.tiers[0].object, None);
+        let extra = "endpoint = \"http://127.0.0.1:9000/\"\nregion = \"eu-west-1\"\nallow_http = true\n\
+                     part_size = \"5MiB\"\nconcurrency = 8\ntimeout = 20\nretries = 0\n";
+        let p = Policy::from_toml(&with_bucket("s3", "s3://ckpt", extra), "p.toml").unwrap();
+        let o = p.tiers[1].object.clone().unwrap();
+        assert_eq!(p.tiers[1].location, "s3://ckpt");
+        assert_eq!(o.endpoint.as_deref(), Some("http://127.0.0.1:9000"));
+        assert_eq!((o.region.as_deref(), o.allow_http), (Some("eu-west-1"), Some(true)));
+        assert_eq!((o.part_size, o.concurrency, o.timeout, o.retries), (5 << 20, 8, Some(20), Some(0)));
+        let p = Policy::from_toml(&with_bucket("gcs", "gs://my_bucket//a//b", ""), "p.toml").unwrap();
+        assert_eq!((p.tiers[1].kind.as_str(), p.tiers[1].location.as_str()), ("gcs", "gs://my_bucket/a/b"));
+        let json = r#"{"tier":[{"name":"ram","kind":"memory","root":"/r"},
+            {"name":"b","kind":"s3","url":"s3://ckpt/x","part_size":8388608,"allow_http":false}]}"#;
+        let o = Policy::from_json(json, "<dict>").unwrap().tiers[1].object.clone().unwrap();
+        assert_eq!((o.part_size, o.allow_http), (8 << 20, Some(false)));
+
+        for (kind, url, extra, line, parts) in [
+            ("s3", "gs://ckpt/x", "", 8, &["tier[1] (\"bucket\").url", "expected an s3:// URL for kind \"s3\""][..]),
+            ("gcs", "s3://ckpt/x", "", 8, &["expected a gs:// URL", "gs://bucket/checkpoints/run1"]),
+            ("s3", "/mnt/ckpt", "", 8, &["expected an s3:// URL"]),
+            ("s3", "s3://", "", 8, &["expected a bucket name"]),
+            ("s3", "s3://Bad_Bucket/x", "", 8, &["expected a bucket name", "\"s3://Bad_Bucket/x\""]),
+            ("s3", "s3://ab/x", "", 8, &["expected a bucket name"]),
+            ("s3", "s3://ckpt/a/../b", "", 8, &["invalid segment \"..\""]),
+            ("s3", "s3://ckpt", "endpoint = \"127.0.0.1:9000\"\n", 9, &[".endpoint: expected an http:// or https:// URL", "got \"127.0.0.1:9000\""]),
+            ("s3", "s3://ckpt", "endpoint = \"http://\"\n", 9, &[".endpoint: expected an http://"]),
+            ("gcs", "gs://ckpt", "region = \"us\"\n", 9, &[".region: `region` is not valid for kind \"gcs\""]),
+            ("s3", "s3://ckpt", "allow_http = \"yes\"\n", 9, &[".allow_http: expected true or false, got \"yes\""]),
+            ("s3", "s3://ckpt", "part_size = \"1MiB\"\n", 9, &[".part_size: expected a size between 5MiB", "got \"1MiB\""]),
+            ("s3", "s3://ckpt", "part_size = \"6GiB\"\n", 9, &[".part_size: expected a size between 5MiB"]),
+            ("s3", "s3://ckpt", "part_size = \"big\"\n", 9, &[".part_size: \"big\" is not a size"]),
+            ("s3", "s3://ckpt", "concurrency = 0\n", 9, &[".concurrency: expected a positive integer, got 0"]),
+            ("s3", "s3://ckpt", "concurrency = 65\n", 9, &[".concurrency: expected a positive integer up to 64"]),
+            ("s3", "s3://ckpt", "timeout = \"30s\"\n", 9, &[".timeout: expected a positive integer, got \"30s\""]),
+            ("s3", "s3://ckpt", "retries = -1\n", 9, &[".retries: expected an integer from 0 to 100, got -1"]),
+            ("s3", "s3://ckpt", "part_sise = 1\n", 9, &["unknown key `part_sise`", "did you mean `part_size`?"]),
+            ("s3", "s3://ckpt", "root = \"/x\"\n", 9, &[".root: `root` is not valid for kind \"s3\"; use `url`"]),
+        ] {
+            let msg = toml_err(&with_bucket(kind, url, extra));
+            assert_at(&msg, line, parts);
+        }
+        let msg = toml_err(&format!("{MINIMAL}[[tier]]\nname = \"bucket\"\nkind = \"s3\"\n"));
+        assert_at(&msg, 5, &["tier[1] (\"bucket\"): missing `url` (the bucket and prefix, e.g. \"s3://bucket/checkpoints/run1\")"]);
+        // The object-store keys belong to object-store tiers only.
+        let msg = toml_err(&with_disk("part_size = \"8MiB\"\n"));
+        assert_at(&msg, 9, &["tier[1] (\"disk\").part_size: `part_size` is not valid for kind \"fs\"", "\"s3\" and \"gcs\""]);
+        let msg = toml_err(&format!("{MINIMAL}endpoint = \"http://x\"\n"));
+        assert_at(&msg, 5, &["tier[0] (\"ram\").endpoint: `endpoint` is not valid for kind \"memory\""]);
     }
 
     #[test]

@@ -16,6 +16,7 @@ use crate::policy::{Policy, TierConfig, TierKind};
 use crate::scheduler::{Job, Link, Priority, Scheduler, Start};
 use crate::tier::blob::BlobTier;
 use crate::tier::memory::{MemoryTier, Segment, View};
+use crate::tier::peer::{PeerOptions, PeerTier};
 use crate::tier::{read_chunk, ChunkSource, Tier};
 
 pub struct TierSlot {
@@ -32,6 +33,7 @@ pub struct Store {
     slots: Vec<TierSlot>,
     scheduler: Arc<Scheduler>,
     copy_pool: rayon::ThreadPool,
+    peer: Option<Arc<PeerTier>>,
 }
 
 /// Opens the tier a policy entry describes.
@@ -43,7 +45,29 @@ pub fn open_tier(cfg: &TierConfig) -> Result<Arc<dyn Tier>> {
             let blobs = FsBlobs::new(&cfg.name, cfg.location.as_ref()).map_err(at)?;
             Arc::new(BlobTier::new(&cfg.name, "fs", Arc::new(blobs), cfg.compression))
         }
+        TierKind::S3 | TierKind::Gcs => {
+            let blobs = crate::object::ObjectBlobs::open(cfg).map_err(at)?;
+            Arc::new(BlobTier::new(&cfg.name, cfg.kind.as_str(), Arc::new(blobs), cfg.compression))
+        }
+        TierKind::Peer => {
+            return Err(Error::invalid(format!("tier '{}': a peer tier is opened by its Store (it needs the rank)", cfg.name)))
+        }
     })
+}
+
+/// Opens a peer tier for `rank`: its replica store lives under the memory tier's root.
+fn open_peer(cfg: &TierConfig, rank: u32, memory: &MemoryTier) -> Result<Arc<PeerTier>> {
+    let p = cfg.peer.as_ref().expect("a peer tier has peer settings");
+    let secret = p.secret.clone().or_else(|| std::env::var("TIERCEL_PEER_SECRET").ok()).map(String::into_bytes);
+    let opts = PeerOptions {
+        listen: cfg.location.clone(),
+        replicas: p.replicas,
+        strategy: crate::placement::Strategy::parse(&p.placement)?,
+        keep: cfg.keep.unwrap_or(2),
+        secret,
+        timeout: Duration::from_secs(30),
+    };
+    PeerTier::open(&cfg.name, rank, memory.root(), opts).map_err(|e| e.context(format!("opening tier '{}'", cfg.name)))
 }
 
 impl Store {
@@ -55,8 +79,17 @@ impl Store {
         let memory = MemoryTier::open(&mem_cfg.name, mem_cfg.location.as_ref(), mem_cfg.capacity)
             .map_err(|e| e.context(format!("opening tier '{}' ({})", mem_cfg.name, mem_cfg.location)))?;
         let mut slots = vec![];
+        let mut peer = None;
         for cfg in &policy.tiers {
-            let tier: Arc<dyn Tier> = if cfg.kind == TierKind::Memory { memory.clone() } else { open_tier(cfg)? };
+            let tier: Arc<dyn Tier> = match cfg.kind {
+                TierKind::Memory => memory.clone(),
+                TierKind::Peer => {
+                    let p = open_peer(cfg, rank, &memory)?;
+                    peer = Some(p.clone());
+                    p
+                }
+                _ => open_tier(cfg)?,
+            };
             slots.push(TierSlot { link: Link::new(&cfg.name, cfg.bandwidth), config: cfg.clone(), tier });
         }
         let copy_pool = rayon::ThreadPoolBuilder::new()
@@ -65,7 +98,7 @@ impl Store {
             .build()
             .map_err(|e| Error::invalid(format!("cannot start copy threads: {e}")))?;
         let scheduler = Scheduler::new(policy.io_threads);
-        Ok(Arc::new(Store { policy, rank, world_size, memory, slots, scheduler, copy_pool }))
+        Ok(Arc::new(Store { policy, rank, world_size, memory, slots, scheduler, copy_pool, peer }))
     }
 
     pub fn slots(&self) -> &[TierSlot] {
@@ -81,6 +114,11 @@ impl Store {
 
     pub fn memory(&self) -> &Arc<MemoryTier> {
         &self.memory
+    }
+
+    /// The peer tier, when the policy has one.
+    pub fn peer(&self) -> Option<&Arc<PeerTier>> {
+        self.peer.as_ref()
     }
 
     /// Committed steps per tier, in policy order.
@@ -120,6 +158,9 @@ impl Store {
     /// spare shared memory. Committed steps stay.
     pub fn close(&self) {
         self.scheduler.shutdown();
+        if let Some(p) = &self.peer {
+            p.shutdown();
+        }
         self.memory.release_pool();
     }
 
@@ -135,8 +176,17 @@ impl Store {
     /// Applies `keep` on a tier and removes uncommitted leftovers older than its newest
     /// committed step. Returns the removed steps.
     pub fn retain(&self, slot: &TierSlot) -> Result<Vec<u64>> {
-        if slot.config.kind == TierKind::Memory {
-            return self.memory.retain(slot.config.keep.unwrap_or(usize::MAX));
+        match slot.config.kind {
+            TierKind::Memory => return self.memory.retain(slot.config.keep.unwrap_or(usize::MAX)),
+            // Holders apply `keep` to the copies they hold, as they receive new ones.
+            TierKind::Peer => return Ok(vec![]),
+            _ => {}
+        }
+        // Uploads that killed writers left (object stores) go first: a step deleted below may
+        // be the one such an upload was writing.
+        match slot.tier.blobs().sweep() {
+            Ok(done) => done.iter().for_each(|d| log::info!("tier '{}': {d}", slot.config.name)),
+            Err(e) => log::warn!("tier '{}': cleaning up abandoned uploads failed: {e}", slot.config.name),
         }
         let committed = slot.tier.committed_steps()?;
         let newest = committed.last().copied();
@@ -185,6 +235,12 @@ impl ChunkSource for SegmentSource<'_> {
         let start = c.stored_offset as usize;
         dst.copy_from_slice(&seg.bytes()[start..start + c.len as usize]);
         Ok(())
+    }
+
+    fn raw_slice(&self, item: usize, chunk: usize) -> Option<&[u8]> {
+        let c = &self.manifest.items[item].chunks[chunk];
+        let start = c.stored_offset as usize;
+        Some(&self.segments[c.object as usize].bytes()[start..start + c.len as usize])
     }
 }
 
@@ -377,9 +433,10 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
         }
         let (store2, handle2, manifest2, parts2) = (store.clone(), handle.clone(), manifest.clone(), parts.clone());
         let name = slot.config.name.clone();
+        let priority = if slot.config.kind == TierKind::Peer { Priority::Replicate } else { Priority::Persist };
         store.scheduler.submit(Job {
             link: slot.link.clone(),
-            priority: Priority::Persist,
+            priority,
             size: manifest.total_bytes(),
             label: format!("step {step}"),
             supersede_key: Some(format!("persist:{name}")),

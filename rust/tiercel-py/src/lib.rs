@@ -223,6 +223,27 @@ impl Store {
         py.allow_threads(|| self.inner.retain(slot)).map_err(err)
     }
 
+    /// The peer tier's server address ("ip:port" as bound), or None without a peer tier.
+    fn peer_address(&self) -> Option<String> {
+        self.inner.peer().map(|p| p.local_addr().to_string())
+    }
+
+    /// Whether the peer tier already has its shared secret (from the policy or environment).
+    fn peer_has_secret(&self) -> bool {
+        self.inner.peer().is_some_and(|p| p.has_secret())
+    }
+
+    /// Tells the peer tier where every rank is (host names and server addresses by rank),
+    /// and the shared secret when it was handed out through the coordinator.
+    #[pyo3(signature = (hosts, addrs, secret=None))]
+    fn connect_peers(&self, hosts: Vec<String>, addrs: Vec<String>, secret: Option<Vec<u8>>) -> PyResult<()> {
+        let peer = self.inner.peer().ok_or_else(|| InvalidArgumentError::new_err("the policy has no peer tier"))?;
+        if let Some(s) = secret {
+            peer.set_secret(s);
+        }
+        peer.set_cluster(&hosts, &addrs).map_err(err)
+    }
+
     /// Bytes in use under the memory tier's root (all ranks of this host).
     fn memory_used(&self, py: Python<'_>) -> PyResult<u64> {
         py.allow_threads(|| self.inner.memory().used_bytes()).map_err(err)
@@ -411,6 +432,29 @@ impl log::Log for StderrLog {
 
 static LOGGER: StderrLog = StderrLog;
 
+/// GEMINI placement of `hosts` hosts with `replicas` copies each ("group", "ring" or "mixed"):
+/// (groups, then the ring part if any; holders per host, the host itself first; the exact
+/// probability that no host loses every copy when `failures` hosts fail at once; GEMINI's
+/// closed form for group placement, when `replicas` divides `hosts`).
+#[pyfunction]
+#[pyo3(signature = (hosts, replicas, strategy, failures=None))]
+#[allow(clippy::type_complexity)]
+fn placement(
+    hosts: usize,
+    replicas: usize,
+    strategy: &str,
+    failures: Option<usize>,
+) -> PyResult<(Vec<Vec<usize>>, Vec<Vec<usize>>, Option<f64>, Option<f64>)> {
+    use tiercel_core::placement as pl;
+    let p = pl::Placement::new(hosts, replicas, pl::Strategy::parse(strategy).map_err(err)?).map_err(err)?;
+    let holders = (0..hosts).map(|h| p.holders(h)).collect();
+    let exact = failures.map(|k| p.survival_probability(k)).transpose().map_err(err)?;
+    let closed = failures
+        .filter(|_| hosts % replicas == 0)
+        .map(|k| pl::gemini_closed_form(hosts, replicas, k));
+    Ok((p.groups(), holders, exact, closed))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let level = match std::env::var("TIERCEL_LOG").unwrap_or_default().to_lowercase().as_str() {
@@ -437,5 +481,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StepReader>()?;
     m.add_class::<Buffer>()?;
     m.add("FORMAT_VERSION", tiercel_core::format::FORMAT_VERSION)?;
+    m.add_function(wrap_pyfunction!(placement, m)?)?;
     Ok(())
 }

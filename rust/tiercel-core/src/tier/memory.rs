@@ -67,8 +67,11 @@ pub struct MemoryTier {
     owned: Mutex<BTreeMap<u64, Vec<Arc<Segment>>>>,
     /// Files mapped as restore views, by inode: never recycled while a view is alive.
     views: Mutex<HashMap<u64, Weak<View>>>,
-    seq: AtomicU64,
 }
+
+/// Pool file names are `<pid>-<n>.seg`; `n` is process-wide because several stores (ranks)
+/// in one process may share a root.
+static POOL_SEQ: AtomicU64 = AtomicU64::new(0);
 
 fn size_str(n: u64) -> String {
     const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -121,7 +124,6 @@ impl MemoryTier {
             pool: Mutex::new(vec![]),
             owned: Mutex::new(BTreeMap::new()),
             views: Mutex::new(HashMap::new()),
-            seq: AtomicU64::new(0),
         };
         t.remove_dead_pools()?;
         Ok(Arc::new(t))
@@ -148,7 +150,7 @@ impl MemoryTier {
     }
 
     fn pool_path(&self) -> PathBuf {
-        let n = self.seq.fetch_add(1, Ordering::Relaxed);
+        let n = POOL_SEQ.fetch_add(1, Ordering::Relaxed);
         self.root.join(POOL_DIR).join(format!("{}-{n}.seg", std::process::id()))
     }
 
@@ -237,7 +239,10 @@ impl MemoryTier {
         let Some(cap) = self.capacity else { return Ok(()) };
         let mut used = self.used_bytes()?;
         while used + need > cap {
-            if let Some(seg) = self.pool.lock().pop() {
+            // The pool guard must be gone before the else branch: `evict` locks the pool
+            // again (an `if let` on `self.pool.lock().pop()` would hold it there: deadlock).
+            let spare = self.pool.lock().pop();
+            if let Some(seg) = spare {
                 let _ = fs::remove_file(seg.path());
             } else {
                 let committed = self.committed_steps()?;
@@ -284,8 +289,14 @@ impl MemoryTier {
         let dst = dir.join(format::part_name(rank, part));
         let src = seg.path();
         fs::rename(&src, &dst).map_err(|e| Error::io(&self.name, &dst, e))?;
+        let mut owned = self.owned.lock();
+        let mine = owned.entry(step).or_default();
+        // Saving a step again replaces its part file: the segment that had this name has
+        // none now, and must not be recycled (or deleted) under it later.
+        mine.retain(|s| s.path() != dst);
         *seg.path.lock() = dst;
-        self.owned.lock().entry(step).or_default().push(seg.clone());
+        mine.push(seg.clone());
+        drop(owned);
         Ok(seg)
     }
 

@@ -3,6 +3,7 @@
 
 pub mod blob;
 pub mod memory;
+pub mod peer;
 
 use rayon::prelude::*;
 
@@ -17,6 +18,12 @@ pub trait ChunkSource: Sync {
     /// Fills `dst` with the raw bytes of chunk `chunk` of item `item` (indices into the
     /// manifest the writer was given); `dst.len()` is that chunk's raw length.
     fn read_raw(&self, item: usize, chunk: usize, dst: &mut [u8]) -> Result<()>;
+
+    /// The chunk's raw bytes in place, when the source holds them in memory (a shared-memory
+    /// segment): a writer then sends them without copying.
+    fn raw_slice(&self, _item: usize, _chunk: usize) -> Option<&[u8]> {
+        None
+    }
 }
 
 /// One storage tier. Every kind passes the conformance suite in `tier::conformance`.
