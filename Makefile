@@ -31,9 +31,9 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
 	VIRTUAL_ENV=$(VENV) PATH=$(VENV)/bin:$$PATH maturin develop --release --quiet
 	@touch $@
 
-test-rust:
-	@echo "==> cargo test"
-	cargo test --release --workspace --quiet
+test-rust: $(DEPS_STAMP)
+	@echo "==> cargo test (tests/servers.py starts an S3 server and a GCS emulator for the object-store kinds)"
+	$(PY) tests/servers.py -- cargo test --release --workspace --quiet
 
 test-python: build
 	@echo "==> pytest"

@@ -294,33 +294,41 @@ class Store:
         self.last_restore: RestoreInfo | None = None
         self._skipped: list[str] = []
         self._closed = False
-        if any(t["kind"] == "peer" for t in self._core.tiers()):
-            self._connect_peers()
+        self._join_cluster()
 
-    def _connect_peers(self) -> None:
-        """Publishes this rank's host and peer address through the coordinator and learns
-        everyone else's (collective). The host name is the failure domain: $TIERCEL_HOST,
-        else the machine's name. The shared secret comes from the policy or
-        $TIERCEL_PEER_SECRET, else rank 0 makes one and hands it out over the coordinator."""
+    def _join_cluster(self) -> None:
+        """Learns which ranks share this host (its memory tier commits a step once they all
+        have it) and, with a peer tier, everyone's peer address. Collective when the job has
+        several ranks: one all-gather through the coordinator.
+
+        The host name is the failure domain: $TIERCEL_HOST, else the machine's name. The
+        peer secret comes from the policy or $TIERCEL_PEER_SECRET, else rank 0 makes one and
+        hands it out over the coordinator (the job's own channel)."""
+        has_peer = any(t["kind"] == "peer" for t in self._core.tiers())
+        if self.world_size == 1 and not has_peer:
+            return
+        if self.coordinator is None:
+            if has_peer:
+                raise _core.InvalidArgumentError(
+                    "a peer tier needs a coordinator to exchange addresses: initialize torch.distributed "
+                    "(or jax.distributed) before opening the Store, or pass coordinator="
+                )
+            return  # without one, all ranks are taken to share one host
         host = os.environ.get("TIERCEL_HOST") or socket.gethostname()
-        ip, port = self._core.peer_address().rsplit(":", 1)
-        if ip in ("0.0.0.0", "[::]"):
-            ip = os.environ.get("TIERCEL_ADVERTISE") or socket.gethostbyname(socket.gethostname())
-        secret = None
-        if not self._core.peer_has_secret() and self.rank == 0:
-            secret = secrets.token_hex(32)
-        mine = (host, f"{ip}:{port}", secret)
-        if self.world_size == 1:
-            everyone = [mine]
-        elif self.coordinator is None:
-            raise _core.InvalidArgumentError(
-                "a peer tier needs a coordinator to exchange addresses: initialize torch.distributed "
-                "(or jax.distributed) before opening the Store, or pass coordinator="
-            )
-        else:
-            everyone = self.coordinator.all_gather(mine)
-        shared = everyone[0][2]
-        self._core.connect_peers([e[0] for e in everyone], [e[1] for e in everyone], shared.encode() if shared else None)
+        addr = secret = None
+        if has_peer:
+            ip, port = self._core.peer_address().rsplit(":", 1)
+            if ip in ("0.0.0.0", "[::]"):
+                ip = os.environ.get("TIERCEL_ADVERTISE") or socket.gethostbyname(socket.gethostname())
+            addr = f"{ip}:{port}"
+            if not self._core.peer_has_secret() and self.rank == 0:
+                secret = secrets.token_hex(32)
+        everyone = self.coordinator.all_gather((host, addr, secret))
+        hosts = [e[0] for e in everyone]
+        self._core.set_local_ranks([r for r, h in enumerate(hosts) if h == host])
+        if has_peer:
+            shared = everyone[0][2]
+            self._core.connect_peers(hosts, [e[1] for e in everyone], shared.encode() if shared else None)
 
     @classmethod
     def open(cls, policy: PolicyLike | None = None, **kwargs: Any) -> Store:

@@ -29,6 +29,11 @@ pub trait Blobs: Send + Sync {
     fn delete(&self, key: &str) -> Result<()>;
     /// Deletes everything under `prefix`.
     fn delete_prefix(&self, prefix: &str) -> Result<()>;
+    /// Cleans up what killed writers left behind outside the step layout (an object store's
+    /// abandoned multipart uploads). Returns what it removed, one line each.
+    fn sweep(&self) -> Result<Vec<String>> {
+        Ok(vec![])
+    }
 }
 
 pub trait BlobWriter: Send {

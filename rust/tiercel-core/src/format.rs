@@ -190,6 +190,10 @@ pub struct CommitRecord {
     pub tier: String,
     /// Seconds since the epoch when the commit was written.
     pub time: f64,
+    /// The ranks this commit covers when the tier is local to a host (the memory tier of a
+    /// job spread over several hosts); absent: every rank of `world_size`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<Vec<u32>>,
 }
 
 impl CommitRecord {
@@ -198,7 +202,7 @@ impl CommitRecord {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs_f64())
             .unwrap_or(0.0);
-        CommitRecord { format: COMMIT_FORMAT.into(), version: FORMAT_VERSION, step, world_size, tier: tier.into(), time }
+        CommitRecord { format: COMMIT_FORMAT.into(), version: FORMAT_VERSION, step, world_size, tier: tier.into(), time, ranks: None }
     }
 
     pub fn from_json(bytes: &[u8], where_: &str) -> Result<Self> {

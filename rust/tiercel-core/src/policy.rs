@@ -248,12 +248,16 @@ impl Policy {
         let root: Node = toml::from_str(text).map_err(|e| {
             // An error at the end of input (an unclosed array) is placed on the last line that
             // has text, not on the empty line after the final newline.
-            let line = e.span().map_or(String::new(), |s| {
-                format!("{}:", line_of(text, s.start.min(text.trim_end().len())))
-            });
+            let at = e.span().map(|s| line_of(text, s.start.min(text.trim_end().len())));
+            let line = at.map_or(String::new(), |l| format!("{l}:"));
             // toml's messages may span lines ("invalid array\nexpected `]`"): keep it one line.
             let message = e.message().trim().replace('\n', "; ");
-            Error::config(format!("{source}:{line} invalid TOML: {message}"))
+            // Quote the line, so the key is named even when toml's message does not.
+            let quoted = at
+                .and_then(|l| text.lines().nth(l - 1))
+                .map(|l| format!(" (line: `{}`)", l.trim()))
+                .unwrap_or_default();
+            Error::config(format!("{source}:{line} invalid TOML: {message}{quoted}"))
         })?;
         Checker {
             source,

@@ -487,7 +487,12 @@ impl Drop for StepWriter {
             let step = self.manifest.step;
             let rank = self.store.rank;
             for (i, seg) in self.parts.drain(..).enumerate() {
-                let _ = std::fs::remove_file(seg.path());
+                let path = seg.path();
+                let _ = std::fs::remove_file(&path);
+                // Removes the step directory only if nothing else (another rank) is in it.
+                if let Some(dir) = path.parent() {
+                    let _ = std::fs::remove_dir(dir);
+                }
                 log::debug!("step {step} rank {rank}: discarded part {i}");
             }
             self.store.memory.forget(step);
@@ -616,6 +621,7 @@ impl StepReader {
         let mut sources = vec![];
         let mut warnings = vec![];
         let mut seen = vec![];
+        let mut broken = false;
         for name in &order {
             let idx = store.slots.iter().position(|s| &s.config.name == name).ok_or_else(|| store.slot(name).err().unwrap())?;
             let tier = &store.slots[idx].tier;
@@ -623,10 +629,14 @@ impl StepReader {
                 Ok(r) => r,
                 Err(e) if e.kind == ErrorKind::NotFound => continue,
                 Err(e) => {
+                    broken |= e.kind == ErrorKind::Integrity;
                     warnings.push(e.message);
                     continue;
                 }
             };
+            if record.ranks.as_ref().is_some_and(|rs| !rs.contains(&rank)) {
+                continue; // a host-local commit of other ranks
+            }
             seen.push(name.clone());
             if rank >= record.world_size {
                 return Err(Error::invalid(format!(
@@ -648,7 +658,7 @@ impl StepReader {
                 }
             }
             let why = if warnings.is_empty() { String::new() } else { format!(" ({})", warnings.join("; ")) };
-            let kind = if seen.is_empty() { ErrorKind::NotFound } else { ErrorKind::Integrity };
+            let kind = if seen.is_empty() && !broken { ErrorKind::NotFound } else { ErrorKind::Integrity };
             return Err(Error::new(
                 kind,
                 format!("step {step} rank {rank} can be restored from no tier in {order:?}{why}; committed steps: {}", have.join(", ")),

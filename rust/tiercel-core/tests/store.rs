@@ -373,3 +373,43 @@ fn bandwidth_limits_persistence() {
     restore_check(&store, 1, Some(&["disk".to_string()]), &puts);
     store.close();
 }
+
+// ---------------------------------------------------------------------------------------------
+// Known core bugs: the behaviour these check is what the API promises; each is ignored until
+// the fix named in its reason lands (then drop the `ignore`).
+// ---------------------------------------------------------------------------------------------
+
+/// A step that can never fit must fail before anything is evicted for it.
+#[test]
+fn oversized_step_evicts_nothing() {
+    let dirs = Dirs::new();
+    let puts = |step: u64| vec![vec![item("a", "uint8", noise(64 << 10, step))]];
+    let store = Store::open(dirs.policy("keep = 100\ncapacity = \"1MiB\"", None, "chunk_size = \"64KiB\""), 0, 1).unwrap();
+    for step in 1..=3 {
+        save_wait(&store, step, &puts(step));
+    }
+    store.flush();
+    let before = store.memory().committed_steps().unwrap();
+    let big = vec![vec![item("huge", "uint8", noise(2 << 20, 9))]];
+    assert_eq!(save(&store, 4, &big).err().expect("must not fit").kind, ErrorKind::Capacity);
+    assert_eq!(store.memory().committed_steps().unwrap(), before, "steps were evicted for a step that could never fit");
+    for s in before {
+        restore_check(&store, s, None, &puts(s));
+    }
+    store.close();
+}
+
+/// A dropped writer removes its (then empty) step directory, so no phantom step is listed.
+#[test]
+fn dropped_writer_removes_its_step_dir() {
+    let dirs = Dirs::new();
+    let store = Store::open(dirs.policy("", None, "chunk_size = \"64KiB\""), 0, 1).unwrap();
+    let puts = step_items(1);
+    {
+        let mut w = store.begin(1);
+        w.add_part("put0", json!([]), puts[0].iter().map(spec).collect()).unwrap();
+    }
+    assert!(!dirs.ram().join(format::step_dir(1)).exists());
+    assert_eq!(store.memory().all_steps().unwrap(), Vec::<u64>::new());
+    store.close();
+}

@@ -223,6 +223,12 @@ impl Store {
         py.allow_threads(|| self.inner.retain(slot)).map_err(err)
     }
 
+    /// Tells the memory tier which ranks share this host's root (a step commits there when
+    /// all of them have written it).
+    fn set_local_ranks(&self, ranks: Vec<u32>) {
+        self.inner.memory().set_local_ranks(ranks)
+    }
+
     /// The peer tier's server address ("ip:port" as bound), or None without a peer tier.
     fn peer_address(&self) -> Option<String> {
         self.inner.peer().map(|p| p.local_addr().to_string())

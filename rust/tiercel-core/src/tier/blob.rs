@@ -39,6 +39,10 @@ impl Tier for BlobTier {
     fn write_rank(&self, logical: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<Manifest> {
         let dir = format::step_dir(logical.step);
         let object = format::data_name(logical.rank);
+        // Writing a step again: uncommit it and drop this rank's old manifest first, so no
+        // reader mixes old and new data and no stale manifest counts towards a commit.
+        self.blobs.delete(&format!("{dir}/{}", format::COMMIT_NAME))?;
+        self.blobs.delete(&format!("{dir}/{}", format::manifest_name(logical.rank)))?;
         let mut w = self.blobs.create(&format!("{dir}/{object}"))?;
         let res = encode_rank(&self.name, logical, src, self.compression, &object, link, &mut |b| w.write(b));
         let manifest = match res {

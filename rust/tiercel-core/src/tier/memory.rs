@@ -67,6 +67,9 @@ pub struct MemoryTier {
     owned: Mutex<BTreeMap<u64, Vec<Arc<Segment>>>>,
     /// Files mapped as restore views, by inode: never recycled while a view is alive.
     views: Mutex<HashMap<u64, Weak<View>>>,
+    /// The ranks that share this host's root, once known; a step commits here when all of
+    /// them have written it. Unknown: every rank of the job (one host).
+    local_ranks: parking_lot::RwLock<Option<Vec<u32>>>,
 }
 
 /// Pool file names are `<pid>-<n>.seg`; `n` is process-wide because several stores (ranks)
@@ -109,6 +112,28 @@ impl Drop for RootLock {
     }
 }
 
+/// Room kept for a part's manifest and commit record beside its data, so that they too stay
+/// within capacity.
+const META_RESERVE: u64 = 2 * 4096;
+
+/// Bytes allocated under `p` (blocks, not apparent sizes: what the host really gave).
+fn dir_bytes(p: &Path, tier: &str) -> Result<u64> {
+    let rd = match fs::read_dir(p) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(Error::io(tier, p, e)),
+    };
+    let mut n = 0;
+    for e in rd.flatten() {
+        match e.metadata() {
+            Ok(m) if m.is_dir() => n += dir_bytes(&e.path(), tier)?,
+            Ok(m) => n += m.blocks() * 512,
+            Err(_) => {} // removed while we looked
+        }
+    }
+    Ok(n)
+}
+
 fn pid_alive(pid: i32) -> bool {
     unsafe { libc::kill(pid, 0) == 0 || *libc::__errno_location() == libc::EPERM }
 }
@@ -124,9 +149,15 @@ impl MemoryTier {
             pool: Mutex::new(vec![]),
             owned: Mutex::new(BTreeMap::new()),
             views: Mutex::new(HashMap::new()),
+            local_ranks: parking_lot::RwLock::new(None),
         };
         t.remove_dead_pools()?;
         Ok(Arc::new(t))
+    }
+
+    /// Tells the tier which ranks write to this host's root.
+    pub fn set_local_ranks(&self, ranks: Vec<u32>) {
+        *self.local_ranks.write() = Some(ranks);
     }
 
     pub fn root(&self) -> &Path {
@@ -156,24 +187,7 @@ impl MemoryTier {
 
     /// Bytes held under the root: every step of every rank on this host, and every pool.
     pub fn used_bytes(&self) -> Result<u64> {
-        fn walk(p: &Path, tier: &str) -> Result<u64> {
-            let mut n = 0;
-            let rd = match fs::read_dir(p) {
-                Ok(rd) => rd,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
-                Err(e) => return Err(Error::io(tier, p, e)),
-            };
-            for e in rd.flatten() {
-                match e.metadata() {
-                    Ok(m) if m.is_dir() => n += walk(&e.path(), tier)?,
-                    // Allocated blocks, not the apparent size: what the host really gave.
-                    Ok(m) => n += m.blocks() * 512,
-                    Err(_) => {} // removed while we looked
-                }
-            }
-            Ok(n)
-        }
-        walk(&self.root, &self.name)
+        dir_bytes(&self.root, &self.name)
     }
 
     fn new_segment(&self, size: u64) -> Result<Arc<Segment>> {
@@ -232,60 +246,80 @@ impl MemoryTier {
         Ok(Some(self.map_segment(f, path, size)?))
     }
 
-    /// Makes room for `need` more bytes: drops this process's spare pool segments first,
-    /// then uncommitted leftovers of older steps, then the oldest committed steps. The newest
-    /// committed step is never evicted to make room for a step that may yet fail.
-    fn make_room(&self, need: u64, step: u64, rank: u32) -> Result<()> {
-        let Some(cap) = self.capacity else { return Ok(()) };
-        let mut used = self.used_bytes()?;
-        while used + need > cap {
-            // The pool guard must be gone before the else branch: `evict` locks the pool
-            // again (an `if let` on `self.pool.lock().pop()` would hold it there: deadlock).
-            let spare = self.pool.lock().pop();
-            if let Some(seg) = spare {
-                let _ = fs::remove_file(seg.path());
-            } else {
-                let committed = self.committed_steps()?;
-                let newest = committed.last().copied();
-                let victim = self
-                    .all_steps()?
-                    .into_iter()
-                    .filter(|s| *s != step && Some(*s) != newest)
-                    .find(|s| !committed.contains(s) && newest.is_some_and(|n| *s < n))
-                    .or_else(|| committed.iter().copied().find(|s| Some(*s) != newest && *s != step));
-                let Some(victim) = victim else {
-                    return Err(Error::capacity(format!(
-                        "tier '{}' ({}): step {step} rank {rank} needs {} more, {} of the {} capacity are in use \
-                         and only the newest committed step ({}) is left: raise `capacity` or save less per step",
-                        self.name,
-                        self.root.display(),
-                        size_str(need),
-                        size_str(used),
-                        size_str(cap),
-                        newest.map(|n| n.to_string()).unwrap_or_else(|| "none".into()),
-                    )));
-                };
-                log::info!("tier '{}': evicting step {victim} to make room for step {step}", self.name);
-                self.evict(victim)?;
+    /// Steps that may be evicted to make room for `step`, oldest first: uncommitted
+    /// leftovers older than the newest committed step, then committed steps but the newest.
+    /// The newest committed step is never evicted for a step that may yet fail.
+    fn evictable(&self, step: u64) -> Result<Vec<u64>> {
+        let committed = self.committed_steps()?;
+        let newest = committed.last().copied();
+        let mut v: Vec<u64> = self
+            .all_steps()?
+            .into_iter()
+            .filter(|s| *s != step && !committed.contains(s) && newest.is_some_and(|n| *s < n))
+            .collect();
+        v.extend(committed.iter().copied().filter(|s| Some(*s) != newest && *s != step));
+        Ok(v)
+    }
+
+    /// A segment of `size` bytes within capacity: a spare one that fits, else a new one. To
+    /// make room it drops spare segments too small to use, then evicts steps oldest first,
+    /// trying the pool again after each (an evicted step's segments return to it). When even
+    /// evicting everything allowed could not make room, it fails before evicting anything.
+    fn reserve(&self, size: u64, step: u64, rank: u32) -> Result<Arc<Segment>> {
+        loop {
+            if let Some(seg) = self.take_pooled(size)? {
+                return Ok(seg);
             }
-            used = self.used_bytes()?;
+            let Some(cap) = self.capacity else { return self.new_segment(size) };
+            let need = size + META_RESERVE;
+            let used = self.used_bytes()?;
+            if used + need <= cap {
+                return self.new_segment(size);
+            }
+            let victims = self.evictable(step)?;
+            let spare: u64 = self.pool.lock().iter().map(|s| s.len() as u64).sum();
+            let mut freeable = spare;
+            for v in &victims {
+                freeable += dir_bytes(&self.root.join(format::step_dir(*v)), &self.name)?;
+            }
+            if used.saturating_sub(freeable) + need > cap {
+                return Err(Error::capacity(format!(
+                    "tier '{}' ({}): step {step} rank {rank} needs {}; {} of the {} capacity are in use and at most {} \
+                     could be freed without evicting the newest committed step: raise `capacity` or save less per step",
+                    self.name,
+                    self.root.display(),
+                    size_str(need),
+                    size_str(used),
+                    size_str(cap),
+                    size_str(freeable),
+                )));
+            }
+            // Bind first: `evict` locks the pool again.
+            let too_small = self.pool.lock().pop();
+            if let Some(seg) = too_small {
+                let _ = fs::remove_file(seg.path());
+                continue;
+            }
+            log::info!("tier '{}': evicting step {} to make room for step {step}", self.name, victims[0]);
+            self.evict(victims[0])?;
         }
-        Ok(())
     }
 
     /// A writable segment of `size` bytes for part `part` of `rank` at `step`: recycled from
     /// the pool when one fits, else newly allocated (never beyond `capacity`).
     pub fn allocate(&self, step: u64, rank: u32, part: usize, size: u64) -> Result<Arc<Segment>> {
         let _lock = RootLock::take(&self.name, &self.root)?;
-        let seg = match self.take_pooled(size)? {
-            Some(seg) => seg,
-            None => {
-                self.make_room(size, step, rank)?;
-                self.new_segment(size)?
-            }
-        };
+        let seg = self.reserve(size, step, rank)?;
         let dir = self.root.join(format::step_dir(step));
         fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(|e| Error::io(&self.name, &dir, e))?;
+        if part == 0 {
+            // Saving a step again (a job that resumed from an older step redoes it): the old
+            // commit and this rank's old manifest go before any of its data is replaced, so no
+            // reader mixes old and new, and no stale manifest counts towards a new commit.
+            let key = format::step_dir(step);
+            self.blobs.delete(&format!("{key}/{}", format::COMMIT_NAME))?;
+            self.blobs.delete(&format!("{key}/{}", format::manifest_name(rank)))?;
+        }
         let dst = dir.join(format::part_name(rank, part));
         let src = seg.path();
         fs::rename(&src, &dst).map_err(|e| Error::io(&self.name, &dst, e))?;
@@ -368,6 +402,11 @@ impl MemoryTier {
         for s in &victims {
             self.evict(*s)?;
         }
+        // Steps of ours that another rank on this host evicted (it deletes the whole step):
+        // drop our mappings of them, or their memory would stay mapped for ever.
+        let present = self.all_steps()?;
+        let oldest_kept = committed.iter().rev().take(keep).last().copied();
+        self.owned.lock().retain(|s, _| present.contains(s) || oldest_kept.is_none_or(|o| *s > o));
         Ok(victims)
     }
 
@@ -382,7 +421,7 @@ impl MemoryTier {
                 continue;
             }
             if let Some(cap) = self.capacity {
-                if self.used_bytes()? + size > cap {
+                if self.used_bytes()? + size + META_RESERVE > cap {
                     return Ok(());
                 }
             }
@@ -454,5 +493,23 @@ impl Tier for MemoryTier {
 
     fn delete_step(&self, step: u64) -> Result<()> {
         self.evict(step)
+    }
+
+    /// Commits once every rank that shares this host's root has written the step.
+    fn try_commit(&self, step: u64, world_size: u32) -> Result<bool> {
+        let dir = format::step_dir(step);
+        let names = self.blobs.list(&dir)?;
+        if names.iter().any(|n| n == format::COMMIT_NAME) {
+            return Ok(true);
+        }
+        let local = self.local_ranks.read().clone();
+        let ranks: Vec<u32> = local.clone().unwrap_or_else(|| (0..world_size).collect());
+        if !ranks.iter().all(|r| names.contains(&format::manifest_name(*r))) {
+            return Ok(false);
+        }
+        let mut record = crate::format::CommitRecord::new(step, world_size, &self.name);
+        record.ranks = local;
+        self.blobs.put_if_absent(&format!("{dir}/{}", format::COMMIT_NAME), &serde_json::to_vec(&record).unwrap())?;
+        Ok(true)
     }
 }

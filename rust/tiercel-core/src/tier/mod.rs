@@ -131,12 +131,14 @@ pub fn read_chunk(tier: &dyn Tier, m: &Manifest, item: usize, chunk: usize, dst:
             c.offset + c.len
         )
     };
+    // A committed step whose data object is gone has lost data: an integrity problem.
+    let missing = |e: Error| if e.kind == ErrorKind::NotFound { Error::integrity(e.message) } else { e };
     let res = (|| {
         if c.codec == codec::RAW {
-            tier.read_stored(m, c, dst)?;
+            tier.read_stored(m, c, dst).map_err(missing)?;
         } else {
             let mut stored = vec![0u8; c.stored_len as usize];
-            tier.read_stored(m, c, &mut stored)?;
+            tier.read_stored(m, c, &mut stored).map_err(missing)?;
             codec::decode(&c.codec, &stored, dst)?;
         }
         let crc = crc32c::crc32c(dst);

@@ -1,0 +1,353 @@
+"""The `tiercel` command line, run for real (`python -m tiercel` in a subprocess) against
+stores saved here: a memory tier under /dev/shm and an fs tier under tmp_path, two ranks.
+
+Each subprocess pays for importing the package (torch included), so the checks that need a
+real process are few and each does a lot; smaller checks call `cli.main()` in-process.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tiercel
+from tiercel import cli
+
+WORLD = 2
+STEPS = (1, 2, 3, 4)
+
+POLICY = """\
+# written by tests/test_cli.py
+[[tier]]
+name = "ram"
+kind = "memory"
+root = "{shm}"
+keep = {ram_keep}
+
+[[tier]]
+name = "disk"
+kind = "fs"
+url = "{disk}"
+every = 2
+keep = {disk_keep}
+compression = "zstd"
+
+[store]
+chunk_size = "64KiB"
+"""
+
+
+def state_of(step: int, rank: int) -> dict:
+    rng = np.random.default_rng(step * 100 + rank)
+    return {
+        "model": {
+            # Half noise, half zeros: compresses, but not to nothing; 3 chunks of 64 KiB.
+            "w": np.concatenate([rng.standard_normal(20000, dtype=np.float32), np.zeros(20000, np.float32)]),
+            "b": np.full(10, step + rank / 10, dtype=np.float64),
+        },
+        "extra": {"blob": bytes([step, rank]) * 50, "note": f"step {step}"},
+    }
+
+
+@dataclass
+class Env:
+    tmp: Path
+    policy: Path
+    shm: Path
+    disk: Path
+
+    def write_policy(self, path: Path, ram_keep: int = 3, disk_keep: int = 2) -> Path:
+        path.write_text(POLICY.format(shm=self.shm, disk=self.disk, ram_keep=ram_keep, disk_keep=disk_keep))
+        return path
+
+    def step_dir(self, tier: str, step: int) -> Path:
+        return (self.shm if tier == "ram" else self.disk) / f"step-{step:012d}"
+
+
+@pytest.fixture
+def env(tmp_path: Path):
+    shm_base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    e = Env(tmp_path, tmp_path / "tiercel.toml", shm_base / f"tiercel-cli-test-{uuid.uuid4().hex[:12]}", tmp_path / "disk")
+    e.write_policy(e.policy)
+    try:
+        # Rank by rank: each step commits on a tier once the second rank has written it.
+        for rank in range(WORLD):
+            with tiercel.Store(e.policy, rank=rank, world_size=WORLD) as store:
+                for step in STEPS:
+                    store.save(step, state_of(step, rank)).wait(30)
+        yield e
+    finally:
+        shutil.rmtree(e.shm, ignore_errors=True)
+
+
+def run(*args: str, policy: Path | None = None, env_vars: dict | None = None, cwd: Path | None = None):
+    cmd = [sys.executable, "-m", "tiercel"]
+    if policy is not None:
+        cmd += ["--policy", str(policy)]
+    e = {k: v for k, v in os.environ.items() if k != "TIERCEL_POLICY"}
+    e.update(env_vars or {})
+    r = subprocess.run(cmd + list(args), capture_output=True, text=True, env=e, cwd=cwd, timeout=120)
+    assert "Traceback" not in r.stderr, r.stderr
+    return r
+
+
+def main(capsys, *args: str) -> tuple[int, str, str]:
+    code = cli.main(list(args))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return code, out, err
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+# -- through a real process ------------------------------------------------------------------
+
+
+def test_ls_text_and_json_policy_from_env(env: Env):
+    # An uncommitted leftover (a rank that died mid-save) is listed as such.
+    left = env.step_dir("disk", 1)
+    left.mkdir()
+    (left / "rank-00000.data").write_bytes(b"x" * 1000)
+
+    r = run("ls", policy=env.policy)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert any(l.startswith("ram (memory, ") and "keep 3" in l for l in lines), r.stdout
+    assert any(l.startswith("disk (fs, ") and "every 2" in l and "zstd:3" in l for l in lines), r.stdout
+    rows = [l.split() for l in lines if l.startswith("  ") and not l.strip().startswith("STEP")]
+    committed = [(row[0], row[2]) for row in rows if row[1] == "committed"]
+    assert committed == [("2", "2"), ("3", "2"), ("4", "2"), ("2", "2"), ("4", "2")], r.stdout
+    assert [row for row in rows if row[1] == "uncommitted"][0][:2] == ["1", "uncommitted"]
+    header = next(l for l in lines if l.strip().startswith("STEP"))
+    assert header.split() == ["STEP", "STATE", "RANKS", "SIZE", "RAW", "COMMITTED"]
+
+    # $TIERCEL_POLICY, from a directory without a tiercel.toml.
+    elsewhere = env.tmp / "elsewhere"
+    elsewhere.mkdir()
+    r = run("ls", "--json", env_vars={"TIERCEL_POLICY": str(env.policy)}, cwd=elsewhere)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["policy"] == str(env.policy)
+    tiers = {t["name"]: t for t in doc["tiers"]}
+    assert [s["step"] for s in tiers["ram"]["steps"]] == [2, 3, 4]
+    disk = {s["step"]: s for s in tiers["disk"]["steps"]}
+    assert disk[1]["state"] == "uncommitted" and disk[1]["stored_bytes"] == 1000 and disk[1]["ranks"] == 0
+    s4 = disk[4]
+    raw = sum(v.nbytes for r_ in range(WORLD) for v in (state_of(4, r_)["model"]["w"], state_of(4, r_)["model"]["b"])) + 2 * 100
+    on_disk = sum(p.stat().st_size for p in env.step_dir("disk", 4).glob("rank-*.data"))
+    assert (s4["state"], s4["world_size"], s4["ranks"], s4["raw_bytes"], s4["stored_bytes"]) == ("committed", 2, 2, raw, on_disk)
+    assert s4["stored_bytes"] < s4["raw_bytes"]  # zstd
+    assert abs(s4["time"] - time.time()) < 600
+
+
+def test_inspect(env: Env):
+    r = run("inspect", "4", "--tier", "disk", policy=env.policy)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "step 4 on tier 'disk', world size 2" in out
+    assert "committed on: ram, disk" in out
+    assert "rank 0:" in out and "rank 1:" in out
+    w = next(l.split() for l in out.splitlines() if l.strip().startswith("model/w"))
+    # ITEM KIND DTYPE SHAPE BYTES(2 words) CHUNKS CODECS STORED(2) RATIO
+    assert w[:4] == ["model/w", "array", "float32", "[40000]"]
+    assert w[6:8] == ["3", "zstd"]
+    assert float(w[-1].rstrip("x")) > 1.2
+    assert any(l.split()[:3] == ["extra/blob", "bytes", "uint8"] for l in out.splitlines())
+
+
+def test_verify_ok_and_missing_step(env: Env):
+    r = run("verify", policy=env.policy)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all checksums hold" in r.stdout
+    # Not a terminal: one line per step on stderr.
+    assert [l.split(":")[1].strip() for l in r.stderr.splitlines()] == [
+        "tier 'ram' step 2", "tier 'ram' step 3", "tier 'ram' step 4", "tier 'disk' step 2", "tier 'disk' step 4"]
+
+    r = run("verify", "9", policy=env.policy)
+    assert r.returncode == 3
+    assert r.stderr.startswith("tiercel: error: step 9 is committed on no tier")
+
+
+def test_verify_finds_flipped_byte(env: Env):
+    d = env.step_dir("disk", 4)
+    m = json.loads((d / "rank-00001.manifest.json").read_text())
+    item = next(i for i in m["items"] if i["name"] == "model/w")
+    c = item["chunks"][1]
+    flip_byte(d / m["objects"][c["object"]]["name"], c["stored_offset"] + c["stored_len"] // 2)
+
+    r = run("verify", policy=env.policy)
+    assert r.returncode == 1, r.stdout + r.stderr
+    bad = [l for l in r.stdout.splitlines() if l.startswith("CORRUPT")]
+    assert len(bad) == 1, r.stdout
+    assert "tier 'disk' step 4 rank 1 item 'model/w'" in bad[0]
+    assert "chunk 1" in bad[0]
+    assert "1 corrupt" in r.stdout.splitlines()[-1]
+
+
+def test_cp_skipped_step_then_restore_from_disk_only(env: Env):
+    with tiercel.Store(env.policy, rank=0, world_size=1) as s:
+        assert 3 not in s.steps()["disk"]  # `every = 2` skipped it
+    r = run("cp", "3", "--from", "ram", "--to", "disk", policy=env.policy)
+    assert r.returncode == 0, r.stderr
+    assert "copied step 3 (2 ranks" in r.stdout
+    assert "1/2 ranks" in r.stderr and "2/2 ranks" in r.stderr  # progress per rank
+
+    with tiercel.Store(env.policy, rank=0, world_size=1) as s:
+        assert 3 in s.steps()["disk"]
+        for rank in range(WORLD):
+            reader = s.reader(3, rank=rank, tiers=["disk"])
+            got = reader.get_all()
+            want = state_of(3, rank)
+            for k in ("w", "b"):
+                a, b = got["model"][k], want["model"][k]
+                assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+            assert got["extra"] == want["extra"]
+            assert set(reader.info.tiers) == {"disk"}
+
+
+def test_gc_removes_leftovers_beyond_keep_and_stale_tmp(env: Env):
+    for tier in ("ram", "disk"):  # a rank that died mid-save, older than the newest step
+        d = env.step_dir(tier, 1)
+        d.mkdir()
+        (d / "rank-00000.part-000.data").write_bytes(b"\0" * 64)
+    newer = env.step_dir("disk", 9)  # a save in progress: newer than any committed step
+    newer.mkdir()
+    (newer / "rank-00000.data").write_bytes(b"\0" * 64)
+    d4 = env.step_dir("disk", 4)
+    old = time.time() - 7200
+    stale = d4 / "rank-00000.data.tmp-999999999-0"  # no such process
+    live = d4 / f"rank-00001.data.tmp-{os.getpid()}-0"  # its writer is alive
+    for p in (stale, live):
+        p.write_bytes(b"tmp")
+        os.utime(p, (old, old))
+    outside = env.tmp / "outside.tmp-999999999-1"
+    outside.write_bytes(b"keep me")
+    os.symlink(outside, d4 / "link.tmp-999999999-2")
+
+    tighter = env.write_policy(env.tmp / "keep1.toml", ram_keep=1, disk_keep=1)
+    r = run("gc", policy=tighter)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "ram: removed step 1 (uncommitted leftover)" in out
+    assert "ram: removed step 2 (committed; beyond keep 1)" in out
+    assert "ram: removed step 3 (committed; beyond keep 1)" in out
+    assert "disk: removed step 1 (uncommitted leftover)" in out
+    assert "disk: removed step 2 (committed; beyond keep 1)" in out
+    assert f"disk: removed step-{4:012d}/{stale.name} (stale temporary file" in out
+    assert out.splitlines()[-1] == "gc: removed 5 steps and 1 temporary file"
+
+    assert sorted(p.name for p in env.shm.glob("step-*")) == [f"step-{4:012d}"]
+    assert sorted(p.name for p in env.disk.glob("step-*")) == [f"step-{4:012d}", f"step-{9:012d}"]
+    assert not stale.exists() and live.exists() and (d4 / "link.tmp-999999999-2").is_symlink()
+    assert outside.read_bytes() == b"keep me"
+    with tiercel.Store(tighter, rank=0, world_size=1) as s:
+        assert s.steps() == {"ram": [4], "disk": [4]}
+
+
+def test_bad_policy_is_a_usage_error_with_file_and_line(tmp_path: Path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[tier]]\nname = "ram"\nkind = "memory"\nroot = "/dev/shm/never-used"\nkeep = -1\n')
+    r = run("ls", policy=bad)
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"tiercel: error: {bad}:5:"), r.stderr
+    assert "keep" in r.stderr
+    assert not Path("/dev/shm/never-used").exists()
+
+
+# -- in-process: the smaller cases -----------------------------------------------------------
+
+
+def test_inspect_json_default_tier_and_rank(env: Env, capsys):
+    code, out, _ = main(capsys, "--policy", str(env.policy), "inspect", "3", "--rank", "1", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert (doc["tier"], doc["on_tiers"], doc["world_size"]) == ("ram", ["ram"], 2)
+    [rk] = doc["ranks"]
+    assert rk["rank"] == 1 and rk["puts"] == ["model", "extra"]
+    items = {i["name"]: i for i in rk["items"]}
+    assert items["model/w"]["shape"] == [40000] and items["model/w"]["chunks"] == 3
+    assert items["model/w"]["codecs"] == {"raw": 3} and items["model/w"]["ratio"] == 1.0
+    assert main(capsys, "--policy", str(env.policy), "inspect", "3", "--rank", "2")[0] == 3
+    assert main(capsys, "--policy", str(env.policy), "inspect", "3", "--tier", "disk")[0] == 3
+
+
+def test_verify_json_one_tier(env: Env, capsys):
+    seg = env.step_dir("ram", 2) / "rank-00000.part-000.data"
+    flip_byte(seg, 10)
+    code, out, _ = main(capsys, "--policy", str(env.policy), "verify", "--tier", "disk", "--json")
+    assert code == 0 and json.loads(out)["ok"] is True
+    code, out, _ = main(capsys, "--policy", str(env.policy), "verify", "2", "--json")
+    assert code == 1
+    doc = json.loads(out)
+    assert [(c["tier"], c["step"], c["ok"]) for c in doc["checked"]] == [("ram", 2, False), ("disk", 2, True)]
+    [p] = doc["problems"]
+    assert (p["tier"], p["step"], p["rank"], p["item"], p["kind"]) == ("ram", 2, 0, "model/w", "corrupt")
+
+
+def test_usage_errors_rm_and_cp_noop(env: Env, capsys, monkeypatch, tmp_path):
+    pol = str(env.policy)
+    code, _, err = main(capsys, "--policy", pol, "verify", "--tier", "tape")
+    assert code == 2 and "no tier named 'tape'" in err and "ram, disk" in err
+    assert main(capsys, "--policy", pol, "cp", "2", "--from", "ram", "--to", "ram")[0] == 2
+    code, out, _ = main(capsys, "--policy", pol, "cp", "2", "--from", "ram", "--to", "disk")
+    assert code == 0 and "already committed" in out
+    assert main(capsys, "--policy", pol, "rm", "3", "--tier", "ram")[:2] == (0, "removed step 3 from tier 'ram'\n")
+    assert main(capsys, "--policy", pol, "rm", "3", "--tier", "ram")[0] == 3
+    # No --policy, no $TIERCEL_POLICY and no ./tiercel.toml.
+    monkeypatch.delenv("TIERCEL_POLICY", raising=False)
+    monkeypatch.chdir(tmp_path / "disk")
+    code, _, err = main(capsys, "ls")
+    assert code == 2 and "tiercel.toml" in err and "--policy" in err
+    # --policy wins over $TIERCEL_POLICY.
+    monkeypatch.setenv("TIERCEL_POLICY", str(tmp_path / "missing.toml"))
+    assert main(capsys, "--policy", pol, "ls")[0] == 0
+    with pytest.raises(SystemExit) as e:
+        cli.main(["verify", "-1"])
+    assert e.value.code == 2
+
+
+def test_gc_dry_run_removes_nothing(env: Env, capsys):
+    d = env.step_dir("disk", 1)
+    d.mkdir()
+    tighter = env.write_policy(env.tmp / "keep1.toml", ram_keep=1, disk_keep=1)
+    code, out, _ = main(capsys, "--policy", str(tighter), "gc", "--dry-run")
+    assert code == 0
+    assert out.splitlines()[-1] == "gc: would remove 4 steps and 0 temporary files"
+    assert d.is_dir() and len(list(env.shm.glob("step-*"))) == 3
+
+
+def test_progress_helper():
+    buf = io.StringIO()
+    p = cli.Progress("cp", 2, 2048, unit="ranks", lines=True, stream=buf)
+    p.update(done=1, nbytes=1024)
+    p.update(done=2, nbytes=2048)
+    p.finish("done")
+    assert buf.getvalue() == "cp: 1/2 ranks, 1.0 KiB / 2.0 KiB\ncp: 2/2 ranks, 2.0 KiB / 2.0 KiB\ndone\n"
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    t = Tty()
+    p = cli.Progress("verify", 4, 4096, unit="ranks", stream=t)
+    p.update(done=4, nbytes=4096)
+    p.finish("ok")
+    assert t.getvalue() == "\rverify [########################] 4/4 ranks  4.0 KiB / 4.0 KiB\x1b[K\r\x1b[Kok\n"
+    assert [cli.fmt_bytes(n) for n in (0, 1023, 1024, 5 << 30)] == ["0 B", "1023 B", "1.0 KiB", "5.0 GiB"]

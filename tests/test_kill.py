@@ -1,0 +1,148 @@
+"""kill -9 of a saving process at random moments: what is committed is whole, and nothing
+uncommitted is ever returned."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tiercel
+from conftest import PYTHON, assert_same, child_env, make_policy, step_dir
+
+SEED = 20240601
+RUNS = 6
+
+
+def step_state(step: int) -> dict:
+    """~2.5 MB, a function of the step number only."""
+    rng = np.random.default_rng(step)
+    return {
+        "model": {
+            "w": rng.standard_normal(300_000).astype(np.float32),
+            "emb": torch.from_numpy(rng.integers(0, 2**15, (500, 300), dtype=np.int16)),
+            "b": torch.full((1000,), float(step), dtype=torch.bfloat16),
+        },
+        "optim": {"m": rng.standard_normal(100_000), "step": step},
+        "rng": rng.bytes(1000),
+    }
+
+
+SAVER = r"""
+import json, sys
+import tiercel
+from test_kill import step_state
+policy = json.loads(sys.argv[1])
+store = tiercel.Store(policy, rank=0, world_size=1)
+# As a restarted trainer: continue after the newest step it can restore.
+newest = store.latest_step() or 0
+if newest:
+    store.restore()
+step = newest + 1
+print("ready", step, flush=True)
+previous = None
+while True:
+    handle = store.save(step, step_state(step))
+    print("saved", step, flush=True)
+    if previous is not None:  # one save in flight behind the current one, as trainers do
+        previous.wait(60)
+    previous = handle
+    step += 1
+"""
+
+
+def policy_for(shm_root, disk_root) -> dict:
+    # 1 MiB chunks: a step is a few chunks per item, not hundreds.
+    return make_policy(shm_root, disk_root, chunk_size="1MiB", disk_opts={"keep": 3})
+
+
+def run_and_kill(policy: dict, delay: float, log_dir: Path) -> list[int]:
+    """Starts a saver, lets it save for `delay` seconds once it is ready, then kills it with
+    SIGKILL. Returns the steps whose save() call had returned."""
+    lines: list[str] = []
+    err_path = log_dir / f"saver-{time.monotonic_ns()}.stderr"
+    with open(err_path, "w") as err:
+        p = subprocess.Popen([PYTHON, "-c", SAVER, json.dumps(policy)], stdout=subprocess.PIPE, stderr=err, text=True, env=child_env())
+    reader = threading.Thread(target=lambda: lines.extend(iter(p.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any(l.startswith("ready") for l in lines):
+            assert p.poll() is None, f"saver exited early ({p.returncode}): {err_path.read_text()}"
+            assert time.monotonic() < deadline, "saver never became ready"
+            time.sleep(0.01)
+        time.sleep(delay)
+        assert p.poll() is None, f"saver died by itself ({p.returncode}): {err_path.read_text()}"
+        p.kill()  # SIGKILL, at whatever the saver was doing
+        p.wait(30)
+        assert p.returncode == -9, p.returncode
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+        reader.join(10)
+        p.stdout.close()
+    return [int(l.split()[1]) for l in lines if l.startswith("saved")]
+
+
+def test_kill_during_saves(shm_root, disk_root, make_store):
+    policy = policy_for(shm_root, disk_root)
+    rnd = random.Random(SEED)
+    delays = [rnd.uniform(0.05, 1.5) for _ in range(RUNS)]
+    returned: list[int] = []
+    for delay in delays:
+        returned += run_and_kill(policy, delay, disk_root.parent)
+    assert returned, f"no save returned in {RUNS} runs (delays {delays})"
+    print(f"delays {[round(d, 2) for d in delays]}: saves returned {returned}")
+
+    store = make_store(policy)
+    committed = store.steps()
+    newest = max(s for steps in committed.values() for s in steps)
+    # The saver waits for save N-1 to be final before it starts save N+1: of the saves that
+    # returned, all but the last two were surely committed.
+    assert newest >= max(returned) - 2, (newest, returned, committed)
+
+    # 1. restore() gives the newest committed step, bit for bit.
+    got = store.restore()
+    assert store.last_restore.step == newest
+    assert_same(got, step_state(newest))
+
+    # 2. Every committed step on every tier verifies, read from that tier alone.
+    for tier, steps in committed.items():
+        assert steps, f"nothing committed on {tier}: {committed}"
+        for step in steps:
+            r = store.reader(step, tiers=[tier])
+            assert_same(r.get_all(), step_state(step), f"{tier} step {step}")
+            assert set(r.info.tiers) == {tier}
+
+    # 3. Leftovers of killed saves are never returned.
+    for tier in committed:
+        for step in set(store._core.all_steps(tier)) - set(committed[tier]):
+            with pytest.raises(tiercel.NotFoundError):
+                store.reader(step, tiers=[tier])
+    for step in range(newest + 1, newest + 3):
+        with pytest.raises(tiercel.NotFoundError):
+            store.restore(step)
+
+    # 4. Spare segments of the dead savers were reclaimed when this store opened.
+    pool = Path(shm_root) / ".pool"
+    owners = {name.split("-")[0] for name in os.listdir(pool)}
+    assert owners <= {str(os.getpid())}, owners
+
+    # 5. One more restart goes on from there, and memory retention (keep = 2) held.
+    more = run_and_kill(policy, 1.5, disk_root.parent)
+    assert more and more[0] == newest + 1, (newest, more)
+    last = store.latest_step()
+    assert last is not None and last > newest, (newest, last)
+    assert_same(store.restore(), step_state(last))
+    assert len(store.steps()["ram"]) <= 2, store.steps()
+    stale = [s for s in store._core.all_steps("ram") if s < last - 2]
+    assert stale == [], f"old steps left in ram: {stale}"

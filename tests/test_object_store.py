@@ -1,0 +1,390 @@
+"""The object-store tiers (s3, gcs) against real servers started by the tests on 127.0.0.1:
+moto's S3 server, SeaweedFS's S3 gateway, fake-gcs-server; a fault-injecting TCP proxy in
+between for resets, 5xx answers and stalls; kill -9 of a writer in the middle of a multipart
+upload. Small states (a few MB) so that the suite stays quick on two shared cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tiercel
+from faultproxy import FaultProxy
+from servers import SECRET_KEY, gcs_server, moto_server, s3_env, seaweed_server  # noqa: F401 (fixtures)
+
+TESTS_DIR = Path(__file__).resolve().parent
+MiB = 1 << 20
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def shm():
+    roots: list[Path] = []
+
+    def make() -> Path:
+        r = Path("/dev/shm") / f"tiercel-test-obj-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+        roots.append(r)
+        return r
+
+    yield make
+    for r in roots:
+        shutil.rmtree(r, ignore_errors=True)
+
+
+@pytest.fixture(params=["moto", "seaweedfs"])
+def s3(request, s3_env):
+    """(server, bucket) for each S3 server."""
+    server = request.getfixturevalue("moto_server" if request.param == "moto" else "seaweed_server")
+    return server, server.new_bucket()
+
+
+@pytest.fixture
+def moto(moto_server, s3_env):
+    return moto_server, moto_server.new_bucket()
+
+
+def policy(ram: Path, url: str, *, kind: str = "s3", endpoint: str | None = None, order: list[str] | None = None,
+           **opts) -> dict:
+    tier = {"name": kind, "kind": kind, "url": url, **opts}
+    if endpoint is not None:
+        tier["endpoint"] = endpoint
+    return {
+        "tier": [{"name": "ram", "kind": "memory", "root": str(ram)}, tier],
+        "restore": {"order": order or ["ram", kind]},
+        "store": {"chunk_size": "256KiB", "threads": 2, "io_threads": 2},
+    }
+
+
+def state(seed: int, noise_bytes: int = 1 * MiB, floats: int = 300_000) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "model": {
+            "w": rng.standard_normal(floats).astype(np.float32),  # compressible by bytegroup, a bit by zstd
+            "noise": rng.integers(0, 256, noise_bytes, dtype=np.uint8),  # incompressible
+            "zeros": np.zeros(70_000, dtype=np.int64),
+            "empty": np.zeros(0, dtype=np.float32),
+        },
+        "step": seed,
+        "blob": b"tiercel" * 1000,
+    }
+
+
+def assert_same(got, want, path="$"):
+    if isinstance(want, np.ndarray):
+        assert isinstance(got, np.ndarray), path
+        assert got.dtype == want.dtype and got.shape == want.shape, path
+        assert got.tobytes() == want.tobytes(), f"{path}: bytes differ"
+    elif isinstance(want, dict):
+        assert list(got) == list(want), path
+        for k in want:
+            assert_same(got[k], want[k], f"{path}[{k!r}]")
+    else:
+        assert type(got) is type(want) and got == want, f"{path}: {got!r} != {want!r}"
+
+
+def save_wait(store: tiercel.Store, step: int, st: dict, timeout: float = 120) -> dict:
+    h = store.save(step, st)
+    return h.wait(timeout)
+
+
+def restore_from(pol: dict, ram: Path, step: int | None = None, **kw):
+    """Restores with an empty memory tier at `ram`: every byte comes from the slow tier."""
+    pol = json.loads(json.dumps(pol))
+    pol["tier"][0]["root"] = str(ram)
+    with tiercel.Store(pol, rank=0, world_size=1) as s:
+        out = s.restore(step, **kw)
+        return out, s.last_restore
+
+
+def step_keys(server, bucket: str, prefix: str, step: int) -> list[str]:
+    return server.keys(bucket, f"{prefix}/step-{step:012d}/")
+
+
+# -- save and restore --------------------------------------------------------------------------
+
+
+def test_save_restore_through_s3_is_bit_identical(s3, shm):
+    server, bucket = s3
+    pol = policy(shm(), f"s3://{bucket}/run1", endpoint=server.endpoint)
+    want = state(1)
+    with tiercel.Store(pol, rank=0, world_size=1) as store:
+        states = save_wait(store, 1, want)
+        assert states == {"ram": "committed", "s3": "committed"}
+        assert store.steps() == {"ram": [1], "s3": [1]}
+    keys = step_keys(server, bucket, "run1", 1)
+    assert keys == ["run1/step-000000000001/COMMIT", "run1/step-000000000001/rank-00000.data",
+                    "run1/step-000000000001/rank-00000.manifest.json"], keys
+    got, info = restore_from(pol, shm())
+    assert_same(got, want)
+    assert info.tier == "s3" and set(info.tiers) == {"s3"}, info
+    # zstd:3 (the default) shrank the compressible items: fewer bytes stored than saved.
+    stored = server.client().head_object(Bucket=bucket, Key="run1/step-000000000001/rank-00000.data")["ContentLength"]
+    assert stored < info.nbytes
+
+
+def test_a_policy_with_only_the_url_reaches_the_server_named_by_the_environment(moto, shm, monkeypatch):
+    server, bucket = moto
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    pol = policy(shm(), f"s3://{bucket}/only-url")
+    want = state(2, noise_bytes=100_000, floats=1000)
+    with tiercel.Store(pol, rank=0, world_size=1) as store:
+        assert save_wait(store, 7, want)["s3"] == "committed"
+    got, info = restore_from(pol, shm())
+    assert_same(got, want)
+    assert info.tier == "s3"
+    # AWS_ENDPOINT (object_store's spelling) works as well; an http:// endpoint implies http.
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.delenv("AWS_ALLOW_HTTP")
+    monkeypatch.setenv("AWS_ENDPOINT", server.endpoint)
+    got, _ = restore_from(pol, shm())
+    assert_same(got, want)
+
+
+def test_objects_larger_than_a_part_go_up_as_parallel_multipart_uploads(s3, shm):
+    server, bucket = s3
+    pol = policy(shm(), f"s3://{bucket}/mp", endpoint=server.endpoint, part_size="5MiB", concurrency=3,
+                 compression="none")
+    want = state(3, noise_bytes=17 * MiB, floats=10)
+    with tiercel.Store(pol, rank=0, world_size=1) as store:
+        assert save_wait(store, 1, want)["s3"] == "committed"
+    head = server.client().head_object(Bucket=bucket, Key="mp/step-000000000001/rank-00000.data")
+    # A multipart object's ETag ends in "-<parts>": 17+ MiB in 5 MiB parts is 4 parts.
+    assert head["ETag"].strip('"').endswith("-4"), head["ETag"]
+    assert head["ContentLength"] > 17 * MiB
+    assert server.uploads(bucket) == []
+    assert server.keys(bucket, "mp/.uploads/") == []  # the upload's marker went with it
+    got, _ = restore_from(pol, shm())
+    assert_same(got, want)
+
+
+# -- the conformance behaviours, end to end ----------------------------------------------------
+
+
+def test_a_step_is_visible_only_once_every_rank_committed(moto, shm):
+    server, bucket = moto
+    ram = shm()
+    pol = policy(ram, f"s3://{bucket}/two", endpoint=server.endpoint)
+    r0 = tiercel.Store(pol, rank=0, world_size=2)
+    r1 = tiercel.Store(pol, rank=1, world_size=2)
+    try:
+        assert save_wait(r0, 1, state(10, 50_000, 1000))["s3"] == "written"
+        keys = step_keys(server, bucket, "two", 1)
+        assert "two/step-000000000001/rank-00000.manifest.json" in keys
+        assert not any(k.endswith("/COMMIT") for k in keys), keys
+        assert r0.steps()["s3"] == []
+        assert save_wait(r1, 1, state(11, 50_000, 1000))["s3"] == "committed"
+        assert r0.steps()["s3"] == [1]
+        record = json.loads(server.client().get_object(Bucket=bucket, Key="two/step-000000000001/COMMIT")["Body"].read())
+        assert (record["step"], record["world_size"]) == (1, 2)
+        # Each rank reads its own items back from the bucket.
+        for rank, seed in ((0, 10), (1, 11)):
+            with tiercel.Store(json.loads(json.dumps(pol)) | {}, rank=rank, world_size=2) as s:
+                got = s.reader(1, tiers=["s3"]).get_all()
+                assert_same(got, state(seed, 50_000, 1000))
+    finally:
+        r0.close()
+        r1.close()
+
+
+def test_a_corrupt_object_is_an_integrity_error_naming_tier_step_rank_item(s3, shm):
+    server, bucket = s3
+    pol = policy(shm(), f"s3://{bucket}/rot", endpoint=server.endpoint, compression="none")
+    want = state(4, noise_bytes=300_000, floats=1000)
+    with tiercel.Store(pol, rank=0, world_size=1) as store:
+        save_wait(store, 3, want)
+        m = json.loads(server.client().get_object(Bucket=bucket, Key="rot/step-000000000003/rank-00000.manifest.json")["Body"].read())
+        item = next(i for i in m["items"] if i["name"].endswith("noise"))
+        chunk = item["chunks"][1]
+        key = "rot/step-000000000003/rank-00000.data"
+        data = bytearray(server.client().get_object(Bucket=bucket, Key=key)["Body"].read())
+        data[chunk["stored_offset"] + 10] ^= 0x40
+        server.client().put_object(Bucket=bucket, Key=key, Body=bytes(data))
+        with pytest.raises(tiercel.IntegrityError) as ei:
+            store.reader(3, tiers=["s3"]).get_all()
+        msg = str(ei.value)
+        for part in ("tier 's3'", "step 3", "rank 0", f"item '{item['name']}'", "chunk 1", "checksum mismatch"):
+            assert part in msg, f"{part!r} not in {msg}"
+        # The memory tier still has a good copy: a restore in restore order falls back to it.
+        assert_same(store.restore(3), want)
+        # A truncated object says so, with the object's URL.
+        server.client().put_object(Bucket=bucket, Key=key, Body=bytes(data[: chunk["stored_offset"]]))
+        with pytest.raises(tiercel.IntegrityError) as ei:
+            store.reader(3, tiers=["s3"]).get_all()
+        assert f"s3://{bucket}/{key}" in str(ei.value) and "shorter than its manifest" in str(ei.value), str(ei.value)
+
+
+def test_delete_step_and_keep_remove_whole_steps(moto, shm):
+    server, bucket = moto
+    pol = policy(shm(), f"s3://{bucket}/keep", endpoint=server.endpoint, keep=2)
+    with tiercel.Store(pol, rank=0, world_size=1) as store:
+        for step in range(1, 5):
+            save_wait(store, step, state(step, 20_000, 100))
+        assert store.steps()["s3"] == [3, 4]
+        assert {k.split("/")[1] for k in server.keys(bucket, "keep/")} == {"step-000000000003", "step-000000000004"}
+        store._core.delete_step("s3", 3)
+        assert store.steps()["s3"] == [4]
+        assert step_keys(server, bucket, "keep", 3) == []
+        with pytest.raises(tiercel.NotFoundError):
+            store.reader(3, tiers=["s3"])
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+
+def test_saves_and_restores_complete_through_resets_5xx_and_stalls(moto, shm):
+    server, bucket = moto
+    with FaultProxy(server.endpoint, seed=7, budget=12, stall_s=3.0, max_offset=2 * MiB,
+                    faults={"reset": 0.25, "503": 0.25, "stall": 0.1}) as proxy:
+        pol = policy(shm(), f"s3://{bucket}/faults", endpoint=proxy.endpoint, part_size="5MiB", concurrency=2,
+                     timeout=2, compression="none")
+        states = {s: state(20 + s, noise_bytes=6 * MiB, floats=50_000) for s in (1, 2)}
+        with tiercel.Store(pol, rank=0, world_size=1) as store:
+            for s, st in states.items():
+                assert save_wait(store, s, st, timeout=300)["s3"] == "committed"
+        for s, st in states.items():
+            got, info = restore_from(pol, shm(), s)
+            assert_same(got, st)
+            assert info.tier == "s3"
+        assert sum(proxy.injected.values()) >= 6, proxy.injected
+        assert {"reset", "503"} <= set(proxy.injected), proxy.injected
+    assert server.uploads(bucket) == []
+
+
+def test_a_server_that_goes_away_fails_the_persist_clearly_and_loses_nothing(moto, shm):
+    server, bucket = moto
+    with FaultProxy(server.endpoint, budget=0) as proxy:
+        pol = policy(shm(), f"s3://{bucket}/down", endpoint=proxy.endpoint, part_size="5MiB", retries=1, timeout=2,
+                     compression="none", bandwidth="8MB/s")
+        with tiercel.Store(pol, rank=0, world_size=1) as store:
+            save_wait(store, 1, state(31, 100_000, 1000))
+            # Down from the start of the persist of step 2.
+            proxy.down = True
+            want2 = state(32, noise_bytes=12 * MiB, floats=1000)
+            h = store.save(2, want2)
+            with pytest.raises(tiercel.TierUnavailableError) as ei:
+                h.wait(120)
+            msg = str(ei.value)
+            assert "tier 's3'" in msg and "step 2" in msg and f"s3://{bucket}/down/step-000000000002" in msg, msg
+            assert SECRET_KEY not in msg
+            # Nothing lost: the memory tier has step 2; nothing torn: the bucket has step 1 only.
+            assert_same(store.restore(2), want2)
+            proxy.down = False
+            assert store.steps()["s3"] == [1]
+            assert not any(k.endswith("COMMIT") for k in step_keys(server, bucket, "down", 2))
+            # Down in the middle of a multipart upload: the abort cannot reach the server either.
+            want3 = state(33, noise_bytes=12 * MiB, floats=1000)
+            h = store.save(3, want3)
+            deadline = time.monotonic() + 60
+            while not server.uploads(bucket) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert server.uploads(bucket), "no multipart upload started"
+            proxy.down = True
+            with pytest.raises(tiercel.TierUnavailableError):
+                h.wait(120)
+            proxy.down = False
+            assert store.steps()["s3"] == [1]
+            assert server.uploads(bucket), "the upload could not have been aborted"
+            # The next save's retention aborts it, and removes the uncommitted leftovers.
+            want4 = state(34, 100_000, 1000)
+            assert save_wait(store, 4, want4)["s3"] == "committed"
+            assert store.steps()["s3"] == [1, 4]
+        assert server.uploads(bucket) == []
+        assert server.keys(bucket, "down/.uploads/") == []
+        assert {k.split("/")[1] for k in server.keys(bucket, "down/")} == {"step-000000000001", "step-000000000004"}
+        got, _ = restore_from(pol, shm(), 4)
+        assert_same(got, want4)
+
+
+KILLED_WRITER = textwrap.dedent(
+    """
+    import json, sys, numpy as np, tiercel
+    from test_object_store import state
+    pol = json.loads(sys.argv[1])
+    store = tiercel.Store(pol, rank=0, world_size=1)
+    store.save(1, state(41, 100_000, 1000)).wait(120)
+    print("step 1 committed", flush=True)
+    store.save(2, state(42, noise_bytes=16 << 20, floats=1000))
+    print("saving step 2", flush=True)
+    import time; time.sleep(600)
+    """
+)
+
+
+def test_kill_9_during_a_multipart_upload(moto, shm):
+    server, bucket = moto
+    ram = shm()
+    # A slow link, so that the upload of step 2 is still running when the writer dies.
+    pol = policy(ram, f"s3://{bucket}/killed", endpoint=server.endpoint, part_size="5MiB", concurrency=2,
+                 compression="none", bandwidth="4MB/s")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, json.dumps(pol)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env, cwd=TESTS_DIR)
+    try:
+        assert child.stdout.readline().strip() == "step 1 committed", child.stderr.read() if child.poll() else ""
+        deadline = time.monotonic() + 60
+        while not server.uploads(bucket) and time.monotonic() < deadline:
+            assert child.poll() is None, child.stderr.read()
+            time.sleep(0.05)
+        assert server.uploads(bucket), "no multipart upload started"
+        time.sleep(0.5)  # a part or two on the wire
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    # The dead writer could not abort: its upload and its marker are still there.
+    assert len(server.uploads(bucket)) == 1
+    assert len(server.keys(bucket, "killed/.uploads/")) == 1
+    # Restore (memory tier wiped): the last committed step comes back from the bucket.
+    got, info = restore_from(pol, shm())
+    assert_same(got, state(41, 100_000, 1000))
+    assert info.step == 1 and info.tier == "s3"
+    # Retention (what the next persist and `tiercel gc` run) aborts the abandoned upload.
+    pol2 = json.loads(json.dumps(pol))
+    pol2["tier"][0]["root"] = str(shm())
+    with tiercel.Store(pol2, rank=0, world_size=1) as store:
+        assert store.steps()["s3"] == [1]
+        store._core.retain("s3")
+        assert server.uploads(bucket) == []
+        assert server.keys(bucket, "killed/.uploads/") == []
+        assert save_wait(store, 3, state(43, 100_000, 1000))["s3"] == "committed"
+        # The uncommitted step 2 is gone too (older than the newest committed step).
+        assert step_keys(server, bucket, "killed", 2) == []
+        assert store.steps()["s3"] == [1, 3]
+    assert server.uploads(bucket) == []
+
+
+# -- GCS -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gcs(gcs_server, s3_env):
+    return gcs_server, gcs_server.new_bucket()
+
+
+def test_save_restore_through_gcs_is_bit_identical(gcs, shm, monkeypatch):
+    server, bucket = gcs
+    # The Google SDKs' emulator switch: no endpoint in the policy, no credentials.
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.endpoint)
+    pol = policy(shm(), f"gs://{bucket}/run1", kind="gcs", keep=2)
+    wants = {s: state(50 + s, noise_bytes=200_000, floats=20_000) for s in (1, 2, 3)}
+    with tiercel.Store(pol, rank=0, world_size=1) as store:
+        for s, want in wants.items():
+            assert save_wait(store, s, want) == {"ram": "committed", "gcs": "committed"}
+        assert store.steps()["gcs"] == [2, 3]
+    got, info = restore_from(pol, shm(), 3)
+    assert_same(got, wants[3])
+    assert info.tier == "gcs"

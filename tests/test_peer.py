@@ -1,0 +1,149 @@
+"""The peer tier across real processes: ranks of a torch.distributed job (gloo on 127.0.0.1)
+on simulated hosts, each host with its own shared-memory root and the ranks' peer servers on
+loopback. A host whose RAM is wiped restores from its peers; a lost group falls back, all
+ranks together, to the same persistent step."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from conftest import PYTHON, child_env
+from test_multirank import free_port
+
+TIMEOUT = 240
+
+WORKER = r"""
+import json, os, sys
+from datetime import timedelta
+import numpy as np
+import torch
+import torch.distributed as dist
+import tiercel
+
+base, mode, out_dir, last = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+host = os.environ["TIERCEL_HOST"]
+
+def state(rank, step):
+    rng = np.random.default_rng(7919 * step + rank)
+    return {"model": {"w": torch.from_numpy(rng.standard_normal((256, 256)).astype(np.float32)),
+                      "b": rng.integers(0, 255, 70_000 + 1000 * rank, dtype=np.uint8)},
+            "meta": {"step": step, "rank": rank}}
+
+policy = {
+    "tier": [
+        {"name": "ram", "kind": "memory", "root": f"{base}/shm/{host}", "keep": 2},
+        {"name": "peer", "kind": "peer", "listen": "127.0.0.1:0", "replicas": 2, "keep": 2},
+        {"name": "disk", "kind": "fs", "url": f"{base}/disk", "every": 2},
+    ],
+    "restore": {"order": ["ram", "peer", "disk"]},
+    "store": {"chunk_size": "64KiB", "threads": 1, "io_threads": 2},
+}
+dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
+rank = dist.get_rank()
+store = tiercel.Store(policy)
+report = {"rank": rank, "host": host}
+if mode == "save":
+    report["states"] = {}
+    for step in range(1, last + 1):
+        report["states"][step] = store.save(step, state(rank, step)).wait(60)
+else:
+    got = store.restore()
+    info = store.last_restore
+    want = state(rank, info.step)
+    assert torch.equal(got["model"]["w"], want["model"]["w"])
+    assert np.array_equal(got["model"]["b"], want["model"]["b"])
+    assert got["meta"] == want["meta"]
+    report.update(step=info.step, tiers=info.tiers, warnings=info.warnings)
+dist.barrier()
+store.close()
+dist.destroy_process_group()
+with open(os.path.join(out_dir, f"{mode}-{rank}.json"), "w") as f:
+    json.dump(report, f)
+"""
+
+
+def run_job(tmp_path, base, hosts: list[str], mode: str, last: int) -> list[dict]:
+    """Runs one rank per entry of `hosts` (the rank's host name), as a launcher would."""
+    port = free_port()
+    procs = []
+    for rank, host in enumerate(hosts):
+        env = child_env({
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+            "WORLD_SIZE": str(len(hosts)), "TIERCEL_HOST": host, "OMP_NUM_THREADS": "1",
+        })
+        log = open(tmp_path / f"{mode}-{rank}.log", "w")
+        p = subprocess.Popen([PYTHON, "-c", WORKER, str(base), mode, str(tmp_path), str(last)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        procs.append((p, log))
+    deadline = time.monotonic() + TIMEOUT
+    failed = []
+    try:
+        for rank, (p, _) in enumerate(procs):
+            try:
+                if p.wait(max(1, deadline - time.monotonic())) != 0:
+                    failed.append(f"rank {rank} exited with {p.returncode}")
+            except subprocess.TimeoutExpired:
+                failed.append(f"rank {rank} timed out")
+                break
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+            log.close()
+    if failed:
+        logs = "\n".join(f"--- rank {r}\n{(tmp_path / f'{mode}-{r}.log').read_text()[-3000:]}" for r in range(len(hosts)))
+        pytest.fail("; ".join(failed) + "\n" + logs)
+    return [json.loads((tmp_path / f"{mode}-{r}.json").read_text()) for r in range(len(hosts))]
+
+
+@pytest.fixture
+def base(tmp_path):
+    b = tmp_path / "run"
+    (b / "disk").mkdir(parents=True)
+    shm = b / "shm"
+    shm.parent.mkdir(exist_ok=True)
+    # Memory roots must be on tmpfs: link <base>/shm to a fresh /dev/shm directory.
+    real = tmp_path.name
+    target = f"/dev/shm/tiercel-peer-test-{real}"
+    shutil.rmtree(target, ignore_errors=True)
+    import os
+    os.makedirs(target)
+    shm.symlink_to(target)
+    yield b
+    shutil.rmtree(target, ignore_errors=True)
+
+
+def test_a_wiped_host_restores_from_its_peers(tmp_path, base):
+    hosts = ["hostA", "hostA", "hostB", "hostB"]
+    saved = run_job(tmp_path, base, hosts, "save", last=3)
+    for r in saved:
+        # Every step went to the peer tier (committed = every peer host acknowledged).
+        assert all(s["peer"] == "committed" for s in r["states"].values()), r
+    # Host B loses everything in RAM (a replacement machine): its own steps and the
+    # replicas it held for host A.
+    shutil.rmtree(base / "shm" / "hostB")
+    restored = run_job(tmp_path, base, hosts, "restore", last=3)
+    for r in restored:
+        assert r["step"] == 3, r
+        expected = "peer" if r["host"] == "hostB" else "ram"
+        assert set(r["tiers"]) == {expected}, r
+
+
+def test_a_lost_group_falls_back_to_the_same_persistent_step(tmp_path, base):
+    # Four hosts, m = 2: groups {0, 1} and {2, 3} replicate to each other.
+    hosts = ["h0", "h1", "h2", "h3"]
+    run_job(tmp_path, base, hosts, "save", last=5)
+    for h in ("h0", "h1"):
+        shutil.rmtree(base / "shm" / h)
+    restored = run_job(tmp_path, base, hosts, "restore", last=5)
+    # Hosts 0 and 1 lost every copy of step 5 (theirs and their group's replicas): every rank
+    # falls back to step 4, the newest on disk (every = 2), which hosts 2, 3 still have in RAM.
+    assert {r["step"] for r in restored} == {4}, restored
+    for r in restored:
+        assert set(r["tiers"]) == ({"disk"} if r["host"] in ("h0", "h1") else {"ram"}), r
