@@ -145,15 +145,18 @@ def flip_byte(path: str | os.PathLike, offset: int) -> None:
 
 
 def du(root: str | os.PathLike) -> int:
-    """Bytes allocated under `root` (blocks, as the memory tier counts them)."""
-    total = 0
+    """Bytes allocated under `root` (blocks, as the memory tier counts them). Files are
+    counted once by inode: the walk is not atomic, and a segment renamed from the pool into
+    a step while it runs would otherwise be seen in both places."""
+    seen: dict[int, int] = {}
     for dirpath, _, files in os.walk(root):
         for f in files:
             try:
-                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+                st = os.lstat(os.path.join(dirpath, f))
             except FileNotFoundError:
-                pass
-    return total
+                continue
+            seen[st.st_ino] = st.st_blocks * 512
+    return sum(seen.values())
 
 
 def files_under(root: str | os.PathLike) -> list[str]:

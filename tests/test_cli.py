@@ -351,3 +351,11 @@ def test_progress_helper():
     p.finish("ok")
     assert t.getvalue() == "\rverify [########################] 4/4 ranks  4.0 KiB / 4.0 KiB\x1b[K\r\x1b[Kok\n"
     assert [cli.fmt_bytes(n) for n in (0, 1023, 1024, 5 << 30)] == ["0 B", "1023 B", "1.0 KiB", "5.0 GiB"]
+
+
+def test_placement_command_needs_no_policy(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "tiercel", "placement", "--hosts", "8", "--replicas", "2", "--failures", "2"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert p.returncode == 0, p.stderr
+    # 8 hosts, m = 2, k = 2: 24 of the 28 failure pairs leave every host a copy (group), 20 (ring).
+    assert "24 of 28" in p.stdout and "20 of 28" in p.stdout, p.stdout

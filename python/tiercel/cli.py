@@ -190,9 +190,9 @@ class Ctx:
 
     def __init__(self, store: Any, args: argparse.Namespace):
         self.store = store
-        self.core = store._core
+        self.core = store._core if store is not None else None
         self.args = args
-        self.tiers: list[dict] = store.tiers()
+        self.tiers: list[dict] = store.tiers() if store is not None else []
         self.names = [t["name"] for t in self.tiers]
 
     def tier(self, name: str) -> dict:
@@ -819,7 +819,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("step", type=_step, metavar="STEP")
     s.add_argument("--tier", required=True, metavar="T")
     s.set_defaults(func=cmd_rm)
+
+    s = sub.add_parser("placement", help="GEMINI replica placement and the chance of surviving k host failures",
+                       description="Prints the groups (and ring) that GEMINI's placement forms for N hosts with m "
+                                   "copies each, and the exact probability that no host loses every copy of its "
+                                   "shards when k hosts fail at once, for group, ring and mixed placement, beside "
+                                   "GEMINI's closed form. Needs no policy.")
+    s.add_argument("--hosts", type=int, required=True, metavar="N")
+    s.add_argument("--replicas", type=int, required=True, metavar="M")
+    s.add_argument("--failures", type=int, metavar="K")
+    s.set_defaults(func=cmd_placement, needs_store=False)
     return p
+
+
+def cmd_placement(ctx: Ctx) -> int:
+    from .placement import report
+
+    print(report(ctx.args.hosts, ctx.args.replicas, ctx.args.failures))
+    return EXIT_OK
 
 
 def _open_store(policy: str | None) -> Any:
@@ -848,7 +865,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     store = None
     try:
-        store = _open_store(args.policy)
+        if getattr(args, "needs_store", True):
+            store = _open_store(args.policy)
         return args.func(Ctx(store, args))
     except UsageError as e:
         return _fail(str(e), EXIT_USAGE)

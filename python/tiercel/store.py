@@ -304,8 +304,10 @@ class Store:
         The host name is the failure domain: $TIERCEL_HOST, else the machine's name. The
         peer secret comes from the policy or $TIERCEL_PEER_SECRET, else rank 0 makes one and
         hands it out over the coordinator (the job's own channel)."""
-        has_peer = any(t["kind"] == "peer" for t in self._core.tiers())
-        if self.world_size == 1 and not has_peer:
+        # A job of one process has no peers to replicate to: its peer tier stays idle (as it
+        # does for the CLI, which opens the store as a single process).
+        has_peer = self.world_size > 1 and any(t["kind"] == "peer" for t in self._core.tiers())
+        if self.world_size == 1:
             return
         if self.coordinator is None:
             if has_peer:

@@ -29,10 +29,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use futures_util::{StreamExt, TryStreamExt};
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
-use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
+use object_store::gcp::{GcpCredential, GoogleCloudStorageBuilder, GoogleConfigKey};
 use object_store::multipart::{MultipartStore, PartId};
 use object_store::path::Path as ObjPath;
-use object_store::{ClientConfigKey, GetOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig};
+use object_store::{
+    ClientConfigKey, GetOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig,
+    StaticCredentialProvider,
+};
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
@@ -287,6 +290,16 @@ fn s3_builder(url: &str, o: &ObjectOptions, env: &Env) -> Result<(AmazonS3Builde
     if let Some(r) = o.retries {
         b = b.with_retry(RetryConfig { max_retries: r, ..Default::default() });
     }
+    // A custom endpoint and no credentials anywhere: requests go unsigned, rather than to the
+    // cloud's instance-metadata address (object_store's last resort), which only a VM in AWS
+    // has. A server that wants signatures then answers 403, and the message says what to set.
+    let has_credentials = b.get_config_value(&AmazonS3ConfigKey::AccessKeyId).is_some()
+        || b.get_config_value(&AmazonS3ConfigKey::WebIdentityTokenFile).is_some()
+        || b.get_config_value(&AmazonS3ConfigKey::ContainerCredentialsRelativeUri).is_some()
+        || b.get_config_value(&AmazonS3ConfigKey::ContainerCredentialsFullUri).is_some();
+    if !has_credentials && b.get_config_value(&AmazonS3ConfigKey::Endpoint).is_some() {
+        b = b.with_config(AmazonS3ConfigKey::SkipSignature, "true");
+    }
     Ok((b.with_url(url), secrets))
 }
 
@@ -322,9 +335,14 @@ fn gcs_builder(url: &str, o: &ObjectOptions, env: &Env) -> Result<(GoogleCloudSt
     let base = o.endpoint.clone().or(emulator.clone());
     if let Some(base) = &base {
         b = b.with_config(GoogleConfigKey::BaseUrl, base);
-        // A custom endpoint without credentials is an emulator or a proxy that needs none.
+        // A custom endpoint without credentials is an emulator or a proxy that needs none:
+        // requests go without a token. (object_store signs some requests even with
+        // skip_signature, so an empty static token also keeps it from asking the cloud's
+        // metadata server for one.)
         if emulator.is_some() && o.endpoint.is_none() || !has_credentials {
-            b = b.with_config(GoogleConfigKey::SkipSignature, "true");
+            b = b
+                .with_config(GoogleConfigKey::SkipSignature, "true")
+                .with_credentials(Arc::new(StaticCredentialProvider::new(GcpCredential { bearer: String::new() })));
         }
     }
     let allow_http_key = GoogleConfigKey::Client(ClientConfigKey::AllowHttp);
@@ -660,10 +678,15 @@ impl Inner {
             let Some(name) = meta.location.filename().map(String::from) else { continue };
             let marker_key = format!("{UPLOADS_DIR}/{name}");
             let age = now.saturating_sub(meta.last_modified.timestamp().max(0) as u64);
-            let bytes = match self.get(&marker_key).await {
+            // By the listed location itself: a name is not always a valid key again.
+            let got = match self.store.get(&meta.location).await {
+                Ok(r) => r.bytes().await,
+                Err(e) => Err(e),
+            };
+            let bytes = match got {
                 Ok(b) => b,
-                Err(e) if e.kind == ErrorKind::NotFound => continue, // finished meanwhile
-                Err(e) => return Err(e),
+                Err(object_store::Error::NotFound { .. }) => continue, // finished meanwhile
+                Err(e) => return Err(self.err("GET", &marker_key, e)),
             };
             let marker: Option<UploadMarker> = serde_json::from_slice(&bytes).ok();
             let stale = match &marker {
@@ -698,7 +721,10 @@ impl Inner {
             } else {
                 done.push(format!("removed the unreadable upload marker {}", self.describe(&marker_key)));
             }
-            self.delete(&marker_key).await?;
+            match self.store.delete(&meta.location).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(self.err("DELETE", &marker_key, e)),
+            }
         }
         Ok(done)
     }
@@ -799,9 +825,10 @@ impl ObjectWriter {
         let path = self.path();
         let id = block_on(i.multipart.create_multipart(&path)).map_err(|e| i.err("POST (start multipart upload)", &self.key, e))?;
         active_uploads().lock().insert(id.clone());
+        // Letters, digits, `.`, `-` only: a key that no store escapes.
         let marker = format!(
             "{UPLOADS_DIR}/{}.{}.{}.json",
-            self.key.replace('/', "~"),
+            self.key.replace('/', "--"),
             std::process::id(),
             MARKER_SEQ.fetch_add(1, Ordering::Relaxed)
         );
@@ -1039,9 +1066,14 @@ mod tests {
         let e = s3_builder("s3://bkt", &none, &env(&[("AWS_PROFILE", "nope")], h)).unwrap_err();
         assert_eq!(e.kind, ErrorKind::Config);
         assert!(e.message.contains("AWS profile 'nope'"), "{}", e.message);
-        // No files and no environment: nothing set, no error.
+        // No files and no environment: nothing set, no error; requests to AWS itself may then
+        // use the instance's role.
         let b = s3(&[], None, &none);
         assert_eq!(v(&b, AmazonS3ConfigKey::AccessKeyId), None);
+        assert_ne!(v(&b, AmazonS3ConfigKey::SkipSignature).as_deref(), Some("true"));
+        // A custom endpoint and no credentials: unsigned, never the metadata address.
+        let b = s3(&[("AWS_ENDPOINT_URL", "http://127.0.0.1:1")], None, &none);
+        assert_eq!(v(&b, AmazonS3ConfigKey::SkipSignature).as_deref(), Some("true"));
     }
 
     #[test]

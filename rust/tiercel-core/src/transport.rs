@@ -300,9 +300,10 @@ impl Conn {
         }
     }
 
-    /// Receives one data frame straight into `dst`, which must be exactly its length, and
-    /// verifies its checksum. Returns the frame's data header.
-    pub fn recv_data_into(&mut self, dst: &mut [u8]) -> Result<DataHeader> {
+    /// Receives one data frame straight into `dst`, which must be exactly its length.
+    /// `verify`: check the frame's checksum here; a caller that checks the chunk against its
+    /// manifest right after (a restore) passes false, so the bytes are read once, not twice.
+    pub fn recv_data_into(&mut self, dst: &mut [u8], verify: bool) -> Result<DataHeader> {
         let h = self.recv_header()?;
         if h.kind == Kind::Error {
             let mut body = vec![0u8; h.len as usize];
@@ -324,6 +325,9 @@ impl Conn {
         self.stream.read_exact(&mut sub).map_err(|e| io_err(&peer, "receive", e))?;
         self.stream.read_exact(dst).map_err(|e| io_err(&peer, "receive", e))?;
         let d = decode_data_header(&sub);
+        if !verify {
+            return Ok(d);
+        }
         let crc = crc32c::crc32c(dst);
         if crc != d.crc32c {
             return Err(Error::integrity(format!("peer {}: data frame checksum mismatch ({crc:08x} != {:08x})", self.peer, d.crc32c)));

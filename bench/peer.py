@@ -1,0 +1,208 @@
+"""Peer replication and recovery of a lost host, against a raw TCP socket pair.
+
+Two "hosts" in one process, each with its own shared-memory root and peer server on
+loopback (the transport is the same as between machines). Measured in one run:
+  - the physical limit: a raw TCP socket pair moving the same bytes (sendall / recv_into a
+    preallocated buffer), the same path the peer transport uses;
+  - replication: from the end of the save's blocking part until host B has acknowledged a
+    complete, checksum-verified copy of host A's step (target >= 0.8x the raw socket);
+  - recovering a lost host (its RAM wiped): reading its step back from its peer, against
+    reading it from the fs tier (cold page cache where it can be dropped, and warm).
+
+    python bench/peer.py [--gib 1] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tiercel import _core
+
+HERE = Path(__file__).resolve().parent
+
+
+def raw_socket_seconds(buf: np.ndarray) -> float:
+    """Moves `buf` over a loopback TCP connection into a preallocated, touched buffer."""
+    dst = np.ones_like(buf)
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    done = threading.Event()
+
+    def receive():
+        conn, _ = srv.accept()
+        view = memoryview(dst).cast("B")
+        got = 0
+        while got < len(view):
+            n = conn.recv_into(view[got:], min(len(view) - got, 1 << 22))
+            if n == 0:
+                break
+            got += n
+        conn.close()
+        done.set()
+
+    t = threading.Thread(target=receive)
+    t.start()
+    c = socket.create_connection(srv.getsockname())
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    t0 = time.perf_counter()
+    c.sendall(memoryview(buf).cast("B"))
+    done.wait()
+    dt = time.perf_counter() - t0
+    c.close()
+    t.join()
+    srv.close()
+    assert np.array_equal(dst[:1000], buf[:1000])
+    return dt
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", default=os.environ.get("TMPDIR", "/var/tmp"))
+    ap.add_argument("--out", default=str(HERE / "results" / "peer.json"))
+    args = ap.parse_args()
+
+    n = int(args.gib * (1 << 30))
+    tensors = 16
+    per = n // tensors
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 255, size=n, dtype=np.uint8)
+    shm = Path(tempfile.mkdtemp(prefix="tiercel-bench-peer-", dir="/dev/shm"))
+    disk = Path(tempfile.mkdtemp(prefix="tiercel-bench-peer-", dir=args.dir))
+    results: dict[str, dict] = {}
+
+    def record(name, samples, note=""):
+        s = statistics.median(samples)
+        results[name] = {"seconds": s, "gb_per_s": n / s / 1e9, "samples": samples, "note": note}
+        print(f"  {name:<44} {s * 1e3:9.1f} ms  {n / s / 1e9:6.2f} GB/s  {note}", flush=True)
+
+    def policy(host):
+        return json.dumps({
+            "tier": [
+                {"name": "ram", "kind": "memory", "root": str(shm / host), "keep": 2},
+                {"name": "peer", "kind": "peer", "listen": "127.0.0.1:0", "replicas": 2, "keep": 2, "secret": "bench"},
+                {"name": "disk", "kind": "fs", "url": str(disk), "every": 1, "compression": "none", "keep": 1},
+            ],
+            "restore": {"order": ["ram", "peer", "disk"]},
+        })
+
+    try:
+        print(f"{n / (1 << 30):.2f} GiB per step, {args.repeat} repetitions, medians", flush=True)
+        print("physical limit", flush=True)
+        record("raw TCP socket pair (loopback)", [raw_socket_seconds(data) for _ in range(args.repeat)])
+
+        a = _core.Store(0, 2, policy_json=policy("A"))
+        b = _core.Store(1, 2, policy_json=policy("B"))
+        hosts, addrs = ["A", "B"], [a.peer_address(), b.peer_address()]
+        for r, s in enumerate((a, b)):
+            s.set_local_ranks([r])
+            s.connect_peers(hosts, addrs)
+
+        def save_b(step):
+            # Rank 1 saves a token state, so that each step commits on the shared fs tier.
+            w = b.begin(step)
+            _, places = w.add_part("m", '{"t": "none"}', [("m/x", "array", "uint8", [8], 8, "{}")])
+            w.copy_items([(places[0][0], data.ctypes.data)])
+            return w.commit()
+
+        def save(step):
+            save_b(step)
+            w = a.begin(step)
+            items = [(f"m/w{i}", "array", "uint8", [per], per, "{}") for i in range(tensors)]
+            _, places = w.add_part("m", '{"t": "none"}', items)
+            w.copy_items([(idx, data.ctypes.data + i * per) for i, (idx, _) in enumerate(places)])
+            return w.commit()
+
+        print("tiercel peer tier", flush=True)
+        repl = []
+        for step in range(1, args.repeat + 2):
+            h = save(step)
+            # Replication starts once the memory tier has committed; time it from there
+            # until the peer has acknowledged (the fs tier is written meanwhile, too).
+            while dict(h.states())["ram"] not in ("committed", "written"):
+                time.sleep(0.0005)
+            t0 = time.perf_counter()
+            while dict(h.states())["peer"] in ("pending", "running"):
+                time.sleep(0.0005)
+            repl.append(time.perf_counter() - t0)
+            h.wait()
+            assert dict(h.states())["peer"] == "committed", h.states()
+            a.flush()
+            b.flush()
+        record("replicate A -> B (until acknowledged)", repl[1:], "checksummed per chunk on arrival")
+        last = args.repeat + 1
+
+        # Host A is lost: rank 0 recovers its step from host B's RAM, or from the fs tier.
+        shutil.rmtree(shm / "A")
+        a.close()
+        a = _core.Store(0, 2, policy_json=policy("A"))
+        a.set_local_ranks([0])
+        addrs[0] = a.peer_address()
+        for s in (a, b):
+            s.connect_peers(hosts, addrs)
+        m = json.loads(a.reader(last, 0, ["peer"]).manifest_json())
+        idx = list(range(len(m["items"])))
+
+        def read(tier):
+            t0 = time.perf_counter()
+            bufs = a.reader(last, 0, [tier]).read_items(idx)
+            dt = time.perf_counter() - t0
+            got = np.frombuffer(bufs[3][0], dtype=np.uint8)
+            assert np.array_equal(got, data[3 * per:4 * per])
+            return dt
+
+        record("recover lost host from peer RAM", [read("peer") for _ in range(args.repeat)], "checksums verified")
+        if drop_page_cache():
+            cold = []
+            for _ in range(args.repeat):
+                drop_page_cache()
+                cold.append(read("disk"))
+            record("recover lost host from fs tier, cold", cold, "page cache dropped")
+        record("recover lost host from fs tier, warm", [read("disk") for _ in range(args.repeat)], "page cache warm")
+        a.close()
+        b.close()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+
+    raw = results["raw TCP socket pair (loopback)"]["seconds"]
+    rows = [f"| {k} | {v['seconds'] * 1e3:.1f} | {v['gb_per_s']:.2f} | {raw / v['seconds']:.2f}x | {v['note']} |" for k, v in results.items()]
+    table = "\n".join(["| operation | median ms | GB/s | vs raw socket | note |", "|---|---:|---:|---:|---|", *rows])
+    ratio = raw / results["replicate A -> B (until acknowledged)"]["seconds"]
+    table += f"\n\nreplication vs raw socket: {ratio:.2f}x (target >= 0.8x: {'met' if ratio >= 0.8 else 'NOT met'})"
+    for k in ("recover lost host from fs tier, cold", "recover lost host from fs tier, warm"):
+        if k in results:
+            table += f"\n{k.replace('recover lost host from ', '')}: peer recovery is {results[k]['seconds'] / results['recover lost host from peer RAM']['seconds']:.1f}x faster"
+    print("\n" + table)
+    out = {"command": "python " + " ".join(sys.argv), "bytes": n, "results": results, "table_markdown": table}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
