@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from _measure import drop_page_cache
 from tiercel import _core
 
 HERE = Path(__file__).resolve().parent
@@ -66,15 +67,6 @@ def raw_socket_seconds(buf: np.ndarray) -> float:
     srv.close()
     assert np.array_equal(dst[:1000], buf[:1000])
     return dt
-
-
-def drop_page_cache() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def main() -> int:

@@ -28,27 +28,9 @@ import numpy as np
 import torch
 
 import tiercel
+from _measure import drop_page_cache, median_time
 
 HERE = Path(__file__).resolve().parent
-
-
-def median_time(fn, repeat: int) -> tuple[float, list[float]]:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), times
-
-
-def drop_page_cache() -> bool:
-    """Cold reads need the page cache dropped; only root on a host kernel may."""
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def main() -> int:

@@ -98,12 +98,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(script: str, args: list[str], tmp_path, world: int = WORLD) -> list[subprocess.CompletedProcess]:
+def run_ranks(script: str, args: list[str], tmp_path, world: int = WORLD, env_of=None, tag: str = "rank") -> None:
+    """Starts `world` ranks of `script` as a launcher would (torch.distributed env vars,
+    one free port); `env_of(rank)` adds per-rank variables. Fails the test with every rank's
+    log when one fails or the job outlasts TIMEOUT."""
     port = free_port()
     procs = []
     for rank in range(world):
-        env = child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world)})
-        out = open(tmp_path / f"rank-{rank}.out", "w")
+        env = child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+                         **(env_of(rank) if env_of else {})})
+        out = open(tmp_path / f"{tag}-{rank}.out", "w")
         procs.append((subprocess.Popen([PYTHON, "-c", script, *args], stdout=out, stderr=subprocess.STDOUT, env=env), out))
     deadline = time.monotonic() + TIMEOUT
     failed = []
@@ -123,7 +127,7 @@ def run_ranks(script: str, args: list[str], tmp_path, world: int = WORLD) -> lis
                 p.wait(30)
             out.close()
     if failed:
-        logs = "\n".join(f"--- rank {r}\n{(tmp_path / f'rank-{r}.out').read_text()[-4000:]}" for r in range(world))
+        logs = "\n".join(f"--- rank {r}\n{(tmp_path / f'{tag}-{r}.out').read_text()[-4000:]}" for r in range(world))
         pytest.fail("; ".join(failed) + "\n" + logs)
 
 

@@ -6,17 +6,12 @@ ranks together, to the same persistent step."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
-import subprocess
-import time
 
-import numpy as np
 import pytest
 
-from conftest import PYTHON, child_env
-from test_multirank import free_port
-
-TIMEOUT = 240
+from test_multirank import run_ranks
 
 WORKER = r"""
 import json, os, sys
@@ -69,36 +64,9 @@ with open(os.path.join(out_dir, f"{mode}-{rank}.json"), "w") as f:
 
 
 def run_job(tmp_path, base, hosts: list[str], mode: str, last: int) -> list[dict]:
-    """Runs one rank per entry of `hosts` (the rank's host name), as a launcher would."""
-    port = free_port()
-    procs = []
-    for rank, host in enumerate(hosts):
-        env = child_env({
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-            "WORLD_SIZE": str(len(hosts)), "TIERCEL_HOST": host, "OMP_NUM_THREADS": "1",
-        })
-        log = open(tmp_path / f"{mode}-{rank}.log", "w")
-        p = subprocess.Popen([PYTHON, "-c", WORKER, str(base), mode, str(tmp_path), str(last)], stdout=log, stderr=subprocess.STDOUT, env=env)
-        procs.append((p, log))
-    deadline = time.monotonic() + TIMEOUT
-    failed = []
-    try:
-        for rank, (p, _) in enumerate(procs):
-            try:
-                if p.wait(max(1, deadline - time.monotonic())) != 0:
-                    failed.append(f"rank {rank} exited with {p.returncode}")
-            except subprocess.TimeoutExpired:
-                failed.append(f"rank {rank} timed out")
-                break
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(30)
-            log.close()
-    if failed:
-        logs = "\n".join(f"--- rank {r}\n{(tmp_path / f'{mode}-{r}.log').read_text()[-3000:]}" for r in range(len(hosts)))
-        pytest.fail("; ".join(failed) + "\n" + logs)
+    """Runs one rank per entry of `hosts` (the rank's host name); returns their reports."""
+    env_of = lambda rank: {"TIERCEL_HOST": hosts[rank], "OMP_NUM_THREADS": "1"}  # noqa: E731
+    run_ranks(WORKER, [str(base), mode, str(tmp_path), str(last)], tmp_path, len(hosts), env_of, tag=mode)
     return [json.loads((tmp_path / f"{mode}-{r}.json").read_text()) for r in range(len(hosts))]
 
 
@@ -109,10 +77,8 @@ def base(tmp_path):
     shm = b / "shm"
     shm.parent.mkdir(exist_ok=True)
     # Memory roots must be on tmpfs: link <base>/shm to a fresh /dev/shm directory.
-    real = tmp_path.name
-    target = f"/dev/shm/tiercel-peer-test-{real}"
+    target = f"/dev/shm/tiercel-peer-test-{tmp_path.name}"
     shutil.rmtree(target, ignore_errors=True)
-    import os
     os.makedirs(target)
     shm.symlink_to(target)
     yield b

@@ -1,0 +1,29 @@
+"""What the benchmarks share: timing and cold-cache set-up."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+
+def median_time(fn: Callable[[], object], repeat: int) -> tuple[float, list[float]]:
+    """Median wall time of `repeat` calls, and every sample."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def drop_page_cache() -> bool:
+    """Drops the page cache, for cold reads; only root on a kernel that allows it can."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
