@@ -363,8 +363,18 @@ impl MemoryTier {
         }
         .map_err(|e| Error::io(&self.name, &path, e))?;
         if !view.is_empty() {
+            // Mapping the pages costs about as much as checksumming them: do it on every
+            // copy thread, in slices.
             const MADV_POPULATE_READ: libc::c_int = 22; // Linux 5.14+; older kernels refuse, harmlessly
-            unsafe { libc::madvise(view.as_ptr() as *mut libc::c_void, view.len(), MADV_POPULATE_READ) };
+            const SLICE: usize = 16 << 20;
+            let base = view.as_ptr() as usize;
+            let len = view.len();
+            use rayon::prelude::*;
+            (0..len.div_ceil(SLICE)).into_par_iter().for_each(|i| {
+                let off = i * SLICE;
+                let n = SLICE.min(len - off);
+                unsafe { libc::madvise((base + off) as *mut libc::c_void, n, MADV_POPULATE_READ) };
+            });
         }
         let view = Arc::new(view);
         let mut views = self.views.lock();
