@@ -50,6 +50,18 @@ class TorchCoordinator:
         return out
 
 
+# Rounds of all-gathers over a key-value store, counted per process rather than per
+# coordinator: a job that opens a second Store (after a restart of its loop, say) must not
+# collide with the keys of the first. Every rank opens its stores in the same order, so the
+# counts agree.
+_rounds: dict[str, int] = {}
+
+
+def _next_round(prefix: str) -> str:
+    _rounds[prefix] = _rounds.get(prefix, 0) + 1
+    return f"{prefix}/{_rounds[prefix]}"
+
+
 class KVStoreCoordinator:
     """Any torch.distributed Store (TCPStore, FileStore): set/get by key, usable without a
     process group, as tools and tests do. `get` blocks until the key exists."""
@@ -59,11 +71,9 @@ class KVStoreCoordinator:
         self.rank = rank
         self.world_size = world_size
         self._prefix = prefix
-        self._round = 0
 
     def all_gather(self, value: Any) -> list[Any]:
-        self._round += 1
-        key = f"{self._prefix}/{self._round}"
+        key = _next_round(self._prefix)
         self._store.set(f"{key}/{self.rank}", pickle.dumps(value))
         return [pickle.loads(self._store.get(f"{key}/{r}")) for r in range(self.world_size)]
 
@@ -82,11 +92,9 @@ class JaxCoordinator:
         self.rank = jax.process_index()
         self.world_size = jax.process_count()
         self._timeout_ms = int(timeout_s * 1000)
-        self._round = 0
 
     def all_gather(self, value: Any) -> list[Any]:
-        self._round += 1
-        key = f"tiercel/{self._round}"
+        key = _next_round("tiercel-jax")
         self._client.key_value_set(f"{key}/{self.rank}", base64.b64encode(pickle.dumps(value)).decode())
         return [
             pickle.loads(base64.b64decode(self._client.blocking_key_value_get(f"{key}/{r}", self._timeout_ms)))
