@@ -306,9 +306,9 @@ class Store:
         hands it out over the coordinator (the job's own channel)."""
         # A job of one process has no peers to replicate to: its peer tier stays idle (as it
         # does for the CLI, which opens the store as a single process).
-        has_peer = self.world_size > 1 and any(t["kind"] == "peer" for t in self._core.tiers())
         if self.world_size == 1:
             return
+        has_peer = any(t["kind"] == "peer" for t in self._core.tiers())
         if self.coordinator is None:
             if has_peer:
                 raise _core.InvalidArgumentError(
