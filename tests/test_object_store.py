@@ -110,6 +110,20 @@ def restore_from(pol: dict, ram: Path, step: int | None = None, **kw):
         return out, s.last_restore
 
 
+def to_toml(pol: dict) -> str:
+    """A dict policy of strings, numbers and booleans as a TOML file."""
+    def value(v):
+        return json.dumps(v) if not isinstance(v, bool) else str(v).lower()
+
+    lines = []
+    for t in pol["tier"]:
+        lines += ["[[tier]]"] + [f"{k} = {value(v)}" for k, v in t.items()] + [""]
+    for section in ("restore", "store"):
+        if section in pol:
+            lines += [f"[{section}]"] + [f"{k} = {value(v)}" for k, v in pol[section].items()] + [""]
+    return "\n".join(lines)
+
+
 def step_keys(server, bucket: str, prefix: str, step: int) -> list[str]:
     return server.keys(bucket, f"{prefix}/step-{step:012d}/")
 
@@ -353,15 +367,26 @@ def test_kill_9_during_a_multipart_upload(moto, shm):
     got, info = restore_from(pol, shm())
     assert_same(got, state(41, 100_000, 1000))
     assert info.step == 1 and info.tier == "s3"
-    # Retention (what the next persist and `tiercel gc` run) aborts the abandoned upload.
+    # `tiercel gc` aborts the abandoned upload (retention after the next persist would, too).
     pol2 = json.loads(json.dumps(pol))
     pol2["tier"][0]["root"] = str(shm())
+    toml = Path(pol2["tier"][0]["root"] + ".toml")
+    toml.write_text(to_toml(pol2))
+    try:
+        gc = subprocess.run([sys.executable, "-m", "tiercel", "--policy", str(toml), "gc"], capture_output=True,
+                            text=True, env=env, timeout=120)
+    finally:
+        toml.unlink()
+    assert gc.returncode == 0, gc.stderr
+    assert f"s3: aborted the abandoned multipart upload of s3://{bucket}/killed/step-000000000002/rank-00000.data" \
+        f" by pid {child.pid} (gone)" in gc.stdout, gc.stdout
+    assert "aborted 1 abandoned upload" in gc.stdout, gc.stdout
+    assert server.uploads(bucket) == []
+    assert server.keys(bucket, "killed/.uploads/") == []
     with tiercel.Store(pol2, rank=0, world_size=1) as store:
         assert store.steps()["s3"] == [1]
-        store._core.retain("s3")
-        assert server.uploads(bucket) == []
-        assert server.keys(bucket, "killed/.uploads/") == []
         assert save_wait(store, 3, state(43, 100_000, 1000))["s3"] == "committed"
+        store.flush()
         # The uncommitted step 2 is gone too (older than the newest committed step).
         assert step_keys(server, bucket, "killed", 2) == []
         assert store.steps()["s3"] == [1, 3]

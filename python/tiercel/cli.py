@@ -718,7 +718,7 @@ def _remove_tmp(root: str, d: str, name: str) -> bool:
 def cmd_gc(ctx: Ctx) -> int:
     a = ctx.args
     verb = "would remove" if a.dry_run else "removed"
-    n_steps = n_tmp = 0
+    n_steps = n_tmp = n_uploads = 0
     for t in ctx.tiers:
         name = t["name"]
         infos = ctx.scan(name)
@@ -730,6 +730,10 @@ def cmd_gc(ctx: Ctx) -> int:
         if a.dry_run:
             removed = sorted(beyond | leftovers)
         else:
+            # Abandoned multipart uploads (s3, gcs) first; retention would also do it, silently.
+            for line in ctx.core.sweep(name):
+                print(f"{name}: {line}")
+                n_uploads += 1
             removed = list(ctx.core.retain(name))
         for s in sorted(removed):
             why = f"committed; beyond keep {keep}" if s in committed else "uncommitted leftover"
@@ -740,8 +744,9 @@ def cmd_gc(ctx: Ctx) -> int:
             if a.dry_run or _remove_tmp(root, d, fname):
                 n_tmp += 1
                 print(f"{name}: {verb} {d}/{fname} (stale temporary file, {fmt_bytes(size)})")
-    if n_steps or n_tmp:
-        print(f"gc: {verb} {_n(n_steps, 'step')} and {_n(n_tmp, 'temporary file')}")
+    if n_steps or n_tmp or n_uploads:
+        uploads = f", aborted {_n(n_uploads, 'abandoned upload')}" if n_uploads else ""
+        print(f"gc: {verb} {_n(n_steps, 'step')} and {_n(n_tmp, 'temporary file')}{uploads}")
     else:
         print("gc: nothing to remove")
     return EXIT_OK
@@ -807,10 +812,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_cp)
 
     s = sub.add_parser("gc", help="apply `keep`, remove uncommitted leftovers and stale temporary files",
-                       description="On each tier: removes committed steps beyond `keep` and uncommitted steps older "
+                       description="On each tier: aborts multipart uploads that killed writers left (s3, gcs), "
+                                   "removes committed steps beyond `keep` and uncommitted steps older "
                                    "than the newest committed one, then temporary files (\".tmp-\" in the name) in "
                                    "step directories whose writer is gone.")
-    s.add_argument("--dry-run", action="store_true", help="only print what would be removed")
+    s.add_argument("--dry-run", action="store_true", help="only print what would be removed (uploads are not checked)")
     s.add_argument("--tmp-age", type=float, default=DEFAULT_TMP_AGE, metavar="SECONDS",
                    help=f"leave temporary files younger than this (default: {DEFAULT_TMP_AGE:.0f})")
     s.set_defaults(func=cmd_gc)

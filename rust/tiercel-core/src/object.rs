@@ -602,7 +602,7 @@ impl Inner {
                 Ok(_) => return Ok(true),
                 Err(object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. }) => return Ok(false),
                 Err(e) if matches!(e, object_store::Error::NotImplemented { .. } | object_store::Error::NotSupported { .. })
-                    || e.to_string().contains("501") =>
+                    || e.to_string().contains("status code: 501") =>
                 {
                     if !self.no_conditional_put.swap(true, Ordering::Relaxed) {
                         log::warn!(

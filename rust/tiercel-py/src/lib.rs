@@ -223,6 +223,13 @@ impl Store {
         py.allow_threads(|| self.inner.retain(slot)).map_err(err)
     }
 
+    /// Cleans up what killed writers left outside the steps (an object store's abandoned
+    /// multipart uploads); one line per thing removed. `retain` does this first as well.
+    fn sweep(&self, py: Python<'_>, tier: &str) -> PyResult<Vec<String>> {
+        let slot = self.inner.slot(tier).map_err(err)?;
+        py.allow_threads(|| slot.tier.blobs().sweep()).map_err(err)
+    }
+
     /// Tells the memory tier which ranks share this host's root (a step commits there when
     /// all of them have written it).
     fn set_local_ranks(&self, ranks: Vec<u32>) {
