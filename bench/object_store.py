@@ -136,7 +136,7 @@ def main() -> int:
     state = make_state(nbytes)
     data = flat_bytes(state)
     assert len(data) == nbytes
-    server = (SeaweedServer if a.server == "seaweedfs" else MotoServer)()
+    server = SeaweedServer(volumes=64) if a.server == "seaweedfs" else MotoServer()
     server.start()
     try:
         bucket = server.new_bucket()

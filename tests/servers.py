@@ -163,6 +163,10 @@ class SeaweedServer(S3Server):
 
     name = "seaweedfs"
 
+    def __init__(self, volumes: int = 16) -> None:
+        super().__init__()
+        self.volumes = volumes  # of 512 MB each: what the server may hold
+
     def start(self) -> None:
         weed = weed_binary()
         if weed is None:
@@ -174,7 +178,7 @@ class SeaweedServer(S3Server):
         self._spawn(
             [
                 weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}", "-s3", "-filer",
-                "-master.telemetry=false", "-master.volumeSizeLimitMB=512", "-volume.max=16",
+                "-master.telemetry=false", "-master.volumeSizeLimitMB=512", f"-volume.max={self.volumes}",
                 f"-master.port={p['master']}", f"-master.port.grpc={p['mgrpc']}",
                 f"-volume.port={p['volume']}", f"-volume.port.grpc={p['vgrpc']}",
                 f"-filer.port={p['filer']}", f"-filer.port.grpc={p['fgrpc']}",
