@@ -32,7 +32,7 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
 	@touch $@
 
 test-rust: $(DEPS_STAMP)
-	@echo "==> cargo test (tests/servers.py starts an S3 server and a GCS emulator for the object-store kinds)"
+	@echo "==> cargo test (tests/servers.py starts moto, an S3 server, for the conformance suite's s3 kinds)"
 	$(PY) tests/servers.py -- cargo test --release --workspace --quiet
 
 test-python: build

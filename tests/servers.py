@@ -52,6 +52,17 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> N
     raise RuntimeError(f"{url}: no answer after {timeout} s:\n{log.read_text()[-3000:]}")
 
 
+def _die_with_parent() -> None:
+    """Runs in the server process before exec: SIGKILL when the process that started it dies
+    (Linux's PR_SET_PDEATHSIG), so that a test run killed by a timeout leaves no server."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
 class Server:
     """A server process with a log file and a base URL."""
 
@@ -65,7 +76,8 @@ class Server:
 
     def _spawn(self, args: list[str], ready_url: str, timeout: float = 60) -> None:
         self.proc = subprocess.Popen(
-            args, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, cwd=self.dir, start_new_session=True
+            args, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, cwd=self.dir, start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         try:
             _wait_http(ready_url, self.proc, timeout, self.log)
@@ -300,6 +312,8 @@ def main(argv: list[str]) -> int:
         return 2
     env = dict(os.environ)
     started: list[Server] = []
+    # A `timeout` or CI's end of run sends SIGTERM: stop the servers on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         for cls, var in ((MotoServer, "TIERCEL_TEST_S3"),):
             try:

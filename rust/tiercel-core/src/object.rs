@@ -213,6 +213,12 @@ fn duration_secs(s: u64) -> String {
     format!("{s}s")
 }
 
+/// Seconds one request may take unless the policy or the environment says: object_store's
+/// 30, or more for parts so large that 30 s would ask for more than 1 MiB/s per connection.
+fn default_timeout(part_size: u64) -> u64 {
+    (part_size >> 20).max(30)
+}
+
 /// The S3 client builder for `url` with settings from files, environment and policy.
 fn s3_builder(url: &str, o: &ObjectOptions, env: &Env) -> Result<(AmazonS3Builder, Secrets)> {
     let mut b = AmazonS3Builder::new();
@@ -284,8 +290,12 @@ fn s3_builder(url: &str, o: &ObjectOptions, env: &Env) -> Result<(AmazonS3Builde
         }
         None => {}
     }
-    if let Some(t) = o.timeout {
-        b = b.with_config(AmazonS3ConfigKey::Client(ClientConfigKey::Timeout), duration_secs(t));
+    match o.timeout {
+        Some(t) => b = b.with_config(AmazonS3ConfigKey::Client(ClientConfigKey::Timeout), duration_secs(t)),
+        None if env.get("AWS_TIMEOUT").is_none() => {
+            b = b.with_config(AmazonS3ConfigKey::Client(ClientConfigKey::Timeout), duration_secs(default_timeout(o.part_size)))
+        }
+        None => {}
     }
     if let Some(r) = o.retries {
         b = b.with_retry(RetryConfig { max_retries: r, ..Default::default() });
@@ -353,8 +363,12 @@ fn gcs_builder(url: &str, o: &ObjectOptions, env: &Env) -> Result<(GoogleCloudSt
         }
         None => {}
     }
-    if let Some(t) = o.timeout {
-        b = b.with_config(GoogleConfigKey::Client(ClientConfigKey::Timeout), duration_secs(t));
+    match o.timeout {
+        Some(t) => b = b.with_config(GoogleConfigKey::Client(ClientConfigKey::Timeout), duration_secs(t)),
+        None if env.get("GOOGLE_TIMEOUT").is_none() => {
+            b = b.with_config(GoogleConfigKey::Client(ClientConfigKey::Timeout), duration_secs(default_timeout(o.part_size)))
+        }
+        None => {}
     }
     if let Some(r) = o.retries {
         b = b.with_retry(RetryConfig { max_retries: r, ..Default::default() });
@@ -1062,6 +1076,11 @@ mod tests {
         assert_eq!(v(&b, AmazonS3ConfigKey::Endpoint).as_deref(), Some("http://10.0.0.1:9000"));
         assert_eq!(v(&b, AmazonS3ConfigKey::Region).as_deref(), Some("r1"));
         assert_eq!(v(&b, AmazonS3ConfigKey::Client(ClientConfigKey::Timeout)).as_deref(), Some("7s"));
+        // Without one, 30 s, or more for large parts; AWS_TIMEOUT as object_store reads it.
+        let big = ObjectOptions { part_size: 512 << 20, ..Default::default() };
+        assert_eq!(v(&s3(&[], h, &none), AmazonS3ConfigKey::Client(ClientConfigKey::Timeout)).as_deref(), Some("30s"));
+        assert_eq!(v(&s3(&[], h, &big), AmazonS3ConfigKey::Client(ClientConfigKey::Timeout)).as_deref(), Some("512s"));
+        assert_eq!(v(&s3(&[("AWS_TIMEOUT", "5s")], h, &big), AmazonS3ConfigKey::Client(ClientConfigKey::Timeout)).as_deref(), Some("5s"));
         // A profile that is nowhere is an error, as in the SDKs.
         let e = s3_builder("s3://bkt", &none, &env(&[("AWS_PROFILE", "nope")], h)).unwrap_err();
         assert_eq!(e.kind, ErrorKind::Config);
