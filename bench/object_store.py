@@ -1,7 +1,7 @@
 """Object-store tier: persist and restore throughput of a 1 GiB state, against boto3's managed
 transfer (upload_fileobj / download_fileobj with the same part size and concurrency), on the
 same local S3 server in the same run; and what compression (none vs zstd:3) does to the bytes
-moved and the time.
+moved and the time. The physical limit: one TCP connection on 127.0.0.1 with no server.
 
     python bench/object_store.py [--size-mib 1024] [--server seaweedfs|moto] [--repeat 2]
 
@@ -113,6 +113,39 @@ def boto3_round(server, bucket: str, data: bytes) -> dict:
     return {"persist_s": t_up, "restore_s": t_down, "stored_bytes": len(data)}
 
 
+def loopback_limit(nbytes: int) -> float:
+    """Seconds to push `nbytes` through one TCP connection on 127.0.0.1 with no server logic at
+    all: the ceiling of this machine for any client and server that share it."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    sink_buf = memoryview(bytearray(4 * MiB))
+
+    def sink() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            while conn.recv_into(sink_buf):
+                pass
+
+    t = threading.Thread(target=sink)
+    t.start()
+    block = memoryview(bytearray(4 * MiB))
+    with socket.create_connection(srv.getsockname()) as s:
+        t0 = time.perf_counter()
+        left = nbytes
+        while left > 0:
+            n = min(left, len(block))
+            s.sendall(block[:n])
+            left -= n
+    t.join()
+    dt = time.perf_counter() - t0
+    srv.close()
+    return dt
+
+
 def _delete_prefix(server, bucket: str, prefix: str) -> None:
     c = server.client()
     keys = server.keys(bucket, prefix + "/")
@@ -140,8 +173,10 @@ def main() -> int:
     server.start()
     try:
         bucket = server.new_bucket()
-        rows: dict[str, list[dict]] = {"tiercel none": [], "tiercel zstd:3": [], "boto3": []}
+        rows: dict[str, list[dict]] = {"tiercel none": [], "tiercel zstd:3": [], "boto3": [], "loopback TCP": []}
         for _ in range(a.repeat):
+            lo = loopback_limit(nbytes)
+            rows["loopback TCP"].append({"persist_s": lo, "restore_s": lo, "stored_bytes": nbytes})
             rows["boto3"].append(boto3_round(server, bucket, data))
             rows["tiercel none"].append(tiercel_round(server, bucket, state, nbytes, "none"))
             rows["tiercel zstd:3"].append(tiercel_round(server, bucket, state, nbytes, "zstd:3"))
@@ -170,6 +205,9 @@ def main() -> int:
         print(f"{name:<16}{r['persist_MBps']:>14.0f}{r['persist_MBps'] / b['persist_MBps']:>9.2f}x"
               f"{r['restore_MBps']:>14.0f}{r['restore_MBps'] / b['restore_MBps']:>9.2f}x"
               f"{r['stored_bytes'] / MiB:>12.0f}{nbytes / r['stored_bytes']:>8.3f}")
+    lo, t = results["loopback TCP"], results["tiercel none"]
+    print(f"loopback TCP is the ceiling (one connection, no server): tiercel none reaches "
+          f"{t['persist_MBps'] / lo['persist_MBps']:.0%} of it on persist, {t['restore_MBps'] / lo['restore_MBps']:.0%} on restore")
     out = {
         "bench": "object_store",
         "size_bytes": nbytes,
