@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -27,3 +28,10 @@ def drop_page_cache() -> bool:
         return True
     except OSError:
         return False
+
+
+def write_results(path: str, out: dict) -> None:
+    """Writes a benchmark's results (bench/results/*.json) and says where."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {path}")

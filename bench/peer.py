@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _measure import drop_page_cache
+from _measure import drop_page_cache, write_results
 from tiercel import _core
 
 HERE = Path(__file__).resolve().parent
@@ -190,9 +190,7 @@ def main() -> int:
             table += f"\n{k.replace('recover lost host from ', '')}: peer recovery is {results[k]['seconds'] / results['recover lost host from peer RAM']['seconds']:.1f}x faster"
     print("\n" + table)
     out = {"command": "python " + " ".join(sys.argv), "bytes": n, "results": results, "table_markdown": table}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"\nwrote {args.out}")
+    write_results(args.out, out)
     return 0
 
 

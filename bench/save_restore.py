@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 import tiercel
-from _measure import drop_page_cache, median_time
+from _measure import drop_page_cache, median_time, write_results
 
 HERE = Path(__file__).resolve().parent
 
@@ -178,9 +178,7 @@ def main() -> int:
         "targets": checks,
         "table_markdown": table,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"\nwrote {args.out}")
+    write_results(args.out, out)
     return 0
 
 
