@@ -175,6 +175,11 @@ impl Manifest {
         self.items.iter().map(|i| i.nbytes).sum()
     }
 
+    /// (item, chunk) index pairs of every chunk, in manifest order.
+    pub fn chunk_refs(&self) -> Vec<(usize, usize)> {
+        self.items.iter().enumerate().flat_map(|(i, it)| (0..it.chunks.len()).map(move |c| (i, c))).collect()
+    }
+
     pub fn item_index(&self, name: &str) -> Option<usize> {
         self.items.iter().position(|i| i.name == name)
     }

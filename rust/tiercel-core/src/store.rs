@@ -189,12 +189,7 @@ impl Store {
             Err(e) => log::warn!("tier '{}': cleaning up abandoned uploads failed: {e}", slot.config.name),
         }
         let committed = slot.tier.committed_steps()?;
-        let newest = committed.last().copied();
-        let mut victims: Vec<u64> = match slot.config.keep {
-            Some(k) => committed.iter().rev().skip(k).copied().collect(),
-            None => vec![],
-        };
-        victims.extend(slot.tier.all_steps()?.into_iter().filter(|s| !committed.contains(s) && newest.is_some_and(|n| *s < n)));
+        let victims = crate::tier::retention_victims(&committed, &slot.tier.all_steps()?, slot.config.keep);
         for s in &victims {
             slot.tier.delete_step(*s)?;
         }
@@ -394,12 +389,7 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
     let mem = &store.slots[0];
     let mem_name = mem.config.name.clone();
     handle.set(&mem_name, TierState::Running);
-    let work: Vec<(usize, usize)> = manifest
-        .items
-        .iter()
-        .enumerate()
-        .flat_map(|(i, it)| (0..it.chunks.len()).map(move |c| (i, c)))
-        .collect();
+    let work = manifest.chunk_refs();
     let crcs: Vec<u32> = store.copy_pool.install(|| {
         work.par_iter()
             .map(|&(i, c)| {

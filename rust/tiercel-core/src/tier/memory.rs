@@ -406,9 +406,7 @@ impl MemoryTier {
     /// than the newest committed step (a rank that died mid-save). Returns evicted steps.
     pub fn retain(&self, keep: usize) -> Result<Vec<u64>> {
         let committed = self.committed_steps()?;
-        let newest = committed.last().copied();
-        let mut victims: Vec<u64> = committed.iter().rev().skip(keep).copied().collect();
-        victims.extend(self.all_steps()?.into_iter().filter(|s| !committed.contains(s) && newest.is_some_and(|n| *s < n)));
+        let victims = crate::tier::retention_victims(&committed, &self.all_steps()?, Some(keep));
         for s in &victims {
             self.evict(*s)?;
         }
@@ -507,19 +505,7 @@ impl Tier for MemoryTier {
 
     /// Commits once every rank that shares this host's root has written the step.
     fn try_commit(&self, step: u64, world_size: u32) -> Result<bool> {
-        let dir = format::step_dir(step);
-        let names = self.blobs.list(&dir)?;
-        if names.iter().any(|n| n == format::COMMIT_NAME) {
-            return Ok(true);
-        }
         let local = self.local_ranks.read().clone();
-        let ranks: Vec<u32> = local.clone().unwrap_or_else(|| (0..world_size).collect());
-        if !ranks.iter().all(|r| names.contains(&format::manifest_name(*r))) {
-            return Ok(false);
-        }
-        let mut record = crate::format::CommitRecord::new(step, world_size, &self.name);
-        record.ranks = local;
-        self.blobs.put_if_absent(&format!("{dir}/{}", format::COMMIT_NAME), &serde_json::to_vec(&record).unwrap())?;
-        Ok(true)
+        crate::tier::commit_if_complete(self, step, world_size, local)
     }
 }

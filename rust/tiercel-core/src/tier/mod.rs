@@ -51,19 +51,7 @@ pub trait Tier: Send + Sync {
     /// Writes the commit record if every rank's manifest is there. Each rank calls this
     /// after writing its own manifest, so the last one to finish commits the step.
     fn try_commit(&self, step: u64, world_size: u32) -> Result<bool> {
-        let dir = format::step_dir(step);
-        let names = self.blobs().list(&dir)?;
-        if names.iter().any(|n| n == format::COMMIT_NAME) {
-            return Ok(true);
-        }
-        let have = (0..world_size).filter(|r| names.contains(&format::manifest_name(*r))).count() as u32;
-        if have < world_size {
-            return Ok(false);
-        }
-        let record = CommitRecord::new(step, world_size, self.name());
-        self.blobs()
-            .put_if_absent(&format!("{dir}/{}", format::COMMIT_NAME), &serde_json::to_vec(&record).unwrap())?;
-        Ok(true)
+        commit_if_complete(self, step, world_size, None)
     }
 
     /// All steps with a directory here, committed or not, oldest first.
@@ -112,6 +100,36 @@ pub trait Tier: Send + Sync {
         }
         Ok(m)
     }
+}
+
+/// Writes `step`'s commit record on `tier` once the manifest of every rank it covers is there:
+/// `ranks` (a host-local tier's ranks, recorded in the commit), else all of `world_size`.
+pub fn commit_if_complete<T: Tier + ?Sized>(tier: &T, step: u64, world_size: u32, ranks: Option<Vec<u32>>) -> Result<bool> {
+    let dir = format::step_dir(step);
+    let names = tier.blobs().list(&dir)?;
+    if names.iter().any(|n| n == format::COMMIT_NAME) {
+        return Ok(true);
+    }
+    let complete = match &ranks {
+        Some(rs) => rs.iter().all(|r| names.contains(&format::manifest_name(*r))),
+        None => (0..world_size).all(|r| names.contains(&format::manifest_name(r))),
+    };
+    if !complete {
+        return Ok(false);
+    }
+    let mut record = CommitRecord::new(step, world_size, tier.name());
+    record.ranks = ranks;
+    tier.blobs().put_if_absent(&format!("{dir}/{}", format::COMMIT_NAME), &serde_json::to_vec(&record).unwrap())?;
+    Ok(true)
+}
+
+/// What retention removes from a tier: committed steps beyond the newest `keep` (None keeps
+/// all), and uncommitted leftovers older than the newest committed step (a rank died mid-save).
+pub fn retention_victims(committed: &[u64], all: &[u64], keep: Option<usize>) -> Vec<u64> {
+    let newest = committed.last().copied();
+    let mut victims: Vec<u64> = keep.map(|k| committed.iter().rev().skip(k).copied().collect()).unwrap_or_default();
+    victims.extend(all.iter().copied().filter(|s| !committed.contains(s) && newest.is_some_and(|n| *s < n)));
+    victims
 }
 
 /// Reads, decodes and verifies one chunk from `tier` into `dst` (its raw length). Errors name
@@ -167,12 +185,7 @@ pub fn encode_rank(
 ) -> Result<Manifest> {
     let mut out = logical.clone();
     out.tier = tier_name.into();
-    let refs: Vec<(usize, usize)> = logical
-        .items
-        .iter()
-        .enumerate()
-        .flat_map(|(i, it)| (0..it.chunks.len()).map(move |c| (i, c)))
-        .collect();
+    let refs = logical.chunk_refs();
     let mut pos = 0u64;
     for batch in refs.chunks(ENCODE_BATCH) {
         let encoded: Vec<Result<(String, Vec<u8>)>> = batch
