@@ -192,7 +192,9 @@ fn logical(step: u64, rank: u32, world_size: u32) -> (Manifest, VecSource) {
             dtype: dtype.into(),
             shape: vec![bytes.len() as u64 / size],
             nbytes: bytes.len() as u64,
-            meta: serde_json::json!({"framework": "test", "global_shape": [bytes.len() as u64 / size], "offsets": [0]}),
+            meta: serde_json::json!({"framework": "test"}),
+            // Every item is the second of two shards of a global array, on replica 1.
+            shard: Some(format::ShardInfo { global_shape: vec![2 * (bytes.len() as u64 / size)], offsets: vec![bytes.len() as u64 / size], replica_id: 1 }),
             chunks,
         });
         data.push(bytes);
@@ -272,8 +274,8 @@ pub fn write_and_read_back(make: &Make) {
     assert_eq!(m.items.len(), lm.items.len());
     for (i, (got, want)) in m.items.iter().zip(&lm.items).enumerate() {
         assert_eq!(
-            (&got.name, &got.kind, &got.dtype, &got.shape, got.nbytes, &got.meta),
-            (&want.name, &want.kind, &want.dtype, &want.shape, want.nbytes, &want.meta)
+            (&got.name, &got.kind, &got.dtype, &got.shape, got.nbytes, &got.meta, &got.shard),
+            (&want.name, &want.kind, &want.dtype, &want.shape, want.nbytes, &want.meta, &want.shard)
         );
         assert_eq!(got.chunks.len(), want.chunks.len(), "item {}", got.name);
         for (c, (g, w)) in got.chunks.iter().zip(&want.chunks).enumerate() {

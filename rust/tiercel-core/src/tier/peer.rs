@@ -700,6 +700,7 @@ mod tests {
                 shape: vec![d.len() as u64],
                 nbytes: d.len() as u64,
                 meta: serde_json::Value::Null,
+                shard: None,
                 chunks,
             });
             pos = format::align_up(pos + d.len() as u64, 64);
