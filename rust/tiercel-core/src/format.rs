@@ -172,8 +172,8 @@ impl Manifest {
 
     /// Decodes and checks a manifest read from `where_` (a path or key, for the message).
     pub fn from_json(bytes: &[u8], where_: &str) -> Result<Self> {
-        let m: Manifest = serde_json::from_slice(bytes)
-            .map_err(|e| Error::integrity(format!("{where_}: not a valid tiercel manifest: {e}")))?;
+        let m: Manifest =
+            serde_json::from_slice(bytes).map_err(|e| Error::integrity(format!("{where_}: not a valid tiercel manifest: {e}")))?;
         if m.format != MANIFEST_FORMAT {
             return Err(Error::integrity(format!("{where_}: format is '{}', expected '{MANIFEST_FORMAT}'", m.format)));
         }
@@ -243,16 +243,13 @@ pub struct CommitRecord {
 
 impl CommitRecord {
     pub fn new(step: u64, world_size: u32, tier: &str) -> Self {
-        let time = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs_f64())
-            .unwrap_or(0.0);
+        let time = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
         CommitRecord { format: COMMIT_FORMAT.into(), version: FORMAT_VERSION, step, world_size, tier: tier.into(), time, ranks: None }
     }
 
     pub fn from_json(bytes: &[u8], where_: &str) -> Result<Self> {
-        let c: CommitRecord = serde_json::from_slice(bytes)
-            .map_err(|e| Error::integrity(format!("{where_}: not a valid commit record: {e}")))?;
+        let c: CommitRecord =
+            serde_json::from_slice(bytes).map_err(|e| Error::integrity(format!("{where_}: not a valid commit record: {e}")))?;
         if c.format != COMMIT_FORMAT || c.version > FORMAT_VERSION {
             return Err(Error::integrity(format!("{where_}: unknown commit record format/version")));
         }
@@ -300,15 +297,7 @@ mod tests {
             nbytes: 8,
             meta: serde_json::Value::Null,
             shard: None,
-            chunks: vec![ChunkMeta {
-                offset: 0,
-                len: 8,
-                crc32c: 0,
-                object: 0,
-                stored_offset: 4,
-                stored_len: 8,
-                codec: "raw".into(),
-            }],
+            chunks: vec![ChunkMeta { offset: 0, len: 8, crc32c: 0, object: 0, stored_offset: 4, stored_len: 8, codec: "raw".into() }],
         });
         let e = Manifest::from_json(&m.to_json(), "x").unwrap_err();
         assert!(e.message.contains("outside object"), "{}", e.message);
@@ -352,7 +341,10 @@ mod tests {
     #[test]
     fn shard_info_must_fit_its_global_array() {
         let bad = [
-            (ShardInfo { global_shape: vec![4, 8], offsets: vec![3, 4], replica_id: 0 }, "dimension 0: offset 3 + size 2 exceeds the global size 4"),
+            (
+                ShardInfo { global_shape: vec![4, 8], offsets: vec![3, 4], replica_id: 0 },
+                "dimension 0: offset 3 + size 2 exceeds the global size 4",
+            ),
             (ShardInfo { global_shape: vec![4, 8], offsets: vec![0, 5], replica_id: 0 }, "dimension 1"),
             (ShardInfo { global_shape: vec![4, 8], offsets: vec![0], replica_id: 0 }, "1 offsets"),
             (ShardInfo { global_shape: vec![8], offsets: vec![0], replica_id: 0 }, "all three must match"),

@@ -446,10 +446,7 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
                 handle2.set(&name, TierState::Running);
                 let slot = &store2.slots[idx];
                 let src = SegmentSource { manifest: &manifest2, segments: &parts2 };
-                let res = slot
-                    .tier
-                    .write_rank(&manifest2, &src, &slot.link)
-                    .and_then(|_| slot.tier.try_commit(step, store2.world_size));
+                let res = slot.tier.write_rank(&manifest2, &src, &slot.link).and_then(|_| slot.tier.try_commit(step, store2.world_size));
                 drop(parts2);
                 match res {
                     Ok(committed) => {
@@ -719,13 +716,7 @@ impl StepReader {
 
     /// The fast path: the first source is the memory tier, the chunks of `start..end` sit
     /// raw and contiguous in one object, and each of their checksums holds.
-    fn try_zero_copy(
-        &self,
-        i: usize,
-        start: u64,
-        end: u64,
-        views: &mut HashMap<String, Arc<View>>,
-    ) -> Result<Option<(ItemData, String)>> {
+    fn try_zero_copy(&self, i: usize, start: u64, end: u64, views: &mut HashMap<String, Arc<View>>) -> Result<Option<(ItemData, String)>> {
         let (idx, m) = &self.sources[0];
         let slot = &self.store.slots[*idx];
         if slot.config.kind != TierKind::Memory {
@@ -760,7 +751,9 @@ impl StepReader {
         };
         let last = chunks.last().expect("not empty");
         if last.stored_offset + last.len > view.len() as u64 {
-            self.warnings.lock().push(format!("tier '{}': step {} rank {} object {obj} is shorter than its manifest", slot.config.name, m.step, m.rank));
+            self.warnings
+                .lock()
+                .push(format!("tier '{}': step {} rank {} object {obj} is shorter than its manifest", slot.config.name, m.step, m.rank));
             return Ok(None);
         }
         let ok = chunks.par_iter().all(|c| {

@@ -198,9 +198,7 @@ impl Store {
     #[pyo3(signature = (step, rank=None, tiers=None))]
     fn reader(&self, py: Python<'_>, step: u64, rank: Option<u32>, tiers: Option<Vec<String>>) -> PyResult<StepReader> {
         let rank = rank.unwrap_or(self.inner.rank);
-        let r = py
-            .allow_threads(|| core::StepReader::open(&self.inner, step, rank, tiers.as_deref()))
-            .map_err(err)?;
+        let r = py.allow_threads(|| core::StepReader::open(&self.inner, step, rank, tiers.as_deref())).map_err(err)?;
         Ok(StepReader { inner: r })
     }
 
@@ -486,9 +484,7 @@ fn placement(
     let p = pl::Placement::new(hosts, replicas, pl::Strategy::parse(strategy).map_err(err)?).map_err(err)?;
     let holders = (0..hosts).map(|h| p.holders(h)).collect();
     let exact = failures.map(|k| p.survival_probability(k)).transpose().map_err(err)?;
-    let closed = failures
-        .filter(|_| hosts % replicas == 0)
-        .map(|k| pl::gemini_closed_form(hosts, replicas, k));
+    let closed = failures.filter(|_| hosts % replicas == 0).map(|k| pl::gemini_closed_form(hosts, replicas, k));
     Ok((p.groups(), holders, exact, closed))
 }
 
