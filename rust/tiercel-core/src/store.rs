@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use crate::blobs::FsBlobs;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{self, ChunkMeta, ItemMeta, Manifest, ObjectMeta, ShardInfo};
-use crate::policy::{Policy, TierConfig, TierKind};
+use crate::policy::{PeerConfig, Policy, TierConfig, TierKind, TierSpec};
 use crate::scheduler::{Job, Link, Priority, Scheduler, Start};
 use crate::tier::blob::BlobTier;
 use crate::tier::memory::{MemoryTier, Segment, View};
@@ -38,29 +38,28 @@ pub struct Store {
 
 /// Opens the tier a policy entry describes.
 pub fn open_tier(cfg: &TierConfig) -> Result<Arc<dyn Tier>> {
-    let at = |e: Error| e.context(format!("opening tier '{}' ({})", cfg.name, cfg.location));
-    Ok(match cfg.kind {
-        TierKind::Memory => MemoryTier::open(&cfg.name, cfg.location.as_ref(), cfg.capacity).map_err(at)?,
-        TierKind::Fs => {
-            let blobs = FsBlobs::new(&cfg.name, cfg.location.as_ref()).map_err(at)?;
+    let at = |e: Error| e.context(format!("opening tier '{}' ({})", cfg.name, cfg.location()));
+    Ok(match &cfg.spec {
+        TierSpec::Memory { root } => MemoryTier::open(&cfg.name, root.as_ref(), cfg.capacity).map_err(at)?,
+        TierSpec::Fs { path } => {
+            let blobs = FsBlobs::new(&cfg.name, path.as_ref()).map_err(at)?;
             Arc::new(BlobTier::new(&cfg.name, "fs", Arc::new(blobs), cfg.compression))
         }
-        TierKind::S3 | TierKind::Gcs => {
-            let blobs = crate::object::ObjectBlobs::open(cfg).map_err(at)?;
-            Arc::new(BlobTier::new(&cfg.name, cfg.kind.as_str(), Arc::new(blobs), cfg.compression))
+        spec @ (TierSpec::S3(_) | TierSpec::Gcs(_)) => {
+            let blobs = crate::object::ObjectBlobs::open(&cfg.name, spec).map_err(at)?;
+            Arc::new(BlobTier::new(&cfg.name, cfg.kind().as_str(), Arc::new(blobs), cfg.compression))
         }
-        TierKind::Peer => {
+        TierSpec::Peer(_) => {
             return Err(Error::invalid(format!("tier '{}': a peer tier is opened by its Store (it needs the rank)", cfg.name)))
         }
     })
 }
 
 /// Opens a peer tier for `rank`: its replica store lives under the memory tier's root.
-fn open_peer(cfg: &TierConfig, rank: u32, memory: &MemoryTier) -> Result<Arc<PeerTier>> {
-    let p = cfg.peer.as_ref().expect("a peer tier has peer settings");
+fn open_peer(cfg: &TierConfig, p: &PeerConfig, rank: u32, memory: &MemoryTier) -> Result<Arc<PeerTier>> {
     let secret = p.secret.clone().or_else(|| std::env::var("TIERCEL_PEER_SECRET").ok()).map(String::into_bytes);
     let opts = PeerOptions {
-        listen: cfg.location.clone(),
+        listen: p.listen.clone(),
         replicas: p.replicas,
         strategy: crate::placement::Strategy::parse(&p.placement)?,
         keep: cfg.keep.unwrap_or(2),
@@ -76,15 +75,15 @@ impl Store {
             return Err(Error::invalid(format!("rank {rank} is not in a world of size {world_size}")));
         }
         let mem_cfg = policy.memory_tier().clone();
-        let memory = MemoryTier::open(&mem_cfg.name, mem_cfg.location.as_ref(), mem_cfg.capacity)
-            .map_err(|e| e.context(format!("opening tier '{}' ({})", mem_cfg.name, mem_cfg.location)))?;
+        let memory = MemoryTier::open(&mem_cfg.name, mem_cfg.location().as_ref(), mem_cfg.capacity)
+            .map_err(|e| e.context(format!("opening tier '{}' ({})", mem_cfg.name, mem_cfg.location())))?;
         let mut slots = vec![];
         let mut peer = None;
         for cfg in &policy.tiers {
-            let tier: Arc<dyn Tier> = match cfg.kind {
-                TierKind::Memory => memory.clone(),
-                TierKind::Peer => {
-                    let p = open_peer(cfg, rank, &memory)?;
+            let tier: Arc<dyn Tier> = match &cfg.spec {
+                TierSpec::Memory { .. } => memory.clone(),
+                TierSpec::Peer(p) => {
+                    let p = open_peer(cfg, p, rank, &memory)?;
                     peer = Some(p.clone());
                     p
                 }
@@ -176,7 +175,7 @@ impl Store {
     /// Applies `keep` on a tier and removes uncommitted leftovers older than its newest
     /// committed step. Returns the removed steps.
     pub fn retain(&self, slot: &TierSlot) -> Result<Vec<u64>> {
-        match slot.config.kind {
+        match slot.config.kind() {
             TierKind::Memory => return self.memory.retain(slot.config.keep.unwrap_or(usize::MAX)),
             // Holders apply `keep` to the copies they hold, as they receive new ones.
             TierKind::Peer => return Ok(vec![]),
@@ -431,7 +430,7 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
         }
         let (store2, handle2, manifest2, parts2) = (store.clone(), handle.clone(), manifest.clone(), parts.clone());
         let name = slot.config.name.clone();
-        let priority = if slot.config.kind == TierKind::Peer { Priority::Replicate } else { Priority::Persist };
+        let priority = if slot.config.kind() == TierKind::Peer { Priority::Replicate } else { Priority::Persist };
         store.scheduler.submit(Job {
             link: slot.link.clone(),
             priority,
@@ -719,7 +718,7 @@ impl StepReader {
     fn try_zero_copy(&self, i: usize, start: u64, end: u64, views: &mut HashMap<String, Arc<View>>) -> Result<Option<(ItemData, String)>> {
         let (idx, m) = &self.sources[0];
         let slot = &self.store.slots[*idx];
-        if slot.config.kind != TierKind::Memory {
+        if slot.config.kind() != TierKind::Memory {
             return Ok(None);
         }
         let it = &m.items[i];
