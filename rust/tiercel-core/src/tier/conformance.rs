@@ -14,7 +14,7 @@ use std::sync::Arc;
 use crate::blobs::FsBlobs;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{self, ChunkMeta, ItemMeta, Manifest};
-use crate::policy::{Codec, Compression, TierConfig, TierKind};
+use crate::policy::{Codec, Compression, TierKind};
 use crate::scheduler::Link;
 use crate::tier::blob::BlobTier;
 use crate::tier::memory::MemoryTier;
@@ -63,7 +63,7 @@ pub fn object_tier(kind: TierKind, var: &str, compression: Compression) -> (Arc<
     let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let prefix = format!("conformance-{}-{n}", std::process::id());
     // Through the policy parser, as a user's tier would be.
-    let cfg = |url: String| -> TierConfig {
+    let cfg = |url: String| -> crate::policy::TierConfig {
         let json = serde_json::json!({"tier": [
             {"name": "ram", "kind": "memory", "root": "/unused"},
             {"name": kind.as_str(), "kind": kind.as_str(), "url": url, "endpoint": endpoint, "retries": 3,
@@ -78,9 +78,9 @@ pub fn object_tier(kind: TierKind, var: &str, compression: Compression) -> (Arc<
         env.vars.insert("AWS_ACCESS_KEY_ID".into(), "tiercel-test-key".into());
         env.vars.insert("AWS_SECRET_ACCESS_KEY".into(), "tiercel-test-secret-0123456789".into());
     }
-    let blobs = ObjectBlobs::open_with(&cfg(format!("{scheme}://{bucket}/{prefix}")), &env).expect("open object tier");
+    let blobs = ObjectBlobs::open_with(kind.as_str(), &cfg(format!("{scheme}://{bucket}/{prefix}")).spec, &env).expect("open object tier");
     let tier: Arc<dyn Tier> = Arc::new(BlobTier::new(kind.as_str(), kind.as_str(), Arc::new(blobs), compression));
-    let root = ObjectBlobs::open_with(&cfg(format!("{scheme}://{bucket}")), &env).expect("open bucket");
+    let root = ObjectBlobs::open_with(kind.as_str(), &cfg(format!("{scheme}://{bucket}")).spec, &env).expect("open bucket");
     struct Cleanup(ObjectBlobs, String);
     impl Drop for Cleanup {
         fn drop(&mut self) {
