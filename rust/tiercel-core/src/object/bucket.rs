@@ -18,6 +18,7 @@ use super::writer::ObjectWriter;
 use crate::blobs::{BlobWriter, Blobs};
 use crate::error::{Error, ErrorKind, Result};
 use crate::policy::{ObjectSpec, TierSpec};
+use crate::tier::gc::Removal;
 
 /// What every request of one tier needs; shared with its writers.
 pub(super) struct Inner {
@@ -326,7 +327,11 @@ impl Blobs for ObjectBlobs {
         block_on(self.inner.delete_prefix(prefix))
     }
 
-    fn sweep(&self) -> Result<Vec<String>> {
-        block_on(self.inner.sweep())
+    fn leftovers(&self, _temp_age: Option<Duration>) -> Result<Vec<Removal>> {
+        block_on(self.inner.abandoned())
+    }
+
+    fn remove_leftover(&self, r: &Removal) -> Result<bool> {
+        block_on(self.inner.abort(r))
     }
 }

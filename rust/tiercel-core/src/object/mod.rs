@@ -1,7 +1,7 @@
 //! Object stores (S3 and S3-compatible servers, Google Cloud Storage) as `Blobs`, on the
 //! `object_store` crate, driven from one small shared tokio runtime. `settings` reads
 //! credentials and options, `bucket` is the `Blobs` implementation, `writer` the streaming
-//! multipart writer, `uploads` the markers of running uploads and the sweep of abandoned ones.
+//! multipart writer, `uploads` the markers of running uploads and the removal of abandoned ones.
 //!
 //! - `put` is one PUT; `put_if_absent` a PUT with `If-None-Match: *` (S3) or
 //!   `x-goog-if-generation-match: 0` (GCS); a store that says it cannot do that gets a HEAD
@@ -11,7 +11,8 @@
 //!   `concurrency` parts in flight, so a writer holds at most `(concurrency + 1) * part_size`
 //!   bytes. On an error or `abort` the upload is aborted. Each multipart upload is recorded by a
 //!   small marker object under `.uploads/` while it runs; a writer killed before it could abort
-//!   leaves its marker, and `sweep` (run by retention and `tiercel gc`) aborts such uploads.
+//!   leaves its marker, and gc (the retention run after a persist, `tiercel gc`) aborts such
+//!   uploads.
 //! - `get_range` is one ranged GET whose body is copied straight into the destination.
 //! - Requests are retried with exponential backoff on 5xx answers, connection resets and
 //!   timeouts (`object_store`'s retry layer; bodies of GETs resume where they broke off).

@@ -1,19 +1,22 @@
 //! Markers of multipart uploads: each upload in flight is recorded by a small object under
 //! `.uploads/` (key, upload id, host, pid), removed when the upload completes or is aborted.
-//! A writer killed meanwhile leaves its marker, and `sweep` aborts such uploads: those of this
-//! host whose process is gone, those of other hosts once they are old.
+//! A writer killed meanwhile leaves its marker, and gc aborts such uploads: those of this
+//! host whose process is gone, those of other hosts once they are old. `tiercel gc` and the
+//! retention run after a persist list them (`abandoned`) and remove them (`abort`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::TryStreamExt;
+use object_store::path::Path as ObjPath;
 use object_store::{ObjectStore, ObjectStoreExt};
 
 use super::bucket::{Inner, ObjectBlobs};
 use super::settings::sanitize;
 use crate::blobs::Blobs;
 use crate::error::Result;
+use crate::tier::gc::{self, Removal, Target};
 
 /// Where multipart-upload markers live, under the tier's prefix. Not a step directory, so
 /// the step layout ignores it.
@@ -24,7 +27,7 @@ pub const STALE_UPLOAD_AGE: Duration = Duration::from_secs(24 * 3600);
 static MARKER_SEQ: AtomicU64 = AtomicU64::new(0);
 
 /// Upload ids this process is writing right now: its own markers of other ids are uploads it
-/// could not abort (the server was gone), which `sweep` may abort now.
+/// could not abort (the server was gone), which gc may abort now.
 pub(super) fn active_uploads() -> &'static parking_lot::Mutex<std::collections::HashSet<String>> {
     static ACTIVE: OnceLock<parking_lot::Mutex<std::collections::HashSet<String>>> = OnceLock::new();
     ACTIVE.get_or_init(Default::default)
@@ -42,11 +45,6 @@ pub(super) fn host_id() -> String {
     // Two containers may share a host name but not a pid namespace.
     let ns = std::fs::read_link("/proc/self/ns/pid").map(|p| p.display().to_string()).unwrap_or_default();
     format!("{host}/{ns}")
-}
-
-fn pid_alive(pid: u32) -> bool {
-    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
 pub(super) fn unix_now() -> u64 {
@@ -80,13 +78,13 @@ impl Inner {
         Ok(marker)
     }
 
-    /// Aborts the multipart uploads that killed writers left (see the module docs).
-    pub(super) async fn sweep(&self) -> Result<Vec<String>> {
+    /// The multipart uploads that killed writers left (see the module docs), as gc removals.
+    pub(super) async fn abandoned(&self) -> Result<Vec<Removal>> {
         let dir = self.path(UPLOADS_DIR);
         let markers: Vec<object_store::ObjectMeta> =
             self.store.list(Some(&dir)).try_collect().await.map_err(|e| self.err("LIST", UPLOADS_DIR, e))?;
         let now = unix_now();
-        let mut done = vec![];
+        let mut out = vec![];
         for meta in markers {
             let Some(name) = meta.location.filename().map(String::from) else { continue };
             let marker_key = format!("{UPLOADS_DIR}/{name}");
@@ -104,42 +102,57 @@ impl Inner {
             let marker: Option<UploadMarker> = serde_json::from_slice(&bytes).ok();
             let stale = match &marker {
                 Some(m) if m.host == self.host && m.pid == std::process::id() => !active_uploads().lock().contains(&m.upload_id),
-                Some(m) if m.host == self.host => !pid_alive(m.pid) || age > STALE_UPLOAD_AGE.as_secs(),
+                Some(m) if m.host == self.host => !gc::pid_alive(m.pid) || age > STALE_UPLOAD_AGE.as_secs(),
                 _ => age > STALE_UPLOAD_AGE.as_secs(),
             };
             if !stale {
                 continue;
             }
-            if let Some(m) = &marker {
-                match self.multipart.abort_multipart(&self.path(&m.key), &m.upload_id).await {
-                    Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
-                    Err(e) => {
-                        log::warn!(
-                            "tier '{}': cannot abort the abandoned upload of {}: {}",
-                            self.tier,
-                            self.describe(&m.key),
-                            sanitize(&e.to_string(), &self.secrets)
-                        );
-                        continue;
-                    }
+            let location = meta.location.to_string();
+            out.push(match marker {
+                Some(m) => {
+                    let who = if m.host != self.host {
+                        format!("pid {} on {}", m.pid, m.host)
+                    } else if m.pid == std::process::id() {
+                        "this process (its abort had failed)".to_string()
+                    } else {
+                        format!("pid {} (gone)", m.pid)
+                    };
+                    let reason = format!("abandoned multipart upload of {} by {who}", self.describe(&m.key));
+                    Removal::new(Target::Upload { key: m.key, marker: location, upload_id: m.upload_id }, reason)
                 }
-                let who = if m.host != self.host {
-                    format!("pid {} on {}", m.pid, m.host)
-                } else if m.pid == std::process::id() {
-                    "this process (its abort had failed)".to_string()
-                } else {
-                    format!("pid {} (gone)", m.pid)
-                };
-                done.push(format!("aborted the abandoned multipart upload of {} by {who}", self.describe(&m.key)));
-            } else {
-                done.push(format!("removed the unreadable upload marker {}", self.describe(&marker_key)));
-            }
-            match self.store.delete(&meta.location).await {
+                None => Removal::new(
+                    Target::Upload { key: marker_key.clone(), marker: location, upload_id: String::new() },
+                    format!("unreadable upload marker {}", self.describe(&marker_key)),
+                ),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Aborts an abandoned upload and removes its marker (an unreadable marker: just that).
+    /// False when the server refused the abort: the marker stays for the next run.
+    pub(super) async fn abort(&self, r: &Removal) -> Result<bool> {
+        let Target::Upload { key, marker, upload_id } = &r.target else { return Ok(false) };
+        if !upload_id.is_empty() {
+            match self.multipart.abort_multipart(&self.path(key), upload_id).await {
                 Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
-                Err(e) => return Err(self.err("DELETE", &marker_key, e)),
+                Err(e) => {
+                    log::warn!(
+                        "tier '{}': cannot abort the abandoned upload of {}: {}",
+                        self.tier,
+                        self.describe(key),
+                        sanitize(&e.to_string(), &self.secrets)
+                    );
+                    return Ok(false);
+                }
             }
         }
-        Ok(done)
+        let location = ObjPath::parse(marker).unwrap_or_else(|_| ObjPath::from(marker.as_str()));
+        match self.store.delete(&location).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(true),
+            Err(e) => Err(self.err("DELETE", marker, e)),
+        }
     }
 }
 

@@ -111,7 +111,7 @@ impl ObjectWriter {
                 Ok(()) | Err(object_store::Error::NotFound { .. }) => {
                     let _ = i.delete(&up.marker).await;
                 }
-                // The marker stays, so that a later sweep aborts the upload.
+                // The marker stays, so that a later gc aborts the upload.
                 Err(e) => log::warn!(
                     "tier '{}': cannot abort the multipart upload of {}: {}",
                     i.tier,

@@ -13,14 +13,14 @@ mod save;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::blobs::FsBlobs;
 use crate::error::{Error, Result};
-use crate::policy::{PeerConfig, Policy, TierConfig, TierKind, TierSpec};
+use crate::policy::{Policy, TierConfig};
 use crate::scheduler::{Link, Scheduler};
-use crate::tier::blob::BlobTier;
+use crate::tier::gc::{self, GcOptions, Removal, Target};
 use crate::tier::memory::MemoryTier;
-use crate::tier::peer::{PeerOptions, PeerTier};
-use crate::tier::Tier;
+use crate::tier::open::{open_tiers, Tiers};
+use crate::tier::peer::PeerTier;
+use crate::tier::{run_gc, Tier};
 
 pub use copy::copy_step;
 pub use handle::{SaveHandle, TierState};
@@ -44,61 +44,22 @@ pub struct Store {
     peer: Option<Arc<PeerTier>>,
 }
 
-/// Opens the tier a policy entry describes.
-pub fn open_tier(cfg: &TierConfig) -> Result<Arc<dyn Tier>> {
-    let at = |e: Error| e.context(format!("opening tier '{}' ({})", cfg.name, cfg.location()));
-    Ok(match &cfg.spec {
-        TierSpec::Memory { root } => MemoryTier::open(&cfg.name, root.as_ref(), cfg.capacity).map_err(at)?,
-        TierSpec::Fs { path } => {
-            let blobs = FsBlobs::new(&cfg.name, path.as_ref()).map_err(at)?;
-            Arc::new(BlobTier::new(&cfg.name, "fs", Arc::new(blobs), cfg.compression))
-        }
-        spec @ (TierSpec::S3(_) | TierSpec::Gcs(_)) => {
-            let blobs = crate::object::ObjectBlobs::open(&cfg.name, spec).map_err(at)?;
-            Arc::new(BlobTier::new(&cfg.name, cfg.kind().as_str(), Arc::new(blobs), cfg.compression))
-        }
-        TierSpec::Peer(_) => {
-            return Err(Error::invalid(format!("tier '{}': a peer tier is opened by its Store (it needs the rank)", cfg.name)))
-        }
-    })
-}
-
-/// Opens a peer tier for `rank`: its replica store lives under the memory tier's root.
-fn open_peer(cfg: &TierConfig, p: &PeerConfig, rank: u32, memory: &MemoryTier) -> Result<Arc<PeerTier>> {
-    let secret = p.secret.clone().or_else(|| std::env::var("TIERCEL_PEER_SECRET").ok()).map(String::into_bytes);
-    let opts = PeerOptions {
-        listen: p.listen.clone(),
-        replicas: p.replicas,
-        strategy: crate::placement::Strategy::parse(&p.placement)?,
-        keep: cfg.keep.unwrap_or(2),
-        secret,
-        timeout: Duration::from_secs(30),
-    };
-    PeerTier::open(&cfg.name, rank, memory.root(), opts).map_err(|e| e.context(format!("opening tier '{}'", cfg.name)))
-}
+/// The slot of the memory tier, into which every save copies first: policy validation puts
+/// the one memory tier first (`Policy::memory_tier`).
+const MEMORY_SLOT: usize = 0;
 
 impl Store {
     pub fn open(policy: Policy, rank: u32, world_size: u32) -> Result<Arc<Store>> {
         if world_size == 0 || rank >= world_size {
             return Err(Error::invalid(format!("rank {rank} is not in a world of size {world_size}")));
         }
-        let mem_cfg = policy.memory_tier().clone();
-        let memory = MemoryTier::open(&mem_cfg.name, mem_cfg.location().as_ref(), mem_cfg.capacity)
-            .map_err(|e| e.context(format!("opening tier '{}' ({})", mem_cfg.name, mem_cfg.location())))?;
-        let mut slots = vec![];
-        let mut peer = None;
-        for cfg in &policy.tiers {
-            let tier: Arc<dyn Tier> = match &cfg.spec {
-                TierSpec::Memory { .. } => memory.clone(),
-                TierSpec::Peer(p) => {
-                    let p = open_peer(cfg, p, rank, &memory)?;
-                    peer = Some(p.clone());
-                    p
-                }
-                _ => open_tier(cfg)?,
-            };
-            slots.push(TierSlot { link: Link::new(&cfg.name, cfg.bandwidth), config: cfg.clone(), tier });
-        }
+        let Tiers { all, memory, peer } = open_tiers(&policy, rank)?;
+        let slots = policy
+            .tiers
+            .iter()
+            .zip(all)
+            .map(|(cfg, tier)| TierSlot { link: Link::new(&cfg.name, cfg.bandwidth), config: cfg.clone(), tier })
+            .collect();
         let copy_pool = rayon::ThreadPoolBuilder::new()
             .num_threads(policy.threads)
             .thread_name(|i| format!("tiercel-copy-{i}"))
@@ -121,6 +82,17 @@ impl Store {
 
     pub fn memory(&self) -> &Arc<MemoryTier> {
         &self.memory
+    }
+
+    /// The memory tier's slot.
+    fn memory_slot(&self) -> &TierSlot {
+        &self.slots[MEMORY_SLOT]
+    }
+
+    /// The slots a flushed step goes to next (every one but the memory tier's), with their
+    /// indices.
+    fn later_slots(&self) -> impl Iterator<Item = (usize, &TierSlot)> {
+        self.slots.iter().enumerate().filter(|(i, _)| *i != MEMORY_SLOT)
     }
 
     /// The peer tier, when the policy has one.
@@ -147,10 +119,6 @@ impl Store {
         all.into_iter().collect()
     }
 
-    fn memory_name(&self) -> String {
-        self.policy.memory_tier().name.clone()
-    }
-
     /// Waits for every background job; then stops the workers and frees this process's
     /// spare shared memory. Committed steps stay.
     pub fn close(&self) {
@@ -170,26 +138,46 @@ impl Store {
         &self.scheduler
     }
 
-    /// Applies `keep` on a tier and removes uncommitted leftovers older than its newest
-    /// committed step. Returns the removed steps.
+    /// Retention on one tier, as after every save: `keep`, uncommitted leftovers, abandoned
+    /// uploads (see `tier::gc`). Returns the removed steps.
     pub fn retain(&self, slot: &TierSlot) -> Result<Vec<u64>> {
-        match slot.config.kind() {
-            TierKind::Memory => return self.memory.retain(slot.config.keep.unwrap_or(usize::MAX)),
-            // Holders apply `keep` to the copies they hold, as they receive new ones.
-            TierKind::Peer => return Ok(vec![]),
-            _ => {}
+        let done = run_gc(&*slot.tier, &GcOptions { keep: slot.config.keep, temp_age: None })?;
+        for r in done.iter().filter(|r| r.step().is_none()) {
+            log::info!("tier '{}': removed {}", slot.config.name, r.reason);
         }
-        // Uploads that killed writers left (object stores) go first: a step deleted below may
-        // be the one such an upload was writing.
-        match slot.tier.blobs().sweep() {
-            Ok(done) => done.iter().for_each(|d| log::info!("tier '{}': {d}", slot.config.name)),
-            Err(e) => log::warn!("tier '{}': cleaning up abandoned uploads failed: {e}", slot.config.name),
-        }
-        let committed = slot.tier.committed_steps()?;
-        let victims = crate::tier::retention_victims(&committed, &slot.tier.all_steps()?, slot.config.keep);
-        for s in &victims {
-            slot.tier.delete_step(*s)?;
-        }
-        Ok(victims)
+        Ok(gc::steps_of(&done))
+    }
+
+    /// What `gc` would remove from tier `name` now: retention, and temporary files of dead
+    /// writers at least `temp_age` old.
+    pub fn gc_plan(&self, name: &str, temp_age: Duration) -> Result<Vec<Removal>> {
+        let slot = self.slot(name)?;
+        slot.tier.gc_plan(&GcOptions { keep: slot.config.keep, temp_age: Some(temp_age) })
+    }
+
+    /// Aborts the abandoned uploads of tier `name` (object stores) and nothing else; one line
+    /// per upload, as `tiercel gc` prints them.
+    pub fn sweep_uploads(&self, name: &str) -> Result<Vec<String>> {
+        let slot = self.slot(name)?;
+        let plan: Vec<Removal> = slot
+            .tier
+            .gc_plan(&GcOptions { keep: None, temp_age: None })?
+            .into_iter()
+            .filter(|r| matches!(r.target, Target::Upload { .. }))
+            .collect();
+        let done = slot.tier.gc_apply(plan)?;
+        Ok(done
+            .iter()
+            .map(|r| match &r.target {
+                Target::Upload { upload_id, .. } if upload_id.is_empty() => format!("removed the {}", r.reason),
+                _ => format!("aborted the {}", r.reason),
+            })
+            .collect())
+    }
+
+    /// Removes what `gc_plan` lists; returns what was removed.
+    pub fn gc(&self, name: &str, temp_age: Duration) -> Result<Vec<Removal>> {
+        let slot = self.slot(name)?;
+        run_gc(&*slot.tier, &GcOptions { keep: slot.config.keep, temp_age: Some(temp_age) })
     }
 }

@@ -11,7 +11,6 @@ use rayon::prelude::*;
 use super::Store;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{ChunkMeta, ItemMeta, Manifest};
-use crate::policy::TierKind;
 use crate::tier::memory::View;
 use crate::tier::read_chunk;
 
@@ -147,14 +146,11 @@ impl StepReader {
         self.read_owned(i, start, end)
     }
 
-    /// The fast path: the first source is the memory tier, the chunks of `start..end` sit
-    /// raw and contiguous in one object, and each of their checksums holds.
+    /// The fast path: the first source offers views (the memory tier), the chunks of
+    /// `start..end` sit raw and contiguous in one object, and each of their checksums holds.
     fn try_zero_copy(&self, i: usize, start: u64, end: u64, views: &mut HashMap<String, Arc<View>>) -> Result<Option<(ItemData, String)>> {
         let (idx, m) = &self.sources[0];
         let slot = &self.store.slots[*idx];
-        if slot.config.kind() != TierKind::Memory {
-            return Ok(None);
-        }
         let it = &m.items[i];
         let chunks = &it.chunks[overlapping(&it.chunks, start, end)];
         let Some(first) = chunks.first() else {
@@ -171,12 +167,13 @@ impl StepReader {
         let obj = &m.objects[first.object as usize].name;
         let view = match views.get(obj) {
             Some(v) => v.clone(),
-            None => match self.store.memory.view(m.step, obj) {
-                Ok(v) => {
+            None => match slot.tier.view(m.step, obj) {
+                None => return Ok(None), // a tier without views
+                Some(Ok(v)) => {
                     views.insert(obj.clone(), v.clone());
                     v
                 }
-                Err(e) => {
+                Some(Err(e)) => {
                     self.warnings.lock().push(e.message);
                     return Ok(None);
                 }

@@ -9,7 +9,6 @@ use rayon::prelude::*;
 use super::{SaveHandle, Store, TierState};
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkMeta, ItemMeta, Manifest, ObjectMeta, ShardInfo};
-use crate::policy::TierKind;
 use crate::scheduler::{Job, Priority, Start};
 use crate::tier::memory::Segment;
 use crate::tier::{ChunkSource, Tier};
@@ -32,7 +31,7 @@ impl Store {
     pub fn begin(self: &Arc<Self>, step: u64) -> StepWriter {
         StepWriter {
             store: self.clone(),
-            manifest: Manifest::new(step, self.rank, self.world_size, &self.memory_name(), self.policy.chunk_size),
+            manifest: Manifest::new(step, self.rank, self.world_size, &self.memory_slot().config.name, self.policy.chunk_size),
             parts: vec![],
             filled: vec![],
             finished: false,
@@ -210,7 +209,7 @@ impl StepWriter {
         let handle = SaveHandle::new(manifest.step, &store.slots);
         let (store2, handle2) = (store.clone(), handle.clone());
         store.scheduler.submit(Job {
-            link: store.slots[0].link.clone(),
+            link: store.memory_slot().link.clone(),
             priority: Priority::Flush,
             size: manifest.total_bytes(),
             label: format!("step {}", manifest.step),
@@ -224,7 +223,7 @@ impl StepWriter {
 /// The background half of a save (see `StepWriter::commit`).
 fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest, parts: Vec<Arc<Segment>>) {
     let step = manifest.step;
-    let mem = &store.slots[0];
+    let mem = store.memory_slot();
     let mem_name = mem.config.name.clone();
     handle.set(&mem_name, TierState::Running);
     let work = manifest.chunk_refs();
@@ -247,24 +246,23 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
             let e = e.context(format!("step {step} rank {}", store.rank));
             log::error!("{e}");
             handle.set(&mem_name, TierState::Failed(e.message.clone()));
-            for slot in &store.slots[1..] {
+            for (_, slot) in store.later_slots() {
                 handle.set(&slot.config.name, TierState::Skipped(format!("the memory tier failed: {}", e.message)));
             }
             return;
         }
     }
     let manifest = Arc::new(manifest);
-    for (idx, slot) in store.slots.iter().enumerate().skip(1) {
+    for (idx, slot) in store.later_slots() {
         if step % slot.config.every != 0 {
             handle.set(&slot.config.name, TierState::NotScheduled);
             continue;
         }
         let (store2, handle2, manifest2, parts2) = (store.clone(), handle.clone(), manifest.clone(), parts.clone());
         let name = slot.config.name.clone();
-        let priority = if slot.config.kind() == TierKind::Peer { Priority::Replicate } else { Priority::Persist };
         store.scheduler.submit(Job {
             link: slot.link.clone(),
-            priority,
+            priority: slot.tier.priority(),
             size: manifest.total_bytes(),
             label: format!("step {step}"),
             supersede_key: Some(format!("persist:{name}")),

@@ -23,11 +23,11 @@ use std::time::Duration;
 use parking_lot::{Mutex, RwLock};
 use tokio::net::TcpListener;
 
-use crate::blobs::Blobs;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{ChunkMeta, CommitRecord, Manifest};
 use crate::placement::{Placement, Strategy};
-use crate::scheduler::Link;
+use crate::scheduler::{Link, Priority};
+use crate::tier::gc::{GcOptions, Removal};
 use crate::tier::memory::MemoryTier;
 use crate::tier::{ChunkSource, Tier};
 use crate::transport::{server, Conn};
@@ -104,7 +104,7 @@ impl PeerTier {
             .build()
             .map_err(|e| Error::unavailable(format!("tier '{name}': cannot start the peer server: {e}")))?;
         let secret = Arc::new(RwLock::new(opts.secret));
-        let store = Arc::new(ReplicaStore { tier: name.to_string(), replicas: replicas.clone(), keep: opts.keep });
+        let store = Arc::new(ReplicaStore::new(name, replicas.clone(), opts.keep));
         {
             let _guard = runtime.enter();
             let listener = TcpListener::from_std(std_listener).map_err(|e| Error::unavailable(format!("tier '{name}': {e}")))?;
@@ -254,14 +254,6 @@ impl Tier for PeerTier {
         &self.name
     }
 
-    fn kind(&self) -> &'static str {
-        "peer"
-    }
-
-    fn blobs(&self) -> &dyn Blobs {
-        self.replicas.blobs()
-    }
-
     fn write_rank(&self, logical: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<Manifest> {
         let mut m = logical.clone();
         m.tier = self.name.clone();
@@ -345,5 +337,20 @@ impl Tier for PeerTier {
             "tier '{}': step {step}: peer copies are removed by their holders' retention (keep = {})",
             self.name, self.keep
         )))
+    }
+
+    /// Nothing to remove from here: each holder applies the retention rule to the replicas
+    /// it keeps, as they arrive (see `replicas`).
+    fn gc_plan(&self, _opts: &GcOptions) -> Result<Vec<Removal>> {
+        Ok(vec![])
+    }
+
+    fn gc_apply(&self, _plan: Vec<Removal>) -> Result<Vec<Removal>> {
+        Ok(vec![])
+    }
+
+    /// Replication runs after flushes and before persists to slower tiers.
+    fn priority(&self) -> Priority {
+        Priority::Replicate
     }
 }

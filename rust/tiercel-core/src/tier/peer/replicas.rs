@@ -3,10 +3,14 @@
 //! server. A replica is written straight into its segments as it arrives and exists once its
 //! manifest is published (after every chunk matched its checksum).
 
+use std::collections::HashMap;
 use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
+use crate::tier::gc;
 use crate::tier::memory::{MemoryTier, Segment, View};
 use crate::tier::Tier;
 use crate::transport::server::Handler;
@@ -15,26 +19,53 @@ use crate::transport::server::Handler;
 pub const REPLICA_DIR: &str = "peers";
 
 pub(super) struct ReplicaStore {
-    pub(super) tier: String,
-    pub(super) replicas: Arc<MemoryTier>,
+    tier: String,
+    replicas: Arc<MemoryTier>,
     /// Replica steps kept (the peer tier's `keep`).
-    pub(super) keep: usize,
+    keep: usize,
+    /// Steps with a replica on its way in (by count): retention leaves them alone.
+    receiving: Mutex<HashMap<u64, usize>>,
 }
 
 impl ReplicaStore {
-    /// Keeps the newest `keep` replica steps.
-    fn retain(&self) {
-        let Ok(steps) = self.replicas.all_steps() else { return };
-        for s in steps.iter().rev().skip(self.keep) {
-            if let Err(e) = self.replicas.evict(*s) {
-                log::warn!("tier '{}': dropping replica step {s}: {e}", self.tier);
+    pub(super) fn new(tier: &str, replicas: Arc<MemoryTier>, keep: usize) -> ReplicaStore {
+        ReplicaStore { tier: tier.into(), replicas, keep, receiving: Mutex::new(HashMap::new()) }
+    }
+
+    /// The retention rule of every tier (`tier::gc`), on replica steps: a step counts as
+    /// committed here once some rank's replica of it is complete (its manifest is there);
+    /// steps still being received are never removed.
+    fn retain(&self) -> Result<Vec<u64>> {
+        let all = self.replicas.all_steps()?;
+        let mut complete = vec![];
+        for &s in &all {
+            if !self.replicas.layout_ranks(s)?.is_empty() {
+                complete.push(s);
+            }
+        }
+        let receiving = self.receiving.lock().clone();
+        let plan: Vec<u64> =
+            gc::steps_of(&gc::step_removals(&complete, &all, Some(self.keep))).into_iter().filter(|s| !receiving.contains_key(s)).collect();
+        for &s in &plan {
+            self.replicas.evict(s)?;
+        }
+        Ok(plan)
+    }
+
+    fn done_receiving(&self, step: u64) {
+        let mut r = self.receiving.lock();
+        if let Some(n) = r.get_mut(&step) {
+            *n -= 1;
+            if *n == 0 {
+                r.remove(&step);
             }
         }
     }
 
+    /// Removes what arrived of an incomplete replica.
     fn discard(&self, m: &Manifest) {
         for i in 0..m.objects.len() {
-            let _ = self.replicas.blobs().delete(&format!("{}/{}", format::step_dir(m.step), format::part_name(m.rank, i)));
+            let _ = self.replicas.remove_object(m.step, &format::part_name(m.rank, i));
         }
     }
 }
@@ -46,20 +77,33 @@ impl Handler for ReplicaStore {
 
     fn begin_put(&self, m: &mut Manifest) -> Result<Vec<Arc<Segment>>> {
         m.tier = self.tier.clone();
+        if let Some(o) = m.objects.iter().enumerate().find(|(i, o)| o.name != format::part_name(m.rank, *i)) {
+            return Err(Error::invalid(format!("unexpected object name '{}'", o.1.name)));
+        }
+        *self.receiving.lock().entry(m.step).or_default() += 1;
         let mut segs = vec![];
         for (i, o) in m.objects.iter().enumerate() {
-            if o.name != format::part_name(m.rank, i) {
-                return Err(Error::invalid(format!("unexpected object name '{}'", o.name)));
+            match self.replicas.allocate(m.step, m.rank, i, o.len) {
+                Ok(seg) => segs.push(seg),
+                Err(e) => {
+                    drop(segs);
+                    self.discard(m);
+                    self.done_receiving(m.step);
+                    return Err(e);
+                }
             }
-            segs.push(self.replicas.allocate(m.step, m.rank, i, o.len)?);
         }
         Ok(segs)
     }
 
     fn end_put(&self, m: &Manifest, received: Result<()>) -> Result<()> {
-        match received.and_then(|()| self.replicas.publish(m)) {
+        let res = received.and_then(|()| self.replicas.publish(m));
+        self.done_receiving(m.step);
+        match res {
             Ok(()) => {
-                self.retain();
+                if let Err(e) = self.retain() {
+                    log::warn!("tier '{}': retention of replicas after step {}: {e}", self.tier, m.step);
+                }
                 Ok(())
             }
             Err(e) => {
@@ -78,7 +122,7 @@ impl Handler for ReplicaStore {
     fn list(&self, rank: u32) -> Result<Vec<u64>> {
         let mut out = vec![];
         for step in self.replicas.all_steps()? {
-            if self.replicas.blobs().exists(&format!("{}/{}", format::step_dir(step), format::manifest_name(rank)))? {
+            if self.replicas.layout_ranks(step)?.contains(&rank) {
                 out.push(step);
             }
         }
@@ -94,6 +138,6 @@ impl Handler for ReplicaStore {
         if !object.starts_with(&prefix) || object.contains('/') {
             return Err(Error::invalid(format!("object '{object}' is not rank {rank}'s")));
         }
-        self.replicas.view(step, object)
+        self.replicas.map_view(step, object)
     }
 }
