@@ -1,0 +1,169 @@
+"""How a DCP checkpoint lies in a tiercel step, and the one place that reads or lays out
+items for tiercel.dcp.
+
+Every rank's step holds one put of the items its DCP plan wrote ("dcp": tensors raw, byte
+items as DCP serialized them), the tensors `dcp.async_save` staged ("dcp-staged", if any),
+and rank 0 also holds DCP's pickled `Metadata` ("dcp-metadata"). Each put is a dict whose
+keys name the items; DCP's `Metadata.storage_data` maps every `MetadataIndex` to
+{"rank", "put", "key"}: whose step, which put, which key.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _dtypes
+from .._core import IntegrityError, NotFoundError
+from .._tree import _unscalar, tree_items
+from ..store import Reader as StepReader
+from ..store import Writer as StepWriter
+
+PUT_DATA = "dcp"
+PUT_STAGED = "dcp-staged"
+PUT_METADATA = "dcp-metadata"
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where one DCP storage item lives: `rank`'s step, put `put`, under `key`."""
+
+    rank: int
+    put: str
+    key: str
+
+    def to_storage_data(self) -> dict[str, Any]:
+        # A plain dict, not this class: DCP pickles storage_data into its Metadata, and a
+        # pickle of a tiercel class would tie every checkpoint to this module's path.
+        return {"rank": self.rank, "put": self.put, "key": self.key}
+
+    @classmethod
+    def from_storage_data(cls, data: Any, what: str) -> Where:
+        if not (isinstance(data, dict) and {"rank", "put", "key"} <= data.keys()):
+            raise IntegrityError(f"{what}: its DCP storage data {data!r} is not tiercel's; was the step written by tiercel.dcp?")
+        return cls(int(data["rank"]), str(data["put"]), str(data["key"]))
+
+
+def item_key(fqn: str, offset: Any) -> str:
+    """The key of a DCP write item: its FQN, plus the chunk's offsets when it has any
+    (a rank may hold several chunks of one tensor)."""
+    if offset is None:
+        return fqn
+    return f"{fqn}@{','.join(str(int(o)) for o in offset)}"
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One item of a step as its manifest describes it."""
+
+    index: int
+    name: str
+    #: "array" or "bytes" (a DCP byte item, or a pickle).
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    #: Part (segment) number and byte offset of the first chunk, for staged views.
+    part: int
+    offset: int
+
+
+def put_items(manifest: dict[str, Any], put: str) -> dict[str, Stored]:
+    """The items of one put whose value was a dict of str keys, by key."""
+    base = 0
+    for name, tree in manifest["trees"]:
+        refs = tree_items(tree)
+        if name != put:
+            base += len(refs)
+            continue
+        if tree.get("t") != "dict":
+            raise IntegrityError(f"step {manifest['step']} rank {manifest['rank']}: put '{put}' is not a dict of items")
+        out: dict[str, Stored] = {}
+        for key_node, node in tree["v"]:
+            if node.get("t") != "item":
+                continue
+            it = manifest["items"][base + node["i"]]
+            chunks = it["chunks"]
+            out[str(_unscalar(key_node))] = Stored(
+                index=base + node["i"],
+                name=it["name"],
+                kind=it["kind"],
+                dtype=it["dtype"],
+                shape=tuple(it["shape"]),
+                nbytes=it["nbytes"],
+                part=chunks[0]["object"] if chunks else -1,
+                offset=chunks[0]["stored_offset"] if chunks else 0,
+            )
+        return out
+    raise NotFoundError(f"step {manifest['step']} rank {manifest['rank']}: nothing was put under '{put}' "
+                        f"(have: {', '.join(n for n, _ in manifest['trees'])}); was it saved with tiercel.dcp?")
+
+
+# -- writing -------------------------------------------------------------------------------
+
+
+def stage(writer: StepWriter, put: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies tensors into the step's shared memory (one copy: the core's parallel memcpy
+    for host tensors, one device-to-host transfer for the others) and returns, per key, a
+    tensor over that memory: the staged state DCP then writes from, without copying again."""
+    writer.put(put, tensors)
+    layout = put_items(json.loads(writer._core.manifest_json()), put)
+    segments: dict[int, Any] = {}
+    views: dict[str, torch.Tensor] = {}
+    for key, it in layout.items():
+        dtype = _dtypes.torch_dtype(it.dtype)
+        if it.nbytes == 0:
+            views[key] = torch.empty(it.shape, dtype=dtype)
+            continue
+        if it.part not in segments:
+            segments[it.part] = writer._core.segment(it.part)
+        raw = torch.frombuffer(segments[it.part], dtype=torch.uint8, count=it.nbytes, offset=it.offset)
+        views[key] = raw.view(dtype).view(it.shape)
+    return views
+
+
+# -- reading -------------------------------------------------------------------------------
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+def box_span(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int]:
+    """(first element, element count) of the smallest contiguous run of a C-ordered array of
+    `shape` that holds the box at `offsets` of size `lengths`: along the first dimension
+    (how FSDP and DCP shard) that is exactly the box."""
+    strides = contiguous_strides(shape)
+    first = sum(o * s for o, s in zip(offsets, strides))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
+    return first, last - first + 1
+
+
+def read_bytes(reader: StepReader, it: Stored, start: int, length: int) -> tuple[np.ndarray, str]:
+    """Bytes [start, start + length) of one item (verified), and the tier they came from."""
+    # TODO(range reads): switch to reader.read(it.index, start, length) once the Reader has it,
+    # so only the chunks that overlap the range are read.
+    ((buf, tier),) = reader._core.read_items([it.index])
+    arr = np.frombuffer(buf, dtype=np.uint8) if it.nbytes else np.empty(0, dtype=np.uint8)
+    return arr[start:start + length], tier
+
+
+def read_box(reader: StepReader, it: Stored, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[torch.Tensor, str]:
+    """The box of a stored tensor at `offsets` of size `lengths`, reading only the bytes
+    that hold it; a strided view when the box is not one contiguous run."""
+    dtype = _dtypes.torch_dtype(it.dtype)
+    if any(n == 0 for n in lengths):
+        return torch.empty(lengths, dtype=dtype), "-"
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    first, count = box_span(it.shape, offsets, lengths)
+    raw, tier = read_bytes(reader, it, first * itemsize, count * itemsize)
+    flat = torch.from_numpy(raw).view(dtype) if raw.flags.writeable else torch.from_numpy(raw.copy()).view(dtype)
+    return flat.as_strided(lengths, contiguous_strides(it.shape)), tier

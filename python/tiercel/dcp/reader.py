@@ -1,0 +1,185 @@
+"""tiercel as DCP's storage reader.
+
+    dcp.load(state_dict, storage_reader=tiercel.dcp.Reader("tiercel.toml"))            # newest step
+    dcp.load(state_dict, storage_reader=tiercel.dcp.Reader("tiercel.toml", step=40))
+
+DCP's planner decides which boxes of which saved tensors each rank needs (resharding when
+the job's layout changed); this reader fetches each box from the fastest tier that has it
+(own RAM, a peer's RAM, then disk or object store, falling back chunk by chunk), reading only
+the bytes that hold it, and copies it into the rank's tensors.
+
+Loading is collective over the job's default process group, as `dcp.load` is: the ranks agree
+on the step (the newest one every rank can restore, unless `step` is given), and DCP's
+Metadata, which rank 0 of the saving job stored, is handed from a rank that can read it to
+those that cannot (a host whose RAM was wiped cannot see the other host's copy).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import uuid
+from collections import Counter, defaultdict
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from .._core import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
+from ..store import PolicyLike, Store
+from ..store import Reader as StepReader
+from . import _layout
+from ._layout import PUT_METADATA, Stored, Where
+from ._stores import open_store
+from .writer import is_step, parse_step
+
+
+class Reader(StorageReader):
+    """Loads a DCP checkpoint from tiercel step `step` (default: the newest step that every
+    rank can restore). `policy` as for tiercel.dcp.Writer.
+
+    After a load, `step` is the step loaded, and `tiers` counts the bytes read from each tier
+    ({"ram": ..., "peer": ...})."""
+
+    def __init__(self, policy: PolicyLike | Store | None = None, step: int | None = None) -> None:
+        super().__init__()
+        self.store = open_store(policy)
+        self._wanted = None if step is None else parse_step(step)
+        self.step: int | None = self._wanted
+        self.tiers: Counter[str] = Counter()
+        self._load_id = str(uuid.uuid4())
+        self._storage: dict[Any, Any] = {}
+        self._readers: dict[int, tuple[StepReader, dict[str, dict[str, Stored]]]] = {}
+
+    # -- StorageReader -----------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        if checkpoint_id is not None:
+            self._wanted = parse_step(checkpoint_id)
+        self.step = self._wanted
+        self._load_id = str(uuid.uuid4())
+        self._storage = {}
+        self._readers = {}
+        self.tiers = Counter()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            # DCP asks for a rank's own metadata only after the global one failed on every rank.
+            raise NotFoundError("tiercel.dcp keeps one global metadata per step (saved with use_collectives=True)")
+        step = self._wanted if self._wanted is not None else self._newest()
+        self.step = step
+        self._readers = {}
+        metadata = self._shared_metadata(step)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None
+        metadata.storage_meta.load_id = self._load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not metadata.storage_data:
+            raise IntegrityError(f"step {self.step}: DCP metadata without storage data")
+        self._storage = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"tiercel:{self.step}"
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return is_step(checkpoint_id)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_rank: dict[int, list[tuple[ReadItem, Where]]] = defaultdict(list)
+        for req in plan.items:
+            where = Where.from_storage_data(self._storage.get(req.storage_index), f"step {self.step} item {req.storage_index.fqn}")
+            by_rank[where.rank].append((req, where))
+        for rank in sorted(by_rank):
+            for req, where in by_rank[rank]:
+                self._read_one(req, where, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _newest(self) -> int:
+        step = self.store.latest_step()
+        if step is None:
+            raise NotFoundError(f"rank {self.store.rank}: no step can be restored by every rank from tiers "
+                                f"{self.store._core.restore_order} (committed: {self.store.steps()})")
+        return step
+
+    def _shared_metadata(self, step: int) -> Metadata:
+        """DCP's Metadata of `step`, read by this rank if it can, else handed over by the
+        lowest rank that could. Every rank takes part in the same all-gathers whatever it
+        found, so a failure raises on all ranks instead of hanging some."""
+        data: bytes | None = None
+        error = ""
+        try:
+            data = self._reader(0)[0].get(PUT_METADATA)
+        except TiercelError as e:
+            error = str(e)
+        coord = self.store.coordinator
+        if self.store.world_size > 1 and coord is not None:
+            ok = coord.all_gather(data is not None)
+            if not all(ok):
+                giver = ok.index(True) if any(ok) else None
+                shared = coord.all_gather(data if self.store.rank == giver else None)
+                if data is None and giver is not None:
+                    data = shared[giver]
+        if data is None:
+            raise NotFoundError(f"step {step}: no rank can read the DCP metadata (rank 0's put '{PUT_METADATA}'): {error}")
+        if not isinstance(data, bytes):
+            raise IntegrityError(f"step {step}: '{PUT_METADATA}' holds {type(data).__name__}, not DCP metadata")
+        metadata = pickle.loads(data)
+        if not isinstance(metadata, Metadata):
+            raise IntegrityError(f"step {step}: '{PUT_METADATA}' holds a {type(metadata).__name__}, not DCP metadata")
+        return metadata
+
+    def _reader(self, rank: int) -> tuple[StepReader, dict[str, dict[str, Stored]]]:
+        """A reader of `rank`'s part of the step (opened once per load), and its items by put."""
+        if rank not in self._readers:
+            assert self.step is not None
+            r = StepReader(self.store, self.step, rank=rank)
+            self._readers[rank] = (r, {})
+        return self._readers[rank]
+
+    def _stored(self, where: Where) -> tuple[StepReader, Stored]:
+        reader, puts = self._reader(where.rank)
+        if where.put not in puts:
+            puts[where.put] = _layout.put_items(json.loads(reader._core.manifest_json()), where.put)
+        it = puts[where.put].get(where.key)
+        if it is None:
+            raise IntegrityError(f"step {self.step} rank {where.rank}: put '{where.put}' has no item '{where.key}', "
+                                 "which the DCP metadata points to")
+        return reader, it
+
+    def _read_one(self, req: ReadItem, where: Where, planner: LoadPlanner) -> None:
+        reader, it = self._stored(where)
+        if req.type == LoadItemType.BYTE_IO:
+            raw, tier = _layout.read_bytes(reader, it, 0, it.nbytes)
+            self.tiers[tier] += it.nbytes
+            planner.load_bytes(req, io.BytesIO(raw.tobytes()))
+            return
+        offsets, lengths = tuple(req.storage_offsets), tuple(req.lengths)
+        if len(offsets) != len(it.shape) or any(o + n > s for o, n, s in zip(offsets, lengths, it.shape)):
+            raise InvalidArgumentError(f"step {self.step} rank {where.rank} item '{it.name}' of shape {it.shape}: "
+                                       f"DCP asks for the box at {offsets} of size {lengths}, which is outside it")
+        src, tier = _layout.read_box(reader, it, offsets, lengths)
+        self.tiers[tier] += src.numel() * src.element_size()
+        target = planner.resolve_tensor(req).detach()
+        if target.shape != src.shape:
+            raise InvalidArgumentError(f"step {self.step} item '{it.name}': DCP's target has shape {tuple(target.shape)}, "
+                                       f"the stored box {tuple(src.shape)}")
+        target.copy_(src)
+        planner.commit_tensor(req, target)
