@@ -21,6 +21,7 @@ from .. import _dtypes
 from .._core import IntegrityError, NotFoundError
 from .._tree import _unscalar, tree_items
 from ..store import Reader as StepReader
+from ..store import Store
 from ..store import Writer as StepWriter
 
 PUT_DATA = "dcp"
@@ -101,6 +102,33 @@ def put_items(manifest: dict[str, Any], put: str) -> dict[str, Stored]:
         return out
     raise NotFoundError(f"step {manifest['step']} rank {manifest['rank']}: nothing was put under '{put}' "
                         f"(have: {', '.join(n for n, _ in manifest['trees'])}); was it saved with tiercel.dcp?")
+
+
+class Locator:
+    """Finds DCP's items in one step: a reader per saving rank (opened once, on first use)
+    and each put's items by key."""
+
+    def __init__(self, store: Store, step: int):
+        self.store = store
+        self.step = step
+        self._readers: dict[int, StepReader] = {}
+        self._puts: dict[tuple[int, str], dict[str, Stored]] = {}
+
+    def reader(self, rank: int) -> StepReader:
+        if rank not in self._readers:
+            self._readers[rank] = StepReader(self.store, self.step, rank=rank)
+        return self._readers[rank]
+
+    def find(self, where: Where) -> tuple[StepReader, Stored]:
+        reader = self.reader(where.rank)
+        at = (where.rank, where.put)
+        if at not in self._puts:
+            self._puts[at] = put_items(json.loads(reader._core.manifest_json()), where.put)
+        it = self._puts[at].get(where.key)
+        if it is None:
+            raise IntegrityError(f"step {self.step} rank {where.rank}: put '{where.put}' has no item '{where.key}', "
+                                 "which the DCP metadata points to")
+        return reader, it
 
 
 # -- writing -------------------------------------------------------------------------------

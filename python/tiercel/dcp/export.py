@@ -13,7 +13,6 @@ did not finish.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pickle
 from collections.abc import Callable
@@ -25,13 +24,13 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .. import _dtypes
-from .._core import IntegrityError, InvalidArgumentError
+from .._core import InvalidArgumentError
 from ..coordinator import LocalCoordinator
 from ..store import PolicyLike, Store
 from ..store import Reader as StepReader
 from . import _layout
 from ._layout import Where
-from .reader import Reader
+from .reader import metadata_bytes, unpickle_metadata
 
 METADATA_FILE = ".metadata"
 
@@ -46,13 +45,19 @@ def export(
     """Writes tiercel step `step` (saved with tiercel.dcp.Writer) to `out_dir` as a DCP
     checkpoint directory; returns its path. `policy`: a Store, or a policy opened here as a
     single process. `progress(done_bytes, total_bytes)` is called after each item."""
-    store = policy if isinstance(policy, Store) else Store(policy, coordinator=LocalCoordinator())
-    out = Path(out_dir)
+    if isinstance(policy, Store):
+        return _export(policy, step, Path(out_dir), progress)
+    with Store(policy, coordinator=LocalCoordinator()) as store:
+        return _export(store, step, Path(out_dir), progress)
+
+
+def _export(store: Store, step: int, out: Path, progress: Callable[[int, int], Any] | None) -> Path:
     if (out / METADATA_FILE).exists():
         raise InvalidArgumentError(f"{out} already holds a DCP checkpoint ({METADATA_FILE}); export into a new directory")
     out.mkdir(parents=True, exist_ok=True)
 
-    metadata = Reader(store, step=step).read_metadata()
+    rank0 = StepReader(store, step, rank=0)
+    metadata = unpickle_metadata(metadata_bytes(rank0), step)
     plan = _plan(store, step, metadata)
     total = sum(it.nbytes for items in plan.values() for _, _, it in items)
     done = 0
@@ -81,21 +86,11 @@ def export(
 
 def _plan(store: Store, step: int, metadata: Metadata) -> dict[int, list[tuple[Any, StepReader, _layout.Stored]]]:
     """Per saving rank, in rank order: (DCP index, that rank's reader, the stored item)."""
-    readers: dict[int, StepReader] = {}
-    puts: dict[tuple[int, str], dict[str, _layout.Stored]] = {}
+    locate = _layout.Locator(store, step)
     plan: dict[int, list[tuple[Any, StepReader, _layout.Stored]]] = {}
     for index, data in metadata.storage_data.items():
         where = Where.from_storage_data(data, f"step {step} item {index.fqn}")
-        if where.rank not in readers:
-            readers[where.rank] = StepReader(store, step, rank=where.rank)
-        reader = readers[where.rank]
-        if (where.rank, where.put) not in puts:
-            puts[where.rank, where.put] = _layout.put_items(json.loads(reader._core.manifest_json()), where.put)
-        it = puts[where.rank, where.put].get(where.key)
-        if it is None:
-            raise IntegrityError(f"step {step} rank {where.rank}: put '{where.put}' has no item '{where.key}', "
-                                 "which the DCP metadata points to")
-        plan.setdefault(where.rank, []).append((index, reader, it))
+        plan.setdefault(where.rank, []).append((index, *locate.find(where)))
     return dict(sorted(plan.items()))
 
 

@@ -17,7 +17,6 @@ those that cannot (a host whose RAM was wiped cannot see the other host's copy).
 from __future__ import annotations
 
 import io
-import json
 import pickle
 import uuid
 from collections import Counter, defaultdict
@@ -32,7 +31,7 @@ from .._core import IntegrityError, InvalidArgumentError, NotFoundError, Tiercel
 from ..store import PolicyLike, Store
 from ..store import Reader as StepReader
 from . import _layout
-from ._layout import PUT_METADATA, Stored, Where
+from ._layout import PUT_METADATA, Where
 from ._stores import open_store
 from .writer import is_step, parse_step
 
@@ -52,7 +51,7 @@ class Reader(StorageReader):
         self.tiers: Counter[str] = Counter()
         self._load_id = str(uuid.uuid4())
         self._storage: dict[Any, Any] = {}
-        self._readers: dict[int, tuple[StepReader, dict[str, dict[str, Stored]]]] = {}
+        self._locate: _layout.Locator | None = None
 
     # -- StorageReader -----------------------------------------------------------------------
 
@@ -62,7 +61,7 @@ class Reader(StorageReader):
         self.step = self._wanted
         self._load_id = str(uuid.uuid4())
         self._storage = {}
-        self._readers = {}
+        self._locate = None
         self.tiers = Counter()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -71,7 +70,7 @@ class Reader(StorageReader):
             raise NotFoundError("tiercel.dcp keeps one global metadata per step (saved with use_collectives=True)")
         step = self._wanted if self._wanted is not None else self._newest()
         self.step = step
-        self._readers = {}
+        self._locate = _layout.Locator(self.store, step)
         metadata = self._shared_metadata(step)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -126,7 +125,7 @@ class Reader(StorageReader):
         data: bytes | None = None
         error = ""
         try:
-            data = self._reader(0)[0].get(PUT_METADATA)
+            data = metadata_bytes(self._locator().reader(0))
         except TiercelError as e:
             error = str(e)
         coord = self.store.coordinator
@@ -138,34 +137,16 @@ class Reader(StorageReader):
                 if data is None and giver is not None:
                     data = shared[giver]
         if data is None:
-            raise NotFoundError(f"step {step}: no rank can read the DCP metadata (rank 0's put '{PUT_METADATA}'): {error}")
-        if not isinstance(data, bytes):
-            raise IntegrityError(f"step {step}: '{PUT_METADATA}' holds {type(data).__name__}, not DCP metadata")
-        metadata = pickle.loads(data)
-        if not isinstance(metadata, Metadata):
-            raise IntegrityError(f"step {step}: '{PUT_METADATA}' holds a {type(metadata).__name__}, not DCP metadata")
-        return metadata
+            raise NotFoundError(f"step {step}: no rank can read the DCP metadata: {error}")
+        return unpickle_metadata(data, step)
 
-    def _reader(self, rank: int) -> tuple[StepReader, dict[str, dict[str, Stored]]]:
-        """A reader of `rank`'s part of the step (opened once per load), and its items by put."""
-        if rank not in self._readers:
-            assert self.step is not None
-            r = StepReader(self.store, self.step, rank=rank)
-            self._readers[rank] = (r, {})
-        return self._readers[rank]
-
-    def _stored(self, where: Where) -> tuple[StepReader, Stored]:
-        reader, puts = self._reader(where.rank)
-        if where.put not in puts:
-            puts[where.put] = _layout.put_items(json.loads(reader._core.manifest_json()), where.put)
-        it = puts[where.put].get(where.key)
-        if it is None:
-            raise IntegrityError(f"step {self.step} rank {where.rank}: put '{where.put}' has no item '{where.key}', "
-                                 "which the DCP metadata points to")
-        return reader, it
+    def _locator(self) -> _layout.Locator:
+        if self._locate is None:
+            raise InvalidArgumentError("DCP asked for data before reading the metadata (read_metadata)")
+        return self._locate
 
     def _read_one(self, req: ReadItem, where: Where, planner: LoadPlanner) -> None:
-        reader, it = self._stored(where)
+        reader, it = self._locator().find(where)
         if req.type == LoadItemType.BYTE_IO:
             raw, tier = _layout.read_bytes(reader, it, 0, it.nbytes)
             self.tiers[tier] += it.nbytes
@@ -183,3 +164,21 @@ class Reader(StorageReader):
                                        f"the stored box {tuple(src.shape)}")
         target.copy_(src)
         planner.commit_tensor(req, target)
+
+
+def metadata_bytes(rank0: StepReader) -> bytes:
+    """The pickled DCP Metadata in rank 0's part of a step (what Writer.finish stored)."""
+    if PUT_METADATA not in rank0.names():
+        raise NotFoundError(f"step {rank0.step}: rank 0 has no '{PUT_METADATA}' (it has: {', '.join(rank0.names())}); "
+                            "was the step saved with tiercel.dcp.Writer?")
+    data = rank0.get(PUT_METADATA)
+    if not isinstance(data, bytes):
+        raise IntegrityError(f"step {rank0.step}: '{PUT_METADATA}' holds {type(data).__name__}, not DCP metadata")
+    return data
+
+
+def unpickle_metadata(data: bytes, step: int) -> Metadata:
+    metadata = pickle.loads(data)
+    if not isinstance(metadata, Metadata):
+        raise IntegrityError(f"step {step}: '{PUT_METADATA}' holds a {type(metadata).__name__}, not DCP metadata")
+    return metadata
