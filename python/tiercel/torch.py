@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._core import InvalidArgumentError, NotFoundError
-from .store import SaveHandle, Store
+from .errors import InvalidArgumentError, NotFoundError
+from .step import SaveHandle
+from .store import Store
 
 #: The puts save_state writes, in order.
 PUTS = ("model", "optimizer", "scheduler", "dataloader", "extra", "rng")

@@ -10,19 +10,18 @@ keys name the items; DCP's `Metadata.storage_data` maps every `MetadataIndex` to
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from .. import _dtypes
-from .._core import IntegrityError, NotFoundError
-from .._tree import _unscalar, tree_items
-from ..store import Reader as StepReader
+from .._tree import _unscalar
+from ..errors import IntegrityError, NotFoundError
+from ..manifest import Item, Manifest
+from ..step import Reader as StepReader
+from ..step import Writer as StepWriter
 from ..store import Store
-from ..store import Writer as StepWriter
 
 PUT_DATA = "dcp"
 PUT_STAGED = "dcp-staged"
@@ -57,51 +56,17 @@ def item_key(fqn: str, offset: Any) -> str:
     return f"{fqn}@{','.join(str(int(o)) for o in offset)}"
 
 
-@dataclass(frozen=True)
-class Stored:
-    """One item of a step as its manifest describes it."""
-
-    index: int
-    name: str
-    #: "array" or "bytes" (a DCP byte item, or a pickle).
-    kind: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    #: Part (segment) number and byte offset of the first chunk, for staged views.
-    part: int
-    offset: int
-
-
-def put_items(manifest: dict[str, Any], put: str) -> dict[str, Stored]:
+def put_items(manifest: Manifest, put: str) -> dict[str, Item]:
     """The items of one put whose value was a dict of str keys, by key."""
-    base = 0
-    for name, tree in manifest["trees"]:
-        refs = tree_items(tree)
-        if name != put:
-            base += len(refs)
-            continue
-        if tree.get("t") != "dict":
-            raise IntegrityError(f"step {manifest['step']} rank {manifest['rank']}: put '{put}' is not a dict of items")
-        out: dict[str, Stored] = {}
-        for key_node, node in tree["v"]:
-            if node.get("t") != "item":
-                continue
-            it = manifest["items"][base + node["i"]]
-            chunks = it["chunks"]
-            out[str(_unscalar(key_node))] = Stored(
-                index=base + node["i"],
-                name=it["name"],
-                kind=it["kind"],
-                dtype=it["dtype"],
-                shape=tuple(it["shape"]),
-                nbytes=it["nbytes"],
-                part=chunks[0]["object"] if chunks else -1,
-                offset=chunks[0]["stored_offset"] if chunks else 0,
-            )
-        return out
-    raise NotFoundError(f"step {manifest['step']} rank {manifest['rank']}: nothing was put under '{put}' "
-                        f"(have: {', '.join(n for n, _ in manifest['trees'])}); was it saved with tiercel.dcp?")
+    if put not in manifest.trees:
+        raise NotFoundError(f"step {manifest.step} rank {manifest.rank}: nothing was put under '{put}' "
+                            f"(have: {', '.join(manifest.puts())}); was it saved with tiercel.dcp?")
+    tree = manifest.trees[put]
+    if tree.get("t") != "dict":
+        raise IntegrityError(f"step {manifest.step} rank {manifest.rank}: put '{put}' is not a dict of items")
+    items = manifest.items_of(put)
+    # A tree's item references number the put's own items.
+    return {str(_unscalar(key)): items[node["i"]] for key, node in tree["v"] if node.get("t") == "item"}
 
 
 class Locator:
@@ -112,18 +77,21 @@ class Locator:
         self.store = store
         self.step = step
         self._readers: dict[int, StepReader] = {}
-        self._puts: dict[tuple[int, str], dict[str, Stored]] = {}
+        self._puts: dict[tuple[int, str], dict[str, Item]] = {}
 
     def reader(self, rank: int) -> StepReader:
         if rank not in self._readers:
             self._readers[rank] = StepReader(self.store, self.step, rank=rank)
         return self._readers[rank]
 
-    def find(self, where: Where) -> tuple[StepReader, Stored]:
+    def readers(self) -> list[StepReader]:
+        return list(self._readers.values())
+
+    def find(self, where: Where) -> tuple[StepReader, Item]:
         reader = self.reader(where.rank)
         at = (where.rank, where.put)
         if at not in self._puts:
-            self._puts[at] = put_items(json.loads(reader._core.manifest_json()), where.put)
+            self._puts[at] = put_items(reader.manifest, where.put)
         it = self._puts[at].get(where.key)
         if it is None:
             raise IntegrityError(f"step {self.step} rank {where.rank}: put '{where.put}' has no item '{where.key}', "
@@ -139,7 +107,7 @@ def stage(writer: StepWriter, put: str, tensors: dict[str, torch.Tensor]) -> dic
     for host tensors, one device-to-host transfer for the others) and returns, per key, a
     tensor over that memory: the staged state DCP then writes from, without copying again."""
     writer.put(put, tensors)
-    layout = put_items(json.loads(writer._core.manifest_json()), put)
+    layout = put_items(Manifest.from_json(writer._core.manifest_json()), put)
     segments: dict[int, Any] = {}
     views: dict[str, torch.Tensor] = {}
     for key, it in layout.items():
@@ -147,9 +115,11 @@ def stage(writer: StepWriter, put: str, tensors: dict[str, torch.Tensor]) -> dic
         if it.nbytes == 0:
             views[key] = torch.empty(it.shape, dtype=dtype)
             continue
-        if it.part not in segments:
-            segments[it.part] = writer._core.segment(it.part)
-        raw = torch.frombuffer(segments[it.part], dtype=torch.uint8, count=it.nbytes, offset=it.offset)
+        # An item lies raw and contiguous in its part's segment, from its first chunk on.
+        part, offset = it.chunks[0].object, it.chunks[0].stored_offset
+        if part not in segments:
+            segments[part] = writer._core.segment(part)
+        raw = torch.frombuffer(segments[part], dtype=torch.uint8, count=it.nbytes, offset=offset)
         views[key] = raw.view(dtype).view(it.shape)
     return views
 
@@ -175,23 +145,14 @@ def box_span(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[in
     return first, last - first + 1
 
 
-def read_bytes(reader: StepReader, it: Stored, start: int, length: int) -> tuple[np.ndarray, str]:
-    """Bytes [start, start + length) of one item (verified), and the tier they came from."""
-    # TODO(range reads): switch to reader.read(it.index, start, length) once the Reader has it,
-    # so only the chunks that overlap the range are read.
-    ((buf, tier),) = reader._core.read_items([it.index])
-    arr = np.frombuffer(buf, dtype=np.uint8) if it.nbytes else np.empty(0, dtype=np.uint8)
-    return arr[start:start + length], tier
-
-
-def read_box(reader: StepReader, it: Stored, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[torch.Tensor, str]:
-    """The box of a stored tensor at `offsets` of size `lengths`, reading only the bytes
-    that hold it; a strided view when the box is not one contiguous run."""
+def read_box(reader: StepReader, it: Item, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
+    """The box of a stored tensor at `offsets` of size `lengths`, reading only the chunks
+    that hold it (verified); a strided view when the box is not one contiguous run."""
     dtype = _dtypes.torch_dtype(it.dtype)
     if any(n == 0 for n in lengths):
-        return torch.empty(lengths, dtype=dtype), "-"
+        return torch.empty(lengths, dtype=dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
     first, count = box_span(it.shape, offsets, lengths)
-    raw, tier = read_bytes(reader, it, first * itemsize, count * itemsize)
-    flat = torch.from_numpy(raw).view(dtype) if raw.flags.writeable else torch.from_numpy(raw.copy()).view(dtype)
-    return flat.as_strided(lengths, contiguous_strides(it.shape)), tier
+    raw = reader.read(it, first * itemsize, count * itemsize)
+    flat = torch.from_numpy(raw if raw.flags.writeable else raw.copy()).view(dtype)
+    return flat.as_strided(lengths, contiguous_strides(it.shape))

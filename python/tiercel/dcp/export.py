@@ -24,10 +24,11 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .. import _dtypes
-from .._core import InvalidArgumentError
 from ..coordinator import LocalCoordinator
+from ..errors import InvalidArgumentError
+from ..manifest import Item
+from ..step import Reader as StepReader
 from ..store import PolicyLike, Store
-from ..store import Reader as StepReader
 from . import _layout
 from ._layout import Where
 from .reader import metadata_bytes, unpickle_metadata
@@ -84,21 +85,21 @@ def _export(store: Store, step: int, out: Path, progress: Callable[[int, int], A
     return out
 
 
-def _plan(store: Store, step: int, metadata: Metadata) -> dict[int, list[tuple[Any, StepReader, _layout.Stored]]]:
+def _plan(store: Store, step: int, metadata: Metadata) -> dict[int, list[tuple[Any, StepReader, Item]]]:
     """Per saving rank, in rank order: (DCP index, that rank's reader, the stored item)."""
     locate = _layout.Locator(store, step)
-    plan: dict[int, list[tuple[Any, StepReader, _layout.Stored]]] = {}
+    plan: dict[int, list[tuple[Any, StepReader, Item]]] = {}
     for index, data in metadata.storage_data.items():
         where = Where.from_storage_data(data, f"step {step} item {index.fqn}")
         plan.setdefault(where.rank, []).append((index, *locate.find(where)))
     return dict(sorted(plan.items()))
 
 
-def _write_item(f: BinaryIO, reader: StepReader, it: _layout.Stored) -> None:
+def _write_item(f: BinaryIO, reader: StepReader, it: Item) -> None:
     """One item as FileSystemWriter stores it: a tensor through torch.save, bytes as they are."""
-    raw, _ = _layout.read_bytes(reader, it, 0, it.nbytes)
+    raw = reader.read(it)
     if it.kind == "bytes":
-        f.write(memoryview(raw))
+        f.write(raw.tobytes())
         return
     dtype = _dtypes.torch_dtype(it.dtype)
     t = torch.from_numpy(raw.copy() if not raw.flags.writeable else raw).view(dtype).reshape(it.shape) if it.nbytes \

@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .._core import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
+from ..errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
+from ..step import Reader as StepReader
 from ..store import PolicyLike, Store
-from ..store import Reader as StepReader
 from . import _layout
 from ._layout import PUT_METADATA, Where
 from ._stores import open_store
@@ -40,15 +40,14 @@ class Reader(StorageReader):
     """Loads a DCP checkpoint from tiercel step `step` (default: the newest step that every
     rank can restore). `policy` as for tiercel.dcp.Writer.
 
-    After a load, `step` is the step loaded, and `tiers` counts the bytes read from each tier
-    ({"ram": ..., "peer": ...})."""
+    After a load, `step` is the step loaded, and `tiers` counts the reads served by each tier
+    ({"ram": ..., "peer": ...}; "ram+disk" when one read's chunks came from several)."""
 
     def __init__(self, policy: PolicyLike | Store | None = None, step: int | None = None) -> None:
         super().__init__()
         self.store = open_store(policy)
         self._wanted = None if step is None else parse_step(step)
         self.step: int | None = self._wanted
-        self.tiers: Counter[str] = Counter()
         self._load_id = str(uuid.uuid4())
         self._storage: dict[Any, Any] = {}
         self._locate: _layout.Locator | None = None
@@ -62,7 +61,6 @@ class Reader(StorageReader):
         self._load_id = str(uuid.uuid4())
         self._storage = {}
         self._locate = None
-        self.tiers = Counter()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
@@ -88,6 +86,13 @@ class Reader(StorageReader):
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
+
+    @property
+    def tiers(self) -> Counter[str]:
+        out: Counter[str] = Counter()
+        for r in self._locate.readers() if self._locate else []:
+            out.update(r.info.tiers)
+        return out
 
     @property
     def checkpoint_id(self) -> str:
@@ -148,16 +153,13 @@ class Reader(StorageReader):
     def _read_one(self, req: ReadItem, where: Where, planner: LoadPlanner) -> None:
         reader, it = self._locator().find(where)
         if req.type == LoadItemType.BYTE_IO:
-            raw, tier = _layout.read_bytes(reader, it, 0, it.nbytes)
-            self.tiers[tier] += it.nbytes
-            planner.load_bytes(req, io.BytesIO(raw.tobytes()))
+            planner.load_bytes(req, io.BytesIO(reader.read(it).tobytes()))
             return
         offsets, lengths = tuple(req.storage_offsets), tuple(req.lengths)
         if len(offsets) != len(it.shape) or any(o + n > s for o, n, s in zip(offsets, lengths, it.shape)):
             raise InvalidArgumentError(f"step {self.step} rank {where.rank} item '{it.name}' of shape {it.shape}: "
                                        f"DCP asks for the box at {offsets} of size {lengths}, which is outside it")
-        src, tier = _layout.read_box(reader, it, offsets, lengths)
-        self.tiers[tier] += src.numel() * src.element_size()
+        src = _layout.read_box(reader, it, offsets, lengths)
         target = planner.resolve_tensor(req).detach()
         if target.shape != src.shape:
             raise InvalidArgumentError(f"step {self.step} item '{it.name}': DCP's target has shape {tuple(target.shape)}, "

@@ -33,9 +33,10 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from .._core import InvalidArgumentError
-from ..store import PolicyLike, SaveHandle, Store
-from ..store import Writer as StepWriter
+from ..errors import InvalidArgumentError
+from ..step import SaveHandle
+from ..step import Writer as StepWriter
+from ..store import PolicyLike, Store
 from . import _layout
 from ._layout import PUT_DATA, PUT_METADATA, PUT_STAGED, Where
 from ._stores import open_store
@@ -159,6 +160,7 @@ class Writer(StorageWriter, AsyncStager):
                     key, put, size = _layout.item_key(item.index.fqn, item.index.offset), PUT_DATA, buf.nbytes
                     fresh[key] = buf
                 else:
+                    assert isinstance(data, torch.Tensor)
                     size = data.numel() * data.element_size()
                     staged = self._staged_key(data)
                     if staged is not None:
