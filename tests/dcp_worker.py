@@ -106,16 +106,18 @@ def wait_for(path: Path, timeout: float = 60) -> None:
 
 
 class DieMidWrite(DefaultSavePlanner):
-    """Rank 0 dies inside its write_data, once rank 1 has committed its part of the step:
-    the step then has every rank's data but rank 0's, and no DCP metadata."""
+    """Rank 0 dies inside its write_data, once rank 1 has committed its part of the step
+    and both ranks' training loops are through the step that raced the save (`raced`
+    files): the step then has every rank's data but rank 0's, and no DCP metadata."""
 
-    def __init__(self, shm_root: str, step: int):
+    def __init__(self, shm_root: str, step: int, raced: list[Path]):
         super().__init__()
-        self._other = manifest_file(shm_root, step, 1)
+        self._wait = [manifest_file(shm_root, step, 1), *raced]
 
     def resolve_data(self, write_item: Any) -> Any:
         if dist.get_rank() == 0:
-            wait_for(self._other)
+            for path in self._wait:
+                wait_for(path)
             os.kill(os.getpid(), signal.SIGKILL)
         return super().resolve_data(write_item)
 
@@ -145,7 +147,8 @@ def train(cfg: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         writer.step_saved = step  # type: ignore[attr-defined]
         if cfg.get("async"):
             dying = cfg.get("die_at") == step
-            planner = DieMidWrite(cfg["shm"], step) if dying else None
+            raced = [out / f"raced-{r}" for r in range(world)]
+            planner = DieMidWrite(cfg["shm"], step, raced) if dying else None
             fut = dcp.async_save(state, storage_writer=writer, process_group=ckpt_pg, planner=planner)
             pending = (fut, writer)
             if dying:
@@ -153,6 +156,7 @@ def train(cfg: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
                 # rank 1 dies too once its part is in.
                 losses[step + 1] = train_step(model, opt, step + 1, rank)
                 _write(out / f"train-{rank}.json", {"losses": losses, **report})
+                raced[rank].touch()
                 if rank == 1:
                     wait_for(manifest_file(cfg["shm"], step, 1))
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -199,7 +203,8 @@ def _write(path: Path, obj: Any) -> None:
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
+    # A policy may give each host its own memory root: "root": ".../{host}".
+    cfg = json.loads(sys.argv[1].replace("{host}", os.environ.get("TIERCEL_HOST", "")))
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     {"train": train, "resume": resume}[cfg["mode"]](cfg, rank, world)
