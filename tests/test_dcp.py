@@ -15,16 +15,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
 import tiercel
 import tiercel.dcp
+import torch
+import torch.distributed.checkpoint as dcp
 from conftest import assert_same, error_of, make_policy, manifest_path, step_dir
 from dcp_worker import build_model
 from test_multirank import run_ranks
+from tiercel.dcp.reader import metadata_bytes, unpickle_metadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 SCRIPT = "import dcp_worker; dcp_worker.main()"
 
@@ -43,6 +43,12 @@ def run_job(tmp_path: Path, cfg: dict[str, Any], world: int = 2, hosts: list[str
 
 def load(path: Path) -> Any:
     return torch.load(path, weights_only=False)
+
+
+def copies_per_item(store: tiercel.Store, step: int) -> dict[str, int]:
+    """How many copies of each DCP item the step keeps, by FQN (from rank 0's metadata)."""
+    metadata = unpickle_metadata(metadata_bytes(store.reader(step, rank=0)), step)
+    return {index.fqn: len(copies) for index, copies in metadata.storage_data.items()}
 
 
 def key_sorted(tree: Any) -> Any:
@@ -78,6 +84,9 @@ def test_fsdp2_save_kill_resume_reshard_export(tmp_path, out, shm_root, disk_roo
         assert {t["states"][s]["disk"] for s in "24"} <= {"committed", "written"}, t
         assert t["states"]["3"]["disk"] == "not scheduled", t
     assert make_store(policy).steps() == {"ram": [3, 4], "disk": [2, 4]}
+    # One host: DCP's planner writes each item once, replicated ones (the optimizer's step
+    # counters and param groups) included.
+    assert set(copies_per_item(make_store(policy), 4).values()) == {1}
 
     # (a) The same 2 ranks, from RAM: the newest step, the same values, the same losses after.
     resumed = run_job(tmp_path, {**base, "mode": "resume", "last": 6})
@@ -124,13 +133,14 @@ def test_async_save_races_training_and_a_kill_mid_save_leaves_the_previous_step(
     check_resumed(out, trained, resumed, 3)  # step 4's training ran, its loss is in both curves
 
     # The staged copy is the only one: every tensor was written from where async_save staged it.
-    for rank in range(2):
-        m = make_store(policy).reader(3, rank=rank).manifest
-        assert {it.kind for it in m.items_of("dcp-staged")} == {"array"}
-        assert {it.kind for it in m.items_of("dcp")} == {"bytes"}, [(it.name, it.kind) for it in m.items_of("dcp")]
+    # (DCP's byte items, the optimizer's param groups, are spread over the ranks by its planner.)
+    store = make_store(policy)
+    manifests = [store.reader(3, rank=rank).manifest for rank in range(2)]
+    assert all({it.kind for it in m.items_of("dcp-staged")} == {"array"} for m in manifests)
+    assert {it.kind for m in manifests for it in m.items_of("dcp")} == {"bytes"}, [m.items_of("dcp") for m in manifests]
 
 
-def test_peer_tier_restores_a_wiped_host(tmp_path, out, shm_root):
+def test_peer_tier_restores_a_wiped_host(tmp_path, out, shm_root, make_store):
     hosts = ["hostA", "hostB"]
     policy = {
         "tier": [
@@ -142,6 +152,11 @@ def test_peer_tier_restores_a_wiped_host(tmp_path, out, shm_root):
     base = {"policy": policy, "out": str(out), "saved_world": 2}
     trained = run_job(tmp_path, {**base, "mode": "train", "last": 5, "save": [3], "kill": True}, hosts=hosts, killed=True)
     assert all(t["states"]["3"] == {"ram": "committed", "peer": "committed"} for t in trained), trained
+    # Two hosts: each keeps its own copy of what both ranks hold (the optimizer's step counters
+    # and param groups); each rank's shards once.
+    copies = copies_per_item(make_store({"tier": [{"name": "ram", "kind": "memory", "root": f"{shm_root}/hostA"}]}), 3)
+    assert {n for fqn, n in copies.items() if ".step" in fqn or "param_groups" in fqn} == {2}, copies
+    assert {n for fqn, n in copies.items() if fqn.startswith("model.") or ".exp_avg" in fqn} == {1}, copies
     shutil.rmtree(shm_root / "hostB")  # a replacement machine: its own steps and the replicas it held
     resumed = run_job(tmp_path, {**base, "mode": "resume", "last": 5}, hosts=hosts)
     check_resumed(out, trained, resumed, 3)
@@ -203,7 +218,7 @@ def test_clear_errors(single, store):
     assert "checkpoint_id" in error_of(lambda: tiercel.dcp.Writer(single, step="x"), tiercel.InvalidArgumentError)
     assert "step=N" in error_of(lambda: dcp.async_save(_state(1), storage_writer=tiercel.dcp.Writer(single)),
                                 tiercel.InvalidArgumentError)
-    assert "not tiercel's" in error_of(lambda: tiercel.dcp._layout.Where.from_storage_data(object(), "x"), tiercel.IntegrityError)
+    assert "not tiercel's" in error_of(lambda: tiercel.dcp._layout.Where.copies(object(), "x"), tiercel.IntegrityError)
 
 
 def test_box_reads_only_the_chunks_that_hold_it(single, store, shm_root):

@@ -4,8 +4,13 @@ items for tiercel.dcp.
 Every rank's step holds one put of the items its DCP plan wrote ("dcp": tensors raw, byte
 items as DCP serialized them), the tensors `dcp.async_save` staged ("dcp-staged", if any),
 and rank 0 also holds DCP's pickled `Metadata` ("dcp-metadata"). Each put is a dict whose
-keys name the items; DCP's `Metadata.storage_data` maps every `MetadataIndex` to
-{"rank", "put", "key"}: whose step, which put, which key.
+keys name the items; DCP's `Metadata.storage_data` maps every `MetadataIndex` to its copies,
+each {"rank", "host", "put", "key"}: whose step, which put, which key.
+
+DCP's planner writes an item that several ranks hold (a replicated tensor, the optimizer's
+param groups) on one rank only. tiercel.dcp keeps one copy on every host instead, so that a
+host restores it from its own RAM, and a host whose RAM is lost still finds its own copy in
+its peers' (a copy on another host may be out of reach: another host's RAM is not visible).
 """
 
 from __future__ import annotations
@@ -30,22 +35,30 @@ PUT_METADATA = "dcp-metadata"
 
 @dataclass(frozen=True)
 class Where:
-    """Where one DCP storage item lives: `rank`'s step, put `put`, under `key`."""
+    """Where one copy of a DCP storage item lives: `rank`'s step (a rank of the saving job,
+    on `host`), put `put`, under `key`."""
 
     rank: int
+    host: str
     put: str
     key: str
 
     def to_storage_data(self) -> dict[str, Any]:
         # A plain dict, not this class: DCP pickles storage_data into its Metadata, and a
         # pickle of a tiercel class would tie every checkpoint to this module's path.
-        return {"rank": self.rank, "put": self.put, "key": self.key}
+        return {"rank": self.rank, "host": self.host, "put": self.put, "key": self.key}
 
     @classmethod
-    def from_storage_data(cls, data: Any, what: str) -> Where:
-        if not (isinstance(data, dict) and {"rank", "put", "key"} <= data.keys()):
-            raise IntegrityError(f"{what}: its DCP storage data {data!r} is not tiercel's; was the step written by tiercel.dcp?")
-        return cls(int(data["rank"]), str(data["put"]), str(data["key"]))
+    def copies(cls, data: Any, what: str) -> list[Where]:
+        """Every copy of an item that Metadata.storage_data names (a list of dicts)."""
+        if isinstance(data, list) and data and all(isinstance(d, dict) and {"rank", "put", "key"} <= d.keys() for d in data):
+            return [cls(int(d["rank"]), str(d.get("host", "")), str(d["put"]), str(d["key"])) for d in data]
+        raise IntegrityError(f"{what}: its DCP storage data {data!r} is not tiercel's; was the step written by tiercel.dcp?")
+
+
+def nearest_first(copies: list[Where], rank: int, host: str) -> list[Where]:
+    """Copies in the order to try them: this rank's own, then its host's, then the others."""
+    return sorted(copies, key=lambda w: (w.rank != rank, w.host != host, w.rank))
 
 
 def item_key(fqn: str, offset: Any) -> str:

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from .. import _dtypes
 from ..coordinator import LocalCoordinator
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, TiercelError
 from ..manifest import Item
 from ..step import Reader as StepReader
 from ..store import PolicyLike, Store
@@ -86,12 +86,20 @@ def _export(store: Store, step: int, out: Path, progress: Callable[[int, int], A
 
 
 def _plan(store: Store, step: int, metadata: Metadata) -> dict[int, list[tuple[Any, StepReader, Item]]]:
-    """Per saving rank, in rank order: (DCP index, that rank's reader, the stored item)."""
+    """Per saving rank, in rank order: (DCP index, that rank's reader, the stored item). An
+    item kept on several hosts is exported once, from its first copy this process can read."""
     locate = _layout.Locator(store, step)
     plan: dict[int, list[tuple[Any, StepReader, Item]]] = {}
     for index, data in metadata.storage_data.items():
-        where = Where.from_storage_data(data, f"step {step} item {index.fqn}")
-        plan.setdefault(where.rank, []).append((index, *locate.find(where)))
+        copies = Where.copies(data, f"step {step} item {index.fqn}")
+        for i, where in enumerate(copies):
+            try:
+                found = locate.find(where)
+                break
+            except TiercelError:
+                if i == len(copies) - 1:
+                    raise
+        plan.setdefault(where.rank, []).append((index, *found))
     return dict(sorted(plan.items()))
 
 

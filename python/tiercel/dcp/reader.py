@@ -19,15 +19,17 @@ from __future__ import annotations
 import io
 import pickle
 import uuid
-from collections import Counter, defaultdict
+from collections import Counter
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
+from ..manifest import Item
 from ..step import Reader as StepReader
 from ..store import PolicyLike, Store
 from . import _layout
@@ -103,13 +105,10 @@ class Reader(StorageReader):
         return is_step(checkpoint_id)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        by_rank: dict[int, list[tuple[ReadItem, Where]]] = defaultdict(list)
         for req in plan.items:
-            where = Where.from_storage_data(self._storage.get(req.storage_index), f"step {self.step} item {req.storage_index.fqn}")
-            by_rank[where.rank].append((req, where))
-        for rank in sorted(by_rank):
-            for req, where in by_rank[rank]:
-                self._read_one(req, where, planner)
+            what = f"step {self.step} item {req.storage_index.fqn}"
+            copies = Where.copies(self._storage.get(req.storage_index), what)
+            self._read_one(req, _layout.nearest_first(copies, self.store.rank, self.store.host), planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -150,23 +149,38 @@ class Reader(StorageReader):
             raise InvalidArgumentError("DCP asked for data before reading the metadata (read_metadata)")
         return self._locate
 
-    def _read_one(self, req: ReadItem, where: Where, planner: LoadPlanner) -> None:
-        reader, it = self._locator().find(where)
-        if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(reader.read(it).tobytes()))
+    def _read_one(self, req: ReadItem, copies: list[Where], planner: LoadPlanner) -> None:
+        """Reads a request from the first copy that can be read (the nearest first)."""
+        errors = []
+        for where in copies:
+            try:
+                reader, it = self._locator().find(where)
+                value = self._fetch(req, where, reader, it)
+                break
+            except TiercelError as e:
+                errors.append(e)
+        else:
+            first = errors[0]
+            more = "".join(f"; copy {i + 2}: {e}" for i, e in enumerate(errors[1:]))
+            raise type(first)(f"{first}{more}")
+        if isinstance(value, io.BytesIO):
+            planner.load_bytes(req, value)
             return
+        target = planner.resolve_tensor(req).detach()
+        if target.shape != value.shape:
+            raise InvalidArgumentError(f"step {self.step} item '{req.storage_index.fqn}': DCP's target has shape "
+                                       f"{tuple(target.shape)}, the stored box {tuple(value.shape)}")
+        target.copy_(value)
+        planner.commit_tensor(req, target)
+
+    def _fetch(self, req: ReadItem, where: Where, reader: StepReader, it: Item) -> io.BytesIO | torch.Tensor:
+        if req.type == LoadItemType.BYTE_IO:
+            return io.BytesIO(reader.read(it).tobytes())
         offsets, lengths = tuple(req.storage_offsets), tuple(req.lengths)
         if len(offsets) != len(it.shape) or any(o + n > s for o, n, s in zip(offsets, lengths, it.shape)):
             raise InvalidArgumentError(f"step {self.step} rank {where.rank} item '{it.name}' of shape {it.shape}: "
                                        f"DCP asks for the box at {offsets} of size {lengths}, which is outside it")
-        src = _layout.read_box(reader, it, offsets, lengths)
-        target = planner.resolve_tensor(req).detach()
-        if target.shape != src.shape:
-            raise InvalidArgumentError(f"step {self.step} item '{it.name}': DCP's target has shape {tuple(target.shape)}, "
-                                       f"the stored box {tuple(src.shape)}")
-        target.copy_(src)
-        planner.commit_tensor(req, target)
-
+        return _layout.read_box(reader, it, offsets, lengths)
 
 def metadata_bytes(rank0: StepReader) -> bytes:
     """The pickled DCP Metadata in rank 0's part of a step (what Writer.finish stored)."""

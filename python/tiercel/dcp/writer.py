@@ -20,6 +20,7 @@ What DCP calls, and what happens:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import pickle
 import uuid
@@ -128,10 +129,25 @@ class Writer(StorageWriter, AsyncStager):
         self.handle = None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        # Every item this rank holds, before DCP's planner drops the ones another rank also
+        # holds (the same list object: pickled once on the way to the coordinator).
+        return dataclasses.replace(plan, storage_data=plan.items)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
+        """Gives back each host one copy of every item its ranks hold (DCP keeps one copy
+        in the whole job): restores then read such items from their own host."""
+        hosts = self.store.hosts
+        if len(plans) != len(hosts) or not all(p.usable for p in plans):
+            return [dataclasses.replace(p, storage_data=None) for p in plans]
+        held: dict[str, set[Any]] = {h: set() for h in hosts}
+        for host, p in zip(hosts, plans):
+            held[host].update(it.index for it in p.items)
+        out = []
+        for host, p in zip(hosts, plans):
+            extra = [it for it in (p.storage_data or []) if it.index not in held[host]]
+            held[host].update(it.index for it in extra)
+            out.append(dataclasses.replace(p, items=[*p.items, *extra], storage_data=None))
+        return out
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self._save_id)
@@ -169,7 +185,7 @@ class Writer(StorageWriter, AsyncStager):
                         key, put = _layout.item_key(item.index.fqn, item.index.offset), PUT_DATA
                         fresh[key] = data.detach()
                 results.append(WriteResult(index=item.index, size_in_bytes=size,
-                                           storage_data=Where(rank, put, key).to_storage_data()))
+                                           storage_data=Where(rank, self.store.host, put, key).to_storage_data()))
             if fresh:
                 writer.put(PUT_DATA, fresh)
             del fresh, keep_alive
@@ -184,7 +200,11 @@ class Writer(StorageWriter, AsyncStager):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         try:
-            metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
+            copies: dict[Any, list[dict[str, Any]]] = {}
+            for rank_results in results:
+                for r in rank_results:
+                    copies.setdefault(r.index, []).append(r.storage_data)
+            metadata.storage_data = copies
             metadata.storage_meta = self.storage_meta()
             self._step_writer().put(PUT_METADATA, pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
             self._commit()
