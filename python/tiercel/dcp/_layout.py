@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import _dtypes
@@ -167,5 +168,17 @@ def read_box(reader: StepReader, it: Item, offsets: tuple[int, ...], lengths: tu
     itemsize = torch.empty((), dtype=dtype).element_size()
     first, count = box_span(it.shape, offsets, lengths)
     raw = reader.read(it, first * itemsize, count * itemsize)
-    flat = torch.from_numpy(raw if raw.flags.writeable else raw.copy()).view(dtype)
-    return flat.as_strided(lengths, contiguous_strides(it.shape))
+    return _flat(raw, dtype).as_strided(lengths, contiguous_strides(it.shape))
+
+
+def as_tensor(raw: np.ndarray, it: Item) -> torch.Tensor:
+    """A whole stored tensor over its bytes (no copy)."""
+    dtype = _dtypes.torch_dtype(it.dtype)
+    if it.nbytes == 0:
+        return torch.empty(it.shape, dtype=dtype)
+    return _flat(raw, dtype).view(it.shape)
+
+
+def _flat(raw: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    # torch wants writable memory; zero-copy views over shared memory are (copy-on-write).
+    return torch.from_numpy(raw if raw.flags.writeable else raw.copy()).view(dtype)
