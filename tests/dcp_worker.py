@@ -5,7 +5,8 @@ checkpoints through tiercel.dcp; started by tests/test_dcp.py as `python -c SCRI
             `save`, records every loss and, at each save, this rank's state (and rank 0 the
             full state); then, if `kill`, SIGKILLs itself: no close, no clean-up.
     resume  builds the model afresh, loads the newest step (or `step`) with tiercel.dcp.Reader,
-            checks it against what train recorded, trains on to `last`, records the losses.
+            records what it loaded, saves it again as step `resave` if given, trains on to
+            `last`, records the losses.
 
 Everything a test checks is written as JSON (losses as float.hex: bit for bit) or torch.save
 files under `out`.
@@ -192,6 +193,8 @@ def resume(cfg: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     full = full_copy(loaded)
     if rank == 0:
         torch.save(full, out / f"loaded-full-{step}-w{world}.pt")
+    if cfg.get("resave") is not None:
+        dcp.save(loaded, storage_writer=tiercel.dcp.Writer(cfg["policy"], step=cfg["resave"]))
     losses = {s: train_step(model, opt, s, rank) for s in range(step + 1, cfg["last"] + 1)}
     report["losses"] = losses
     _write(out / f"resume-{rank}.json", report)

@@ -94,11 +94,15 @@ def test_fsdp2_save_kill_resume_reshard_export(tmp_path, out, shm_root, disk_roo
     assert all(set(r["tiers"]) == {"ram"} for r in resumed), resumed
 
     # (b) One rank reads both ranks' shards: DCP's planner reshards; every value the same.
-    (one,) = run_job(tmp_path, {**base, "mode": "resume", "last": 4}, world=1)
+    # It saves them again as step 10, whole tensors; two ranks then read half of each.
+    (one,) = run_job(tmp_path, {**base, "mode": "resume", "last": 4, "resave": 10}, world=1)
     assert one["step"] == 4 and set(one["tiers"]) == {"ram"}, one
     assert_same(load(out / "loaded-full-4-w1.pt"), load(out / "full-4.pt"))
+    run_job(tmp_path, {**base, "mode": "resume", "last": 10, "step": 10})
+    for rank in range(2):
+        assert_same(load(out / f"loaded-10-{rank}.pt"), load(out / f"local-4-{rank}.pt"))
 
-    # An older step on request, from disk only (ram keeps 3 and 4).
+    # An older step on request, from disk only (ram keeps the newest two).
     (older,) = run_job(tmp_path, {**base, "mode": "resume", "last": 2, "step": 2}, world=1)
     assert older["step"] == 2 and set(older["tiers"]) == {"disk"}, older
     assert_same(load(out / "loaded-full-2-w1.pt"), load(out / "full-2.pt"))

@@ -237,6 +237,12 @@ class Writer(StorageWriter, AsyncStager):
     def close(self) -> None:
         """Nothing to release: the Store is shared (tiercel.dcp.close() closes it)."""
 
+    def __getstate__(self) -> Any:
+        raise InvalidArgumentError(
+            "tiercel.dcp.Writer cannot move to another process (it writes through this process's Store and "
+            "shared memory): use dcp.async_save's default thread executor, not AsyncCheckpointerType.PROCESS"
+        )
+
     # -- internals -----------------------------------------------------------------------------
 
     def _step_writer(self) -> StepWriter:
