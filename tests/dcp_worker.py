@@ -27,6 +27,7 @@ import tiercel.dcp
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -182,6 +183,14 @@ def resume(cfg: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     model, opt = build(world)
     state = app_state(model, opt)
     reader = tiercel.dcp.Reader(cfg["policy"], step=cfg.get("step"))
+    if cfg.get("expect_error"):
+        try:
+            dcp.load(state, storage_reader=reader)
+        except CheckpointException as e:  # DCP gathers every rank's error and raises them on all
+            report = {"error": str(e)}
+            _write(out / f"resume-{rank}.json", report)
+            return report
+        raise AssertionError("the load did not fail")
     dcp.load(state, storage_reader=reader)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     step = reader.step

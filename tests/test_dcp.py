@@ -19,7 +19,7 @@ import tiercel
 import tiercel.dcp
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import assert_same, error_of, make_policy, manifest_path, step_dir
+from conftest import assert_same, chunk_location, error_of, flip_byte, make_policy, manifest_path, read_manifest, step_dir
 from dcp_worker import build_model
 from test_multirank import run_ranks
 from tiercel.dcp.reader import metadata_bytes, unpickle_metadata
@@ -92,6 +92,13 @@ def test_fsdp2_save_kill_resume_reshard_export(tmp_path, out, shm_root, disk_roo
     resumed = run_job(tmp_path, {**base, "mode": "resume", "last": 6})
     check_resumed(out, trained, resumed, 4)
     assert all(set(r["tiers"]) == {"ram"} for r in resumed), resumed
+    # Bit rot in rank 1's only copy of step 3 (ram; disk has every other step): every rank
+    # gets DCP's exception, which carries tiercel's error from rank 1 naming the item.
+    item = next(it["name"] for it in read_manifest(shm_root, 3, 1)["items"] if it["kind"] == "array")
+    path, offset, _ = chunk_location(shm_root, 3, item, rank=1)
+    flip_byte(path, offset)
+    failed = run_job(tmp_path, {**base, "mode": "resume", "last": 6, "step": 3, "expect_error": True})
+    assert all("IntegrityError" in r["error"] and item in r["error"] for r in failed), failed
 
     # (b) One rank reads both ranks' shards: DCP's planner reshards; every value the same.
     # It saves them again as step 10, whole tensors; two ranks then read half of each.

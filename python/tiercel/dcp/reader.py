@@ -71,7 +71,7 @@ class Reader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             # DCP asks for a rank's own metadata only after the global one failed on every rank.
-            raise NotFoundError("tiercel.dcp keeps one global metadata per step (saved with use_collectives=True)")
+            raise NotFoundError("tiercel.dcp steps have no per-rank metadata, only the global one")
         step = self._wanted if self._wanted is not None else self._newest()
         self.step = step
         self._locate = _layout.Locator(self.store, step)
