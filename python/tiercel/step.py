@@ -195,7 +195,7 @@ class Reader:
         for it, (buf, tier) in zip(items, self._core.read_items([it.index for it in items])):
             self._account(tier, it.nbytes, t0)
             t0 = time.perf_counter()
-            out.append(np.frombuffer(buf, dtype=np.uint8) if it.nbytes else np.empty(0, dtype=np.uint8))
+            out.append(np.frombuffer(memoryview(buf), dtype=np.uint8) if it.nbytes else np.empty(0, dtype=np.uint8))
         return out
 
     def value(self, item: Item | int | str) -> Any:
