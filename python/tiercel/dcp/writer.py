@@ -27,6 +27,7 @@ import uuid
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -109,6 +110,11 @@ class Writer(StorageWriter, AsyncStager):
                 "once rank 0 has stored the global metadata"
             )
         rank = kwargs.get("rank")
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() != self.store.world_size:
+            raise InvalidArgumentError(
+                f"the job has {dist.get_world_size()} ranks but this tiercel Store was opened for {self.store.world_size}: "
+                "make the first tiercel.dcp.Writer after init_process_group"
+            )
         if rank is not None and rank != self.store.rank:
             raise InvalidArgumentError(
                 f"DCP runs this process as rank {rank} but its tiercel Store is rank {self.store.rank} of "
