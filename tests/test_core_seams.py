@@ -4,6 +4,7 @@ byte-range reads of one item, and errors that carry their fields."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -60,3 +61,45 @@ def test_read_range(store, tiers):
             assert buf.kind == ("view" if tiers is None else "owned")
     with pytest.raises(_core.InvalidArgumentError, match="outside"):
         r.read_range(0, a.size - 1, 2)
+
+
+def test_gc_plan_is_what_gc_removes(make_store, shm_root, disk_root):
+    """One planner: the plan (`tiercel gc --dry-run`) lists exactly what gc then removes, with
+    reasons; a step that has not committed (yet) shows which ranks wrote it."""
+    from conftest import make_policy
+
+    pol = make_policy(shm_root, disk_root, every=1, ram={"keep": 1}, disk_opts={"keep": 1})
+    store = make_store(pol)
+    core = store._core
+    for step in (1, 2, 3):
+        store.save(step, {"w": np.full(1000, step, np.uint8)}).wait()
+    store.flush()
+    # Leftovers of a killed job: step 2 half-written on both tiers, and a temporary file
+    # whose writer (no such process) is long gone.
+    for root in (shm_root, disk_root):
+        (root / _core.step_dir_name(2)).mkdir()
+        (root / _core.step_dir_name(2) / "rank-00000.part-000.data").write_bytes(b"x")
+    leftover = disk_root / _core.step_dir_name(3) / "rank-00000.data.tmp-999999999-0"
+    leftover.write_bytes(b"abc")
+    os.utime(leftover, (1, 1))
+    for tier in ("ram", "disk"):
+        plan = core.gc_plan(tier)
+        assert [(r["step"], r["reason"]) for r in plan if r["what"] == "step"] == [(2, "uncommitted leftover")], plan
+        assert core.gc(tier) == plan
+        assert core.gc_plan(tier) == []
+    assert [r for r in plan if r["what"] == "temp file"] == [
+        {"what": "temp file", "step": None, "path": f"{_core.step_dir_name(3)}/{leftover.name}", "bytes": 3,
+         "reason": "stale temporary file: its writer (pid 999999999) is gone"}]
+    assert not leftover.exists()
+    assert store.steps() == {"ram": [3], "disk": [3]}
+    # Rank 1 of 2 writes step 4; rank 0 never does: the step shows rank 1 only.
+    other = _core.Store(1, 2, policy_json=json.dumps(pol))
+    w = other.begin(4)
+    w.add_part("m", "{}", [("x", "array", "uint8", [4], 4, "{}")])
+    w.copy_items([(0, np.zeros(4, np.uint8).ctypes.data)])
+    assert w.commit().wait(30)
+    other.close()
+    assert core.step_ranks("ram", 4) == [1] and core.step_ranks("disk", 4) == [1]
+    assert json.loads(core.manifest_json("disk", 4, 1))["world_size"] == 2
+    with pytest.raises(_core.NotFoundError):
+        core.manifest_json("disk", 4, 0)

@@ -218,6 +218,20 @@ impl Store {
         Ok(StepReader { inner: r })
     }
 
+    /// Ranks whose part of `step` is complete on `tier` (their manifest is there), committed
+    /// or not.
+    fn step_ranks(&self, py: Python<'_>, tier: &str, step: u64) -> PyResult<Vec<u32>> {
+        let slot = self.inner.slot(tier).map_err(err)?;
+        py.allow_threads(|| slot.tier.ranks_written(step)).map_err(err)
+    }
+
+    /// Rank `rank`'s manifest of `step` on `tier` as JSON, committed or not (a reader needs
+    /// the step committed).
+    fn manifest_json(&self, py: Python<'_>, tier: &str, step: u64, rank: u32) -> PyResult<String> {
+        let slot = self.inner.slot(tier).map_err(err)?;
+        py.allow_threads(|| slot.tier.read_manifest(step, rank)).map(|m| json(&m)).map_err(err)
+    }
+
     /// The commit record of `step` on `tier`, as JSON.
     fn commit_record(&self, py: Python<'_>, tier: &str, step: u64) -> PyResult<String> {
         let slot = self.inner.slot(tier).map_err(err)?;
@@ -501,6 +515,12 @@ impl log::Log for StderrLog {
 
 static LOGGER: StderrLog = StderrLog;
 
+/// The name of `step`'s directory (key prefix) on a tier: `step-` and 12 digits.
+#[pyfunction]
+fn step_dir_name(step: u64) -> String {
+    tiercel_core::format::step_dir(step)
+}
+
 /// GEMINI placement of `hosts` hosts with `replicas` copies each ("group", "ring" or "mixed"):
 /// (groups, then the ring part if any; holders per host, the host itself first; the exact
 /// probability that no host loses every copy when `failures` hosts fail at once; GEMINI's
@@ -549,5 +569,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Buffer>()?;
     m.add("FORMAT_VERSION", tiercel_core::format::FORMAT_VERSION)?;
     m.add_function(wrap_pyfunction!(placement, m)?)?;
+    m.add_function(wrap_pyfunction!(step_dir_name, m)?)?;
     Ok(())
 }

@@ -149,22 +149,23 @@ impl StepLayout {
         Ok(plan)
     }
 
-    /// Removes what `plan` lists; returns what was removed. Uploads go before steps: a step
-    /// removed here may be the one such an upload was writing.
+    /// Removes what `plan` lists; returns what was removed, in plan order. Uploads go before
+    /// steps: a step removed here may be the one such an upload was writing.
     pub fn gc_apply(&self, plan: Vec<Removal>) -> Result<Vec<Removal>> {
-        let (steps, others): (Vec<Removal>, Vec<Removal>) = plan.into_iter().partition(|r| r.step().is_some());
+        let (steps, others): (Vec<_>, Vec<_>) = plan.into_iter().enumerate().partition(|(_, r)| r.step().is_some());
         let mut done = vec![];
-        for r in others {
+        for (i, r) in others {
             if self.blobs.remove_leftover(&r)? {
-                done.push(r);
+                done.push((i, r));
             }
         }
-        for r in steps {
+        for (i, r) in steps {
             if let Target::Step(s) = r.target {
                 self.delete_step(s)?;
-                done.push(r);
+                done.push((i, r));
             }
         }
-        Ok(done)
+        done.sort_by_key(|(i, _)| *i);
+        Ok(done.into_iter().map(|(_, r)| r).collect())
     }
 }

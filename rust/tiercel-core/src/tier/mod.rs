@@ -61,7 +61,12 @@ pub trait Tier: Send + Sync {
     fn commit_record(&self, step: u64) -> Result<CommitRecord>;
 
     /// Rank `rank`'s manifest of `step`, checked (NotFound when the rank wrote none here).
+    /// Readable before the step commits: a manifest marks that rank's part complete.
     fn read_manifest(&self, step: u64, rank: u32) -> Result<Manifest>;
+
+    /// Ranks whose part of `step` is complete here (their manifest is written), committed or
+    /// not: what a step that never committed is missing.
+    fn ranks_written(&self, step: u64) -> Result<Vec<u32>>;
 
     /// Removes a step, so that no reader sees it half-deleted.
     fn delete_step(&self, step: u64) -> Result<()>;

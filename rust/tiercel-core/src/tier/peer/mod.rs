@@ -331,6 +331,11 @@ impl Tier for PeerTier {
         self.fetch_manifest(step, rank).map(|(m, _)| m)
     }
 
+    /// This rank's, when a peer holds its complete copy (the tier is per rank).
+    fn ranks_written(&self, step: u64) -> Result<Vec<u32>> {
+        Ok(if self.committed_steps()?.contains(&step) { vec![self.rank] } else { vec![] })
+    }
+
     /// Peer copies are dropped by their holders' own retention (`keep`), not from here.
     fn delete_step(&self, step: u64) -> Result<()> {
         Err(Error::invalid(format!(
