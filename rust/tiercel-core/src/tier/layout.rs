@@ -53,8 +53,9 @@ impl StepLayout {
         let bytes = self.blobs.get(&k).map_err(|e| match e.kind {
             ErrorKind::NotFound => Error::not_found(format!("tier '{}': step {step} is not committed", self.tier)),
             _ => e,
-        })?;
-        CommitRecord::from_json(&bytes, &self.blobs.describe(&k))
+        });
+        let at = |e: Error| e.with_tier(&self.tier).with_step(step).with_path(self.blobs.describe(&k));
+        CommitRecord::from_json(&bytes.map_err(at)?, &self.blobs.describe(&k)).map_err(at)
     }
 
     pub fn read_manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
@@ -62,15 +63,16 @@ impl StepLayout {
         let bytes = self.blobs.get(&k).map_err(|e| match e.kind {
             ErrorKind::NotFound => Error::not_found(format!("tier '{}': step {step} has no manifest for rank {rank}", self.tier)),
             _ => e,
-        })?;
-        let m = Manifest::from_json(&bytes, &self.blobs.describe(&k))?;
+        });
+        let at = |e: Error| e.with_tier(&self.tier).at(step, rank).with_path(self.blobs.describe(&k));
+        let m = Manifest::from_json(&bytes.map_err(at)?, &self.blobs.describe(&k)).map_err(at)?;
         if m.step != step || m.rank != rank {
-            return Err(Error::integrity(format!(
+            return Err(at(Error::integrity(format!(
                 "{}: manifest says step {} rank {}, expected step {step} rank {rank}",
                 self.blobs.describe(&k),
                 m.step,
                 m.rank
-            )));
+            ))));
         }
         Ok(m)
     }

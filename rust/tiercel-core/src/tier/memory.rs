@@ -291,7 +291,10 @@ impl MemoryTier {
                     size_str(used),
                     size_str(cap),
                     size_str(freeable),
-                )));
+                ))
+                .with_tier(&self.name)
+                .at(step, rank)
+                .with_path(self.root.display().to_string()));
             }
             // Bind first: `evict` locks the pool again.
             let too_small = self.pool.lock().pop();
