@@ -69,7 +69,9 @@ impl StepReader {
                 return Err(Error::invalid(format!(
                     "tier '{name}': step {step} was saved by {} ranks; there is no rank {rank}",
                     record.world_size
-                )));
+                ))
+                .with_tier(name.as_str())
+                .at(step, rank));
             }
             match tier.read_manifest(step, rank) {
                 Ok(m) => sources.push((idx, m)),
@@ -89,7 +91,8 @@ impl StepReader {
             return Err(Error::new(
                 kind,
                 format!("step {step} rank {rank} can be restored from no tier in {order:?}{why}; committed steps: {}", have.join(", ")),
-            ));
+            )
+            .at(step, rank));
         }
         for w in &warnings {
             log::warn!("{w}");
@@ -112,7 +115,7 @@ impl StepReader {
         let m = self.manifest();
         for &i in items {
             if i >= m.items.len() {
-                return Err(Error::invalid(format!("step {}: no item {i}", self.step)));
+                return Err(Error::invalid(format!("step {}: no item {i}", self.step)).at(self.step, self.rank));
             }
         }
         let mut views: HashMap<String, Arc<View>> = HashMap::new();
@@ -123,7 +126,11 @@ impl StepReader {
     /// them (each still verified whole by its CRC32C, falling back chunk by chunk across tiers
     /// like `read_items`). A zero-copy view when the item qualifies for one.
     pub fn read_range(&self, item: usize, start: u64, len: u64) -> Result<(ItemData, String)> {
-        let it = self.manifest().items.get(item).ok_or_else(|| Error::invalid(format!("step {}: no item {item}", self.step)))?;
+        let it = self
+            .manifest()
+            .items
+            .get(item)
+            .ok_or_else(|| Error::invalid(format!("step {}: no item {item}", self.step)).at(self.step, self.rank))?;
         let end = start.checked_add(len).filter(|e| *e <= it.nbytes).ok_or_else(|| {
             Error::invalid(format!(
                 "step {} rank {} item '{}': bytes {start}..{} lie outside its {} bytes",
@@ -133,6 +140,8 @@ impl StepReader {
                 start as u128 + len as u128,
                 it.nbytes
             ))
+            .at(self.step, self.rank)
+            .with_item(&it.name)
         })?;
         let mut views = HashMap::new();
         self.store.copy_pool.install(|| self.read_span(item, start, end, &mut views))
@@ -282,7 +291,10 @@ impl StepReader {
             self.rank,
             primary.name,
             errs.join("; ")
-        )))
+        ))
+        .at(self.step, self.rank)
+        .with_item(&primary.name)
+        .with_chunk(c as u64))
     }
 }
 
