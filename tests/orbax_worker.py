@@ -34,16 +34,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import tiercel  # noqa: E402
 import tiercel.orbax  # noqa: E402
+from orbax_state import COLS, ROWS, global_values  # noqa: E402
 from tiercel.leaves import Leaf, LeafHandler, register  # noqa: E402
 
-ROWS, COLS = 256, 512  # the matrix: 512 KiB of float32, 128 KiB per shard on a 2x2 mesh
-
-
-def global_values(step: int) -> dict[str, np.ndarray]:
-    """The global arrays of the train state at `step` (the same in every process)."""
-    w = (np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS) + 1000.0 * step) / 7.0
-    b = np.arange(COLS, dtype=np.float32) * step - 0.5
-    return {"w": w, "b": b, "scale": np.float32(0.25 * step)}
 
 
 def mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
@@ -131,10 +124,10 @@ def save_phase() -> None:
         assert handler.last_save is not None
         states[step] = handler.last_save.wait(120)
     handler.store.flush()
-    # Every peer server must stay up until everyone's replicas are in.
-    handler.store.coordinator.all_gather("saved")
     report("save", {"all_steps": list(mngr.all_steps()), "states": states, "steps": handler.store.steps(),
                     "blocking": handler.last_save.blocking_seconds})
+    # Every peer server must stay up until everyone's replicas are in.
+    handler.store.coordinator.all_gather("saved")
     if CFG.get("crash"):
         # Process 0 (which also writes the non-array leaves) dies while copying step 5.
         register(CrashHandler())
@@ -196,7 +189,7 @@ def single_phase() -> None:
     # Flip a byte of one of rank 1's shards in RAM: that chunk is read from disk instead.
     ram = CFG["policy"]["tier"][0]["root"]
     m = read_manifest(ram, step, rank=1)
-    it = next(i for i in m["items"] if i.get("shard"))
+    it = next(i for i in m["items"] if (i.get("meta") or {}).get("framework") == "jax")
     chunk = it["chunks"][0]
     flip_byte(step_dir(ram, step) / m["objects"][chunk["object"]]["name"], chunk["stored_offset"] + 5)
     check(restore(mngr, step, abstract(sh)), step, sh)

@@ -59,7 +59,8 @@ def run_job(
     killed = phase == "save"
     for pid, p in enumerate(procs):
         if killed:
-            assert p.returncode == -9, f"process {pid} of {phase} ended with {p.returncode}\n{text}"
+            # SIGKILL, or SIGABRT from JAX's client once the coordination service (process 0) is gone.
+            assert p.returncode in (-9, -6), f"process {pid} of {phase} ended with {p.returncode}\n{text}"
         else:
             assert p.returncode == 0, f"process {pid} of {phase} ended with {p.returncode}\n{text}"
     return [json.loads((tmp_path / f"{phase}-{pid}.json").read_text()) for pid in range(nproc)]
@@ -83,7 +84,8 @@ def test_save_crash_restart_restore_anywhere(tmp_path, shm):
         assert r["all_steps"] == [2, 3, 4], r
         # Orbax dropped step 1 from its list; tiercel's own retention holds RAM [3, 4], disk [2, 4].
         assert r["steps"] == {"ram": [3, 4], "disk": [2, 4]}, r
-        assert r["states"]["4"]["disk"] == "committed" and r["states"]["3"]["disk"] == "not scheduled", r
+        # "written": this rank's part is in; the rank that came last committed the step.
+        assert r["states"]["4"]["disk"] in ("committed", "written") and r["states"]["3"]["disk"] == "not scheduled", r
         assert r["states"]["4"]["ram"] in ("committed", "written"), r
     # Step 5 died mid-save: Orbax never finalized it, tiercel never committed it.
     assert sorted(p.name for p in (tmp_path / "orbax").iterdir() if p.name.isdigit()) == ["2", "3", "4"]
@@ -115,7 +117,7 @@ EXPORT_CHECK = r"""
 import sys
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax_worker import global_values
+from orbax_state import global_values
 got = ocp.StandardCheckpointer().restore(sys.argv[1])
 want = global_values(4)
 assert np.asarray(got["params"]["w"]).tobytes() == want["w"].tobytes()
@@ -128,7 +130,11 @@ print("EXPORT OK")
 
 
 def test_a_wiped_host_restores_from_its_peer(tmp_path):
-    """Two hosts (own shared memory each) with a peer tier; host 1 loses its RAM."""
+    """Two hosts (own shared memory each) with a peer tier and a disk; host 1 loses its RAM.
+
+    Host 1 gets its own shards back from host 0's RAM (its peer). The replicated vector and
+    the scalar were saved once, by process 0 (replica 0), and their only peer copy was on
+    host 1: host 1 reads those from disk."""
     base = new_shm_root("orbax-peer-")
     try:
 
@@ -138,6 +144,7 @@ def test_a_wiped_host_restores_from_its_peer(tmp_path):
                 "tier": [
                     {"name": "ram", "kind": "memory", "root": f"{base}/{host}", "keep": 3},
                     {"name": "peer", "kind": "peer", "listen": "127.0.0.1:0", "replicas": 2, "keep": 3},
+                    {"name": "disk", "kind": "fs", "url": str(tmp_path / "disk"), "every": 1},
                 ],
                 "store": {"chunk_size": "64KiB", "threads": 1, "io_threads": 2},
             }
@@ -151,7 +158,7 @@ def test_a_wiped_host_restores_from_its_peer(tmp_path):
         restored = run_job(tmp_path, "peer_restore", cfg_of, nproc=2, ndev=2)
         assert all(r["all_steps"] == [1, 2, 3] and r["latest"] == 3 for r in restored), restored
         assert set(restored[0]["tiers"]) == {"ram"}, restored
-        assert set(restored[1]["tiers"]) == {"peer"}, restored
+        assert set(restored[1]["tiers"]) == {"peer", "disk"}, restored
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

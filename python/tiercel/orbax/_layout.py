@@ -19,7 +19,7 @@ structure can be read from any rank.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -110,38 +110,40 @@ class SavedLeaf:
     value: Any = None
 
 
-def read_layout(manifests: Sequence[Manifest], put: str) -> list[SavedLeaf]:
-    """The leaves of one put, merged over the manifests of all ranks (index = rank)."""
-    leaves: list[SavedLeaf] = []
-    for rank, m in enumerate(manifests):
-        if put not in m.trees:
-            raise KeyError(f"rank {rank} put nothing under '{put}' (have: {', '.join(m.trees) or 'nothing'})")
-        value = unflatten(m.trees[put], list(m.items_of(put)))
-        if not isinstance(value, dict) or value.get("format") != FORMAT:
-            raise ValueError(f"'{put}' of rank {rank} was not saved by tiercel.orbax")
-        if value["version"] > VERSION:
-            raise ValueError(f"'{put}' was saved by a newer tiercel.orbax (layout version {value['version']} > {VERSION})")
-        recs = value["leaves"]
-        if rank == 0:
-            for rec in recs:
-                leaves.append(
-                    SavedLeaf(
-                        key=rec["key"],
-                        path=rec["path"],
-                        type=rec["type"],
-                        shape=tuple(rec.get("shape") or ()),
-                        dtype=rec.get("dtype", ""),
-                        scalar=bool(rec.get("scalar")),
-                    )
-                )
-        elif len(recs) != len(leaves) or any(r["key"] != s.key for r, s in zip(recs, leaves)):
-            raise ValueError(f"rank {rank} saved a different tree under '{put}' than rank 0")
+def rank_records(m: Manifest, put: str) -> list[dict[str, Any]]:
+    """One rank's leaf records of one put, with manifest Items in place of the arrays (no
+    bytes read). Raises ValueError when the put is missing or not a tiercel.orbax layout."""
+    if put not in m.trees:
+        raise ValueError(f"rank {m.rank} put nothing under '{put}' (have: {', '.join(m.trees) or 'nothing'})")
+    value = unflatten(m.trees[put], list(m.items_of(put)))
+    if not isinstance(value, dict) or value.get("format") != FORMAT:
+        raise ValueError(f"'{put}' of rank {m.rank} was not saved by tiercel.orbax")
+    if value["version"] > VERSION:
+        raise ValueError(f"'{put}' was saved by a newer tiercel.orbax (layout version {value['version']} > {VERSION})")
+    return list(value["leaves"])
+
+
+def merge_layout(shares: Mapping[int, list[dict[str, Any]]]) -> list[SavedLeaf]:
+    """The leaves of one put from the records of some or all ranks ({rank: records}): the
+    pieces of every rank given, and the values that rank 0 alone stores if it is given."""
+    if not shares:
+        raise ValueError("no rank's records")
+    ranks = sorted(shares)
+    leaves = [
+        SavedLeaf(key=rec["key"], path=rec["path"], type=rec["type"], shape=tuple(rec.get("shape") or ()),
+                  dtype=rec.get("dtype", ""), scalar=bool(rec.get("scalar")), value=rec.get("value") if rec["type"] == "python" else None)
+        for rec in shares[ranks[0]]
+    ]
+    for rank in ranks:
+        recs = shares[rank]
+        if len(recs) != len(leaves) or any(r["key"] != leaf.key for r, leaf in zip(recs, leaves)):
+            raise ValueError(f"rank {rank} saved a different tree than rank {ranks[0]}")
         for rec, leaf in zip(recs, leaves):
             if rec["type"] == "jax":
                 leaf.pieces += [(rank, it) for it in rec["shards"]]
             elif rank == 0 and rec["type"] == "numpy":
                 leaf.pieces.append((0, rec["value"]))
-            elif rank == 0:
+            elif rank == 0 and rec["type"] == "object":
                 leaf.value = rec["value"]
     return leaves
 

@@ -3,6 +3,7 @@ target shards need (tiercel._sharding plans them), from the fastest tier that ha
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -10,29 +11,70 @@ import numpy as np
 
 from .. import _dtypes
 from .._sharding import Box, CoverageError, box_of_index, box_shape, plan
-from ..errors import InvalidArgumentError, NotFoundError
+from ..errors import InvalidArgumentError, NotFoundError, TiercelError
 from ..step import Reader, RestoreInfo
 from ..store import Store
-from ._layout import SavedLeaf, nested, read_layout
+from ..manifest import Item
+from ._layout import SavedLeaf, merge_layout, nested, rank_records
+from ._leaf import CORE_SHARDS, shard_of
+
+
+def read_range(reader: Reader, item: Item, start: int, length: int, cache: dict[tuple[int, int], np.ndarray]) -> np.ndarray:
+    """Bytes [start, start + length) of one saved item: the one place restores read bytes.
+    Until the core reads ranges, the whole item is read once (`cache`) and cut."""
+    if CORE_SHARDS:
+        return reader.read(item, start, length)
+    key = (reader.rank, item.index)
+    if key not in cache:
+        t0 = time.perf_counter()
+        ((buf, tier),) = reader._core.read_items([item.index])
+        cache[key] = np.frombuffer(buf, dtype=np.uint8) if item.nbytes else np.empty(0, dtype=np.uint8)
+        reader._account(tier, item.nbytes, t0)
+    return cache[key][start : start + length]
 
 
 class SavedStep:
-    """One Orbax item of one committed step, over all the ranks that saved it. Opening it
-    reads only manifests; readers of other ranks are opened on first use."""
+    """One Orbax item of one committed step, as the ranks that saved it laid it out. Opening
+    it reads manifests only; a rank's bytes are read when a target box needs them.
 
-    def __init__(self, store: Store, step: int, put: str, tiers: list[str] | None = None):
+    `collective`: every process of the job opens it at once (as Orbax restores). Process p
+    reads the manifests of saved ranks p, p + P, ... (P processes) and the processes swap
+    what those say through the coordinator: no process has to reach every rank's manifest
+    (a replacement host may reach its own rank's only, through its peers), and each manifest
+    is read once per job."""
+
+    def __init__(self, store: Store, step: int, put: str, tiers: list[str] | None = None, collective: bool = False):
         self.step = step
         self.put = put
         self._store = store
         self._tiers = tiers
-        first = store.reader(step, rank=0, tiers=tiers)
-        self.world_size = first.manifest.world_size
-        self._readers: dict[int, Reader] = {0: first}
-        manifests = [first.manifest] + [self.reader(r).manifest for r in range(1, self.world_size)]
+        self._readers: dict[int, Reader] = {}
+        self._cache: dict[tuple[int, int], np.ndarray] = {}
+        many = collective and store.world_size > 1 and store.coordinator is not None
+        p, n = (store.rank, store.world_size) if many else (0, 1)
         try:
-            self.leaves = read_layout(manifests, put)
-        except (KeyError, ValueError) as e:
-            raise NotFoundError(f"step {step}: {e}") from None
+            mine: tuple[str, Any] = ("ok", self._share(p, n))
+        except (TiercelError, ValueError) as e:
+            mine = ("error", f"process {p}: {e}")
+        results = store.coordinator.all_gather(mine) if many and store.coordinator is not None else [mine]
+        errors = [str(r) for ok, r in results if ok == "error"]
+        if errors:
+            raise NotFoundError(f"step {step} '{put}': " + "; ".join(errors))
+        shares: dict[int, list[dict[str, Any]]] = {}
+        for _, (_, records) in results:
+            shares.update(records)
+        #: Ranks that saved the step (process 0 always has a rank to read, so it knows).
+        self.world_size: int = results[0][1][0]
+        self.leaves = merge_layout(shares)
+
+    def _share(self, p: int, n: int) -> tuple[int | None, dict[int, list[dict[str, Any]]]]:
+        """(ranks that saved the step, {rank: leaf records}) for saved ranks p, p + n, ..."""
+        try:
+            first = self.reader(p)
+        except InvalidArgumentError:  # more processes now than ranks then: nothing to read here
+            return None, {}
+        world = first.manifest.world_size
+        return world, {r: rank_records(self.reader(r).manifest, self.put) for r in range(p, world, n)}
 
     def reader(self, rank: int) -> Reader:
         if rank not in self._readers:
@@ -57,8 +99,12 @@ class SavedStep:
         whole saved piece comes back without a copy (a view of shared memory from RAM)."""
         dtype = _dtypes.numpy_dtype(leaf.dtype)
         pieces = {(rank, it.index): it for rank, it in leaf.pieces}
-        saved = [((rank, it.index), it.shard.offsets if it.shard else (0,) * len(it.shape), it.shape) for rank, it in leaf.pieces]
-        max_waste = self.reader(0).manifest.chunk_size
+        saved = []
+        for rank, it in leaf.pieces:
+            shard = shard_of(it)
+            saved.append(((rank, it.index), shard.offsets if shard else (0,) * len(it.shape), it.shape))
+        # Ranges closer than a chunk are read as one: the tiers read whole chunks anyway.
+        max_waste = self._store._core.chunk_size
         try:
             p = plan(saved, box, dtype.itemsize, max_waste)
         except CoverageError as e:
@@ -67,10 +113,11 @@ class SavedStep:
         if len(p.reads) == 1:
             (rank, index), r = p.reads[0]
             if r.shape == shape and r.nbytes == pieces[(rank, index)].nbytes:
-                return np.frombuffer(self.reader(rank).read(index, r.start, r.nbytes), dtype=dtype).reshape(shape)
+                buf = read_range(self.reader(rank), pieces[(rank, index)], r.start, r.nbytes, self._cache)
+                return np.frombuffer(buf, dtype=dtype).reshape(shape)
         out = np.empty(shape, dtype=dtype)
         for (rank, index), r in p.reads:
-            buf = self.reader(rank).read(index, r.start, r.nbytes)
+            buf = read_range(self.reader(rank), pieces[(rank, index)], r.start, r.nbytes, self._cache)
             out[r.dst] = np.ndarray(r.shape, dtype=dtype, buffer=buf, strides=r.strides)
         return out
 
@@ -155,3 +202,16 @@ def restore_tree(saved: SavedStep, target: Any, multi_process: bool, on_leaf: Ca
         if on_leaf:
             on_leaf(i + 1, len(flat))
     return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def read_structure(store: Store, step: int, put: str) -> list[SavedLeaf]:
+    """The leaves of a saved item (keys, shapes, dtypes, Python values) from the manifest of
+    this process's rank alone (rank 0's when the step has fewer ranks): no collective."""
+    try:
+        reader = store.reader(step, rank=store.rank)
+    except InvalidArgumentError:
+        reader = store.reader(step, rank=0)
+    try:
+        return merge_layout({reader.rank: rank_records(reader.manifest, put)})
+    except ValueError as e:
+        raise NotFoundError(f"step {step}: {e}") from None

@@ -24,7 +24,7 @@ from ..errors import InvalidArgumentError, NotFoundError, TiercelError, TierUnav
 from ..step import RestoreInfo, SaveHandle
 from ..store import PolicyLike, Store
 from ._layout import FORMAT, VERSION, leaf_records, nested
-from ._restore import SavedStep, restore_tree
+from ._restore import SavedStep, read_structure, restore_tree
 
 #: The marker in each Orbax item directory of a step saved by this handler.
 MARKER = "tiercel.json"
@@ -158,14 +158,19 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
 
     # -- restore ----------------------------------------------------------------------------------
 
-    def _open_step(self, directory: epath.Path, step: int | None) -> SavedStep:
+    def _locate(self, directory: epath.Path, step: int | None) -> tuple[int, str]:
+        """(step, item) of an Orbax item directory: from its marker, else from its name."""
         directory = epath.Path(directory)
         marker = _read_marker(directory)
         if step is None:
             step = int(marker["step"]) if marker else _step_of(directory)
-        put = marker["item"] if marker else _item_of(directory)
+        return step, (marker["item"] if marker else _item_of(directory))
+
+    def _open_step(self, directory: epath.Path, step: int | None) -> SavedStep:
+        """Collective: every process of the job opens the step together."""
+        step, put = self._locate(directory, step)
         try:
-            return SavedStep(self.store, step, put)
+            return SavedStep(self.store, step, put, collective=True)
         except NotFoundError as e:
             raise NotFoundError(
                 f"Orbax lists step {step} ({directory}) but tiercel cannot restore it: {e}. If a restart lost the RAM "
@@ -188,12 +193,13 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     def metadata(self, directory: epath.Path) -> Any:
         """The saved tree as jax.ShapeDtypeStruct (no sharding) for arrays and the values of
         the other leaves, in nested dicts; reads manifests only."""
-        saved = self._open_step(directory, None)
+        step, put = self._locate(directory, None)
+        leaves = read_structure(self.store, step, put)
         values = [
-            jax.ShapeDtypeStruct(leaf.shape, _dtypes.numpy_dtype(leaf.dtype)) if leaf.type in ("jax", "numpy") else saved.value(leaf)
-            for leaf in saved.leaves
+            jax.ShapeDtypeStruct(leaf.shape, _dtypes.numpy_dtype(leaf.dtype)) if leaf.type in ("jax", "numpy") else leaf.value
+            for leaf in leaves
         ]
-        return nested(saved.leaves, values)
+        return nested(leaves, values)
 
     def finalize(self, directory: epath.Path) -> None:
         """Nothing to do: tiercel committed the step before the future completed, and Orbax
@@ -209,9 +215,10 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     # -- steps --------------------------------------------------------------------------------------
 
     def restorable(self, step: int, item: str) -> bool:
-        """Whether this process can open every rank's part of `item` at `step` on some tier."""
+        """Whether the job can open every saved rank's part of `item` at `step` on some tier
+        (collective: the same answer on every process)."""
         try:
-            SavedStep(self.store, step, item)
+            SavedStep(self.store, step, item, collective=True)
             return True
         except TiercelError:
             return False
@@ -243,13 +250,10 @@ def sync(manager: Any, handler: TiercelCheckpointHandler, item: str | None = Non
     (their bytes were only in RAM that a restart lost, or retention removed them), so that
     `all_steps()` and `latest_step()` name restorable steps. Collective: every process calls
     it, after creating the manager. Returns the dropped steps."""
-    store = handler.store
     dropped = []
     for step in list(manager.all_steps()):
         names = [item] if item else _tiercel_items(manager, step)
-        ok = all(handler.restorable(step, name) for name in names)
-        oks = store.coordinator.all_gather(ok) if store.world_size > 1 and store.coordinator else [ok]
-        if not all(oks):
+        if not all([handler.restorable(step, name) for name in names]):
             manager.delete(step)
             dropped.append(step)
     return dropped
