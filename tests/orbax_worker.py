@@ -14,29 +14,19 @@ import signal
 import sys
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
+import tiercel
+import tiercel.orbax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from orbax_state import COLS, ROWS, global_values
+from tiercel.leaves import Leaf, LeafHandler, register
 
-CFG: dict[str, Any] = json.loads(sys.argv[1]) if __name__ == "__main__" else {}
-
-if __name__ == "__main__":
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", CFG["ndev"])
-    if CFG["nproc"] > 1:
-        jax.distributed.initialize(f"127.0.0.1:{CFG['port']}", num_processes=CFG["nproc"], process_id=CFG["pid"])
-    if CFG.get("host"):
-        os.environ["TIERCEL_HOST"] = CFG["host"]
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
-
-import tiercel  # noqa: E402
-import tiercel.orbax  # noqa: E402
-from orbax_state import COLS, ROWS, global_values  # noqa: E402
-from tiercel.leaves import Leaf, LeafHandler, register  # noqa: E402
-
+#: This process's part: phase, pid, nproc, ndev, port, out, policy, dir, ... (see main).
+CFG: dict[str, Any] = {}
 
 
 def mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
@@ -269,5 +259,16 @@ def leaf_kinds(policy: dict, directory: str) -> dict:
     }
 
 
-if __name__ == "__main__":
+def main() -> None:
+    CFG.update(json.loads(sys.argv[1]))
+    # Before anything touches a device: CPU devices, then the job.
+    jax.config.update("jax_num_cpu_devices", CFG["ndev"])
+    if CFG["nproc"] > 1:
+        jax.distributed.initialize(f"127.0.0.1:{CFG['port']}", num_processes=CFG["nproc"], process_id=CFG["pid"])
+    if CFG.get("host"):
+        os.environ["TIERCEL_HOST"] = CFG["host"]
     {"save": save_phase, "restore": restore_phase, "single": single_phase, "peer_restore": peer_restore_phase}[CFG["phase"]]()
+
+
+if __name__ == "__main__":
+    main()

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-
 from conftest import PYTHON, TESTS_DIR, child_env, make_policy, new_shm_root, run_isolated, run_python
 from test_multirank import free_port
 

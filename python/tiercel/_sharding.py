@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-from typing import Hashable, Sequence
+from typing import Generic, Hashable, Sequence, TypeVar
 
 #: A box of a global array: (start, stop) per dimension, stop exclusive. () for a scalar.
 Box = tuple[tuple[int, int], ...]
@@ -129,13 +129,17 @@ def _split(local: Box, strides: tuple[int, ...], itemsize: int, budget: int, shi
         _split(local[:d] + ((k, min(k + n, b_d)),) + local[d + 1 :], strides, itemsize, budget, shift, out)
 
 
+#: How a caller names its saved pieces.
+K = TypeVar("K", bound=Hashable)
+
+
 @dataclass(frozen=True)
-class Plan:
+class Plan(Generic[K]):
     """Everything one target box needs: (key of the saved piece, range) in saved-piece order."""
 
-    reads: list[tuple[Hashable, Piece]]
+    reads: list[tuple[K, Piece]]
     #: The saved pieces that overlap the target, keyed as given.
-    sources: list[Hashable]
+    sources: list[K]
 
 
 class CoverageError(ValueError):
@@ -143,19 +147,19 @@ class CoverageError(ValueError):
 
 
 def plan(
-    saved: Sequence[tuple[Hashable, Sequence[int], Sequence[int]]],
+    saved: Sequence[tuple[K, Sequence[int], Sequence[int]]],
     target: Box,
     itemsize: int,
     max_waste: int,
-) -> Plan:
+) -> Plan[K]:
     """The reads that fill `target` from `saved` pieces ((key, offsets, shape) each).
 
     Pieces with the same box are copies of each other (saved by several ranks): the first is
     read. Raises CoverageError when the pieces leave part of the target uncovered or two
     different pieces overlap (the checkpoint does not describe one array)."""
     seen: set[Box] = set()
-    overlaps: list[tuple[Hashable, Box]] = []
-    reads: list[tuple[Hashable, Piece]] = []
+    overlaps: list[tuple[K, Box]] = []
+    reads: list[tuple[K, Piece]] = []
     for key, offsets, shape in saved:
         box = box_of(offsets, shape)
         if len(box) != len(target):

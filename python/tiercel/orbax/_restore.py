@@ -12,9 +12,9 @@ import numpy as np
 from .. import _dtypes
 from .._sharding import Box, CoverageError, box_of_index, box_shape, plan
 from ..errors import InvalidArgumentError, NotFoundError, TiercelError
+from ..manifest import Item
 from ..step import Reader, RestoreInfo
 from ..store import Store
-from ..manifest import Item
 from ._layout import SavedLeaf, merge_layout, nested, rank_records
 from ._leaf import CORE_SHARDS, shard_of
 
@@ -28,7 +28,7 @@ def read_range(reader: Reader, item: Item, start: int, length: int, cache: dict[
     if key not in cache:
         t0 = time.perf_counter()
         ((buf, tier),) = reader._core.read_items([item.index])
-        cache[key] = np.frombuffer(buf, dtype=np.uint8) if item.nbytes else np.empty(0, dtype=np.uint8)
+        cache[key] = np.frombuffer(memoryview(buf), dtype=np.uint8) if item.nbytes else np.empty(0, dtype=np.uint8)
         reader._account(tier, item.nbytes, t0)
     return cache[key][start : start + length]
 
@@ -99,7 +99,7 @@ class SavedStep:
         whole saved piece comes back without a copy (a view of shared memory from RAM)."""
         dtype = _dtypes.numpy_dtype(leaf.dtype)
         pieces = {(rank, it.index): it for rank, it in leaf.pieces}
-        saved = []
+        saved: list[tuple[tuple[int, int], tuple[int, ...], tuple[int, ...]]] = []
         for rank, it in leaf.pieces:
             shard = shard_of(it)
             saved.append(((rank, it.index), shard.offsets if shard else (0,) * len(it.shape), it.shape))
