@@ -4,13 +4,14 @@ target shards need (tiercel._sharding plans them), from the fastest tier that ha
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
 from .. import _dtypes
-from .._sharding import Box, CoverageError, box_of_index, box_shape, plan
+from .._sharding import Box, CoverageError, Plan, box_of_index, box_shape, plan
 from ..errors import InvalidArgumentError, NotFoundError, TiercelError
 from ..manifest import Item
 from ..step import Reader, RestoreInfo
@@ -33,6 +34,17 @@ def read_range(reader: Reader, item: Item, start: int, length: int, cache: dict[
     return cache[key][start : start + length]
 
 
+@dataclass
+class BoxPlan:
+    """How to fill one box of an array leaf: its shape and dtype, and the ranges to read of
+    the saved pieces (keyed (rank, item index))."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    plan: Plan[tuple[int, int]]
+    items: dict[tuple[int, int], Item]
+
+
 class SavedStep:
     """One Orbax item of one committed step, as the ranks that saved it laid it out. Opening
     it reads manifests only; a rank's bytes are read when a target box needs them.
@@ -50,6 +62,8 @@ class SavedStep:
         self._tiers = tiers
         self._readers: dict[int, Reader] = {}
         self._cache: dict[tuple[int, int], np.ndarray] = {}
+        #: Per leaf: ((rank, item index), offsets, shape) of every saved piece.
+        self._boxes: dict[str, list[tuple[tuple[int, int], tuple[int, ...], tuple[int, ...]]]] = {}
         many = collective and store.world_size > 1 and store.coordinator is not None
         p, n = (store.rank, store.world_size) if many else (0, 1)
         try:
@@ -93,32 +107,56 @@ class SavedStep:
 
     # -- values ---------------------------------------------------------------------------------
 
-    def host_box(self, leaf: SavedLeaf, box: Box) -> np.ndarray:
-        """The elements of `box` of an array leaf as a numpy array of the saved dtype: one
-        read per contiguous range of every saved piece that overlaps it. A box that is one
-        whole saved piece comes back without a copy (a view of shared memory from RAM)."""
+    def plan_box(self, leaf: SavedLeaf, box: Box) -> BoxPlan:
+        """Which byte ranges of which saved pieces fill `box` of an array leaf (no reads)."""
         dtype = _dtypes.numpy_dtype(leaf.dtype)
-        pieces = {(rank, it.index): it for rank, it in leaf.pieces}
-        saved: list[tuple[tuple[int, int], tuple[int, ...], tuple[int, ...]]] = []
-        for rank, it in leaf.pieces:
-            shard = shard_of(it)
-            saved.append(((rank, it.index), shard.offsets if shard else (0,) * len(it.shape), it.shape))
+        items = {(rank, it.index): it for rank, it in leaf.pieces}
+        if leaf.key not in self._boxes:
+            self._boxes[leaf.key] = []
+            for rank, it in leaf.pieces:
+                shard = shard_of(it)
+                self._boxes[leaf.key].append(((rank, it.index), shard.offsets if shard else (0,) * len(it.shape), it.shape))
+        saved = self._boxes[leaf.key]
         # Ranges closer than a chunk are read as one: the tiers read whole chunks anyway.
         max_waste = self._store._core.chunk_size
         try:
             p = plan(saved, box, dtype.itemsize, max_waste)
         except CoverageError as e:
             raise NotFoundError(f"step {self.step} '{self.put}' leaf {leaf.key}: {e} (saved by {self.world_size} ranks)") from None
-        shape = box_shape(box)
-        if len(p.reads) == 1:
-            (rank, index), r = p.reads[0]
-            if r.shape == shape and r.nbytes == pieces[(rank, index)].nbytes:
-                buf = read_range(self.reader(rank), pieces[(rank, index)], r.start, r.nbytes, self._cache)
-                return np.frombuffer(buf, dtype=dtype).reshape(shape)
-        out = np.empty(shape, dtype=dtype)
-        for (rank, index), r in p.reads:
-            buf = read_range(self.reader(rank), pieces[(rank, index)], r.start, r.nbytes, self._cache)
-            out[r.dst] = np.ndarray(r.shape, dtype=dtype, buffer=buf, strides=r.strides)
+        return BoxPlan(box_shape(box), dtype, p, items)
+
+    def fetch(self, plans: Sequence[BoxPlan]) -> None:
+        """Reads ahead what `plans` need: until the core reads ranges, every needed item of a
+        rank in one call (one mapping of its memory-tier segments, not one per item)."""
+        if CORE_SHARDS:
+            return
+        wanted: dict[int, dict[int, Item]] = {}
+        for bp in plans:
+            for (rank, index), _ in bp.plan.reads:
+                if (rank, index) not in self._cache:
+                    wanted.setdefault(rank, {})[index] = bp.items[(rank, index)]
+        for rank, items in wanted.items():
+            reader = self.reader(rank)
+            t0 = time.perf_counter()
+            got = reader._core.read_items(list(items))
+            for (index, it), (buf, tier) in zip(items.items(), got):
+                self._cache[(rank, index)] = np.frombuffer(memoryview(buf), dtype=np.uint8) if it.nbytes else np.empty(0, np.uint8)
+                reader._account(tier, it.nbytes, t0)
+                t0 = time.perf_counter()
+
+    def fill(self, bp: BoxPlan) -> np.ndarray:
+        """The box's elements as a numpy array of the saved dtype. A box that is one whole
+        saved piece comes back without a copy (from RAM: a view of shared memory)."""
+        reads = bp.plan.reads
+        if len(reads) == 1:
+            (rank, index), r = reads[0]
+            if r.shape == bp.shape and r.nbytes == bp.items[(rank, index)].nbytes:
+                buf = read_range(self.reader(rank), bp.items[(rank, index)], r.start, r.nbytes, self._cache)
+                return np.frombuffer(buf, dtype=bp.dtype).reshape(bp.shape)
+        out = np.empty(bp.shape, dtype=bp.dtype)
+        for (rank, index), r in reads:
+            buf = read_range(self.reader(rank), bp.items[(rank, index)], r.start, r.nbytes, self._cache)
+            out[r.dst] = np.ndarray(r.shape, dtype=bp.dtype, buffer=buf, strides=r.strides)
         return out
 
     def value(self, leaf: SavedLeaf) -> Any:
@@ -132,49 +170,65 @@ def _full(shape: Sequence[int]) -> Box:
     return tuple((0, int(n)) for n in shape)
 
 
-def _check_shape(step: int, leaf: SavedLeaf, shape: Sequence[int]) -> None:
-    if tuple(shape) != leaf.shape:
-        raise InvalidArgumentError(f"step {step} leaf {leaf.key}: the target has shape {tuple(shape)}, the checkpoint {leaf.shape}")
+def _sharding_of(target: Any) -> Any:
+    """The sharding to restore into: a jax.ShapeDtypeStruct's or a jax.Array's, else None."""
+    sharding = getattr(target, "sharding", None)
+    if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)) and isinstance(sharding, jax.sharding.Sharding):
+        return sharding
+    return None
+
+
+@dataclass
+class _Leaf:
+    """One target leaf on its way: the boxes it needs (each with the devices that hold it)."""
+
+    saved: SavedLeaf
+    target: Any
+    boxes: list[tuple[BoxPlan, list[Any]]]
+
+
+def _prepare(saved: SavedStep, leaf: SavedLeaf, target: Any) -> _Leaf:
+    if leaf.type not in ("jax", "numpy"):
+        return _Leaf(leaf, target, [])
+    sharding = _sharding_of(target)
+    if isinstance(target, (np.ndarray, jax.Array, jax.ShapeDtypeStruct)) and tuple(target.shape) != leaf.shape:
+        raise InvalidArgumentError(f"step {saved.step} leaf {leaf.key}: the target has shape {tuple(target.shape)}, "
+                                   f"the checkpoint {leaf.shape}")
+    if sharding is None:
+        return _Leaf(leaf, target, [(saved.plan_box(leaf, _full(leaf.shape)), [])])
+    # Each addressable device's box, read once however many replicas hold it.
+    devices: dict[Box, list[Any]] = {}
+    for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
+        devices.setdefault(box_of_index(index, leaf.shape), []).append(device)
+    return _Leaf(leaf, target, [(saved.plan_box(leaf, box), devs) for box, devs in devices.items()])
 
 
 def _cast(x: np.ndarray, dtype: Any) -> np.ndarray:
     return x if dtype is None or x.dtype == np.dtype(dtype) else x.astype(dtype)
 
 
-def restore_leaf(saved: SavedStep, leaf: SavedLeaf, target: Any) -> Any:
-    """One leaf into its target: a jax.ShapeDtypeStruct or jax.Array with a sharding gives a
-    jax.Array of that sharding; a numpy array or an unsharded ShapeDtypeStruct a numpy array;
-    anything else (or no target) the saved value (numpy for arrays)."""
+def _build(saved: SavedStep, job: _Leaf) -> Any:
+    """The leaf's value: a jax.Array in the target's sharding, a numpy array (a numpy or
+    unsharded target, or none), or the saved value of a non-array leaf."""
+    leaf, target = job.saved, job.target
     if leaf.type not in ("jax", "numpy"):
         return saved.value(leaf)
-    sharding = getattr(target, "sharding", None)
-    if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)) and isinstance(sharding, jax.sharding.Sharding):
-        _check_shape(saved.step, leaf, target.shape)
-        return _to_device(saved, leaf, target.shape, target.dtype, sharding)
-    arr = saved.host_box(leaf, _full(leaf.shape))
-    if isinstance(target, (np.ndarray, jax.ShapeDtypeStruct)):
-        _check_shape(saved.step, leaf, target.shape)
-        arr = _cast(arr, target.dtype)
-    if leaf.scalar:
-        return arr[()]
-    return arr
-
-
-def _to_device(saved: SavedStep, leaf: SavedLeaf, shape: Sequence[int], dtype: Any, sharding: Any) -> jax.Array:
-    """Each addressable device's box read once (replicas share it), put on its device."""
-    per_box: dict[Box, np.ndarray] = {}
+    dtype = getattr(target, "dtype", None) if isinstance(target, (np.ndarray, jax.Array, jax.ShapeDtypeStruct)) else None
+    sharding = _sharding_of(target)
+    if sharding is None:
+        arr = _cast(saved.fill(job.boxes[0][0]), dtype)
+        return arr[()] if leaf.scalar else arr
     arrays = []
-    for device, index in sharding.addressable_devices_indices_map(tuple(shape)).items():
-        box = box_of_index(index, shape)
-        if box not in per_box:
-            per_box[box] = _cast(saved.host_box(leaf, box), dtype)
-        arrays.append(jax.device_put(per_box[box], device))
-    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+    for bp, devices in job.boxes:
+        host = _cast(saved.fill(bp), dtype)
+        arrays += [jax.device_put(host, d) for d in devices]
+    return jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
 
 
 def restore_tree(saved: SavedStep, target: Any, multi_process: bool, on_leaf: Callable[[int, int], Any] | None = None) -> Any:
     """The saved tree, into the structure and shardings of `target` (an abstract or concrete
-    pytree), or, with no target, as nested dicts/lists of numpy arrays and values."""
+    pytree), or, with no target, as nested dicts/lists of numpy arrays and values. Plans every
+    leaf first, reads ahead, then builds the values."""
     if target is None:
         if multi_process:
             raise InvalidArgumentError(
@@ -182,25 +236,27 @@ def restore_tree(saved: SavedStep, target: Any, multi_process: bool, on_leaf: Ca
                 "job can use; pass Restore(abstract_state) with the shardings to restore into, e.g. "
                 "jax.tree.map(ocp.utils.to_shape_dtype_struct, state)"
             )
-        values = []
-        for i, leaf in enumerate(saved.leaves):
-            values.append(restore_leaf(saved, leaf, None))
-            if on_leaf:
-                on_leaf(i + 1, len(saved.leaves))
-        return nested(saved.leaves, values)
-    by_key = {leaf.key: leaf for leaf in saved.leaves}
-    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
-    missing = [jax.tree_util.keystr(p) for p, _ in flat if jax.tree_util.keystr(p) not in by_key]
-    if missing:
-        raise NotFoundError(
-            f"step {saved.step} '{saved.put}' has no leaf {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
-            f"of the target (saved leaves: {', '.join(list(by_key)[:10])}{' ...' if len(by_key) > 10 else ''})"
-        )
+        pairs = [(leaf, None) for leaf in saved.leaves]
+    else:
+        by_key = {leaf.key: leaf for leaf in saved.leaves}
+        flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+        keys = [jax.tree_util.keystr(p) for p, _ in flat]
+        missing = [k for k in keys if k not in by_key]
+        if missing:
+            raise NotFoundError(
+                f"step {saved.step} '{saved.put}' has no leaf {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
+                f"of the target (saved leaves: {', '.join(list(by_key)[:10])}{' ...' if len(by_key) > 10 else ''})"
+            )
+        pairs = [(by_key[k], t) for k, (_, t) in zip(keys, flat)]
+    jobs = [_prepare(saved, leaf, t) for leaf, t in pairs]
+    saved.fetch([bp for job in jobs for bp, _ in job.boxes])
     values = []
-    for i, (path, t) in enumerate(flat):
-        values.append(restore_leaf(saved, by_key[jax.tree_util.keystr(path)], t))
+    for i, job in enumerate(jobs):
+        values.append(_build(saved, job))
         if on_leaf:
-            on_leaf(i + 1, len(flat))
+            on_leaf(i + 1, len(jobs))
+    if target is None:
+        return nested(saved.leaves, values)
     return jax.tree_util.tree_unflatten(treedef, values)
 
 
