@@ -114,6 +114,7 @@ def save_phase() -> None:
         assert handler.last_save is not None
         states[step] = handler.last_save.wait(120)
     handler.store.flush()
+    handler.store.coordinator.all_gather("flushed")  # every rank's part is in: steps are final
     report("save", {"all_steps": list(mngr.all_steps()), "states": states, "steps": handler.store.steps(),
                     "blocking": handler.last_save.blocking_seconds})
     # Every peer server must stay up until everyone's replicas are in.
@@ -138,9 +139,11 @@ def restore_phase() -> None:
     step = mngr.latest_step()
     check(restore(mngr, step, abstract(same)), step, same)
     out["tiers"]["same"] = handler.last_restore.tiers
+    out["nbytes"] = {"same": handler.last_restore.nbytes}
     other = shardings(mesh((4,), ("z",)), P(None, "z"), P("z"))  # columns instead of blocks
     check(restore(mngr, step, abstract(other)), step, other)
     out["tiers"]["other"] = handler.last_restore.tiers
+    out["nbytes"]["other"] = handler.last_restore.nbytes
     for s in CFG.get("also", []):  # older steps, e.g. one the memory tier evicted
         check(restore(mngr, s, abstract(same)), s, same)
         out["tiers"][str(s)] = handler.last_restore.tiers
@@ -222,6 +225,27 @@ def peer_restore_phase() -> None:
     report("peer_restore", out)
     mngr.close()
     jax.distributed.shutdown()
+
+
+def resave(policy: dict, directory: str) -> dict:
+    """A step Orbax deleted is saved again with other values (training went back): the new
+    values come back from every tier, not the stale ones. Run through conftest.run_isolated."""
+    handler = tiercel.orbax.TiercelCheckpointHandler(policy)
+    mngr = manager(handler, directory)
+    for value in (1.0, 2.0):
+        mngr.save(4, args=ocp.args.Composite(state=tiercel.orbax.Save({"x": jnp.full((1000,), value)})))
+        mngr.wait_until_finished()
+        handler.last_save.wait()
+        if value == 1.0:
+            mngr.delete(4)
+    got = {}
+    for tier in [t["name"] for t in policy["tier"]]:
+        h = tiercel.orbax.TiercelCheckpointHandler({**policy, "restore": {"order": [tier]}})
+        m = manager(h, directory)
+        got[tier] = float(restore(m, 4, None)["x"][0])
+        m.close()
+    mngr.close()
+    return got
 
 
 def leaf_kinds(policy: dict, directory: str) -> dict:

@@ -16,12 +16,15 @@ from typing import Any, Callable
 
 import pytest
 from conftest import PYTHON, TESTS_DIR, child_env, make_policy, new_shm_root, run_isolated, run_python
+from orbax_state import COLS, ROWS
 from test_multirank import free_port
 
 pytest.importorskip("jax")
 pytest.importorskip("orbax.checkpoint")
 
 WORKER = str(TESTS_DIR / "orbax_worker.py")
+#: What one process of the 2x2 job restores: 2 of the 4 matrix blocks, the vector, the scalar.
+MY_BYTES = 2 * (ROWS // 2) * (COLS // 2) * 4 + COLS * 4 + 4
 TIMEOUT = 300  # JAX and Orbax start slowly on a busy machine
 
 
@@ -88,12 +91,19 @@ def test_save_crash_restart_restore_anywhere(tmp_path, shm):
         assert r["states"]["4"]["ram"] in ("committed", "written"), r
     # Step 5 died mid-save: Orbax never finalized it, tiercel never committed it.
     assert sorted(p.name for p in (tmp_path / "orbax").iterdir() if p.name.isdigit()) == ["2", "3", "4"]
+    # Orbax's step directory holds the handler's marker, not the arrays.
+    marker = json.loads((tmp_path / "orbax" / "4" / "state" / "tiercel.json").read_text())
+    assert marker["step"] == 4 and marker["item"] == "state" and marker["world_size"] == 2, marker
+    assert {p.name for p in (tmp_path / "orbax" / "4" / "state").iterdir()} - {"commit_success.txt"} == {"tiercel.json"}
 
     restored = run_job(tmp_path, "restore", lambda pid: {**common, "also": [2]}, nproc=2, ndev=2)
     for r in restored:
         assert r["all_steps"] == [2, 3, 4] and r["latest"] == 4, r
         assert set(r["tiers"]["same"]) == {"ram"} and set(r["tiers"]["other"]) == {"ram"}, r
         assert set(r["tiers"]["2"]) == {"disk"}, r  # evicted from RAM by keep = 2
+        # Each process read only what its devices hold: two blocks of the matrix (its own in
+        # the same sharding; two column halves in the other), the vector and the scalar.
+        assert r["nbytes"] == {"same": MY_BYTES, "other": MY_BYTES}, r
         assert "Restore(abstract_state)" in r["no_target_error"], r
         assert r["dropped"] == [], r
 
@@ -173,3 +183,9 @@ def test_every_kind_of_leaf(tmp_path, shm):
     assert r["typed_jax"] == ["ArrayImpl", True, True], r
     assert r["typed_tuple"] == "tuple", r
     assert r["typed_py"] == [1, 2.5, True, "text", None], r
+
+
+def test_a_step_saved_again_replaces_the_stale_copies(tmp_path, shm):
+    policy = make_policy(shm, tmp_path / "disk", every=1)
+    got = run_isolated("orbax_worker", "resave", policy, str(tmp_path / "orbax"), timeout=TIMEOUT)
+    assert got == {"ram": 2.0, "disk": 2.0}, got
