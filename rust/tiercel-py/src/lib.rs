@@ -14,8 +14,10 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use tiercel_core::error::{Error, ErrorKind};
+use tiercel_core::format::ShardInfo;
 use tiercel_core::policy::Policy;
 use tiercel_core::store::{self as core, ItemData, ItemSpec};
+use tiercel_core::tier::gc::Removal;
 use tiercel_core::tier::memory::{Segment, View};
 
 create_exception!(_core, TiercelError, PyException, "Base class of every tiercel error.");
@@ -46,6 +48,21 @@ fn parse_json(s: &str, what: &str) -> PyResult<serde_json::Value> {
     serde_json::from_str(s).map_err(|e| InvalidArgumentError::new_err(format!("{what} is not valid JSON: {e}")))
 }
 
+fn seconds(s: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s)
+        .map_err(|_| InvalidArgumentError::new_err(format!("tmp_age must be a non-negative number of seconds, got {s}")))
+}
+
+fn removal_dict<'py>(py: Python<'py>, r: &Removal) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("what", r.what())?;
+    d.set_item("step", r.step())?;
+    d.set_item("path", r.key())?;
+    d.set_item("bytes", r.bytes())?;
+    d.set_item("reason", &r.reason)?;
+    Ok(d)
+}
+
 /// Memory handed to Python through the buffer protocol: a segment being written, a
 /// zero-copy view of a stored object, or bytes read from a slower tier.
 enum Backing {
@@ -66,6 +83,16 @@ impl Buffer {
             Backing::View(v, off, len) => (unsafe { v.as_ptr().add(*off) }, *len),
             Backing::Owned(v) => (v.as_ptr(), v.len()),
         }
+    }
+}
+
+impl From<ItemData> for Buffer {
+    fn from(d: ItemData) -> Buffer {
+        let backing = match d {
+            ItemData::View { view, offset, len } => Backing::View(view, offset, len),
+            ItemData::Owned(v) => Backing::Owned(v),
+        };
+        Buffer { backing }
     }
 }
 
@@ -153,8 +180,8 @@ impl Store {
                 let c = &s.config;
                 let d = PyDict::new(py);
                 d.set_item("name", &c.name)?;
-                d.set_item("kind", c.kind.as_str())?;
-                d.set_item("location", &c.location)?;
+                d.set_item("kind", c.kind().as_str())?;
+                d.set_item("location", c.location())?;
                 d.set_item("every", c.every)?;
                 d.set_item("keep", c.keep)?;
                 d.set_item("compression", c.compression.to_string())?;
@@ -187,9 +214,7 @@ impl Store {
     #[pyo3(signature = (step, rank=None, tiers=None))]
     fn reader(&self, py: Python<'_>, step: u64, rank: Option<u32>, tiers: Option<Vec<String>>) -> PyResult<StepReader> {
         let rank = rank.unwrap_or(self.inner.rank);
-        let r = py
-            .allow_threads(|| core::StepReader::open(&self.inner, step, rank, tiers.as_deref()))
-            .map_err(err)?;
+        let r = py.allow_threads(|| core::StepReader::open(&self.inner, step, rank, tiers.as_deref())).map_err(err)?;
         Ok(StepReader { inner: r })
     }
 
@@ -226,8 +251,26 @@ impl Store {
     /// Cleans up what killed writers left outside the steps (an object store's abandoned
     /// multipart uploads); one line per thing removed. `retain` does this first as well.
     fn sweep(&self, py: Python<'_>, tier: &str) -> PyResult<Vec<String>> {
-        let slot = self.inner.slot(tier).map_err(err)?;
-        py.allow_threads(|| slot.tier.blobs().sweep()).map_err(err)
+        py.allow_threads(|| self.inner.sweep_uploads(tier)).map_err(err)
+    }
+
+    /// What `gc(tier)` would remove now, and why: [{"what": "step" | "temp file" | "upload" |
+    /// "segment", "step": int | None, "path": str | None, "bytes": int | None, "reason": str}].
+    /// Temporary files of dead writers count once `tmp_age` seconds old.
+    #[pyo3(signature = (tier, tmp_age=600.0))]
+    fn gc_plan<'py>(&self, py: Python<'py>, tier: &str, tmp_age: f64) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let age = seconds(tmp_age)?;
+        let plan = py.allow_threads(|| self.inner.gc_plan(tier, age)).map_err(err)?;
+        plan.iter().map(|r| removal_dict(py, r)).collect()
+    }
+
+    /// Removes what `gc_plan(tier)` lists (retention, leftovers of killed writers); returns
+    /// what was removed, in the same form.
+    #[pyo3(signature = (tier, tmp_age=600.0))]
+    fn gc<'py>(&self, py: Python<'py>, tier: &str, tmp_age: f64) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let age = seconds(tmp_age)?;
+        let done = py.allow_threads(|| self.inner.gc(tier, age)).map_err(err)?;
+        done.iter().map(|r| removal_dict(py, r)).collect()
     }
 
     /// Tells the memory tier which ranks share this host's root (a step commits there when
@@ -281,6 +324,14 @@ impl Store {
     }
 }
 
+/// One item of `StepWriter.add_part`: (name, kind, dtype, shape, nbytes, meta_json), with an
+/// optional 7th element, the shard as JSON (or None).
+#[derive(FromPyObject)]
+enum SpecTuple {
+    Seven((String, String, String, Vec<u64>, u64, String, Option<String>)),
+    Six((String, String, String, Vec<u64>, u64, String)),
+}
+
 #[pyclass(module = "tiercel._core", frozen)]
 pub struct StepWriter {
     inner: Mutex<Option<core::StepWriter>>,
@@ -301,19 +352,26 @@ impl StepWriter {
         self.with(|w| Ok(w.step()))
     }
 
-    /// Lays out one put: items are (name, kind, dtype, shape, nbytes, meta_json). Returns
-    /// (part, [(item index, offset in the part's segment)]).
-    fn add_part(
-        &self,
-        py: Python<'_>,
-        name: &str,
-        tree_json: &str,
-        items: Vec<(String, String, String, Vec<u64>, u64, String)>,
-    ) -> PyResult<(usize, Vec<(usize, u64)>)> {
+    /// Lays out one put: items are (name, kind, dtype, shape, nbytes, meta_json[,
+    /// shard_json]), shard_json being None or `{"global_shape", "offsets", "replica_id"}`.
+    /// Returns (part, [(item index, offset in the part's segment)]).
+    fn add_part(&self, py: Python<'_>, name: &str, tree_json: &str, items: Vec<SpecTuple>) -> PyResult<(usize, Vec<(usize, u64)>)> {
         let tree = parse_json(tree_json, "tree")?;
         let mut specs = vec![];
-        for (name, kind, dtype, shape, nbytes, meta) in items {
-            specs.push(ItemSpec { meta: parse_json(&meta, "item meta")?, name, kind, dtype, shape, nbytes });
+        for t in items {
+            let ((name, kind, dtype, shape, nbytes, meta), shard) = match t {
+                SpecTuple::Six(six) => (six, None),
+                SpecTuple::Seven((a, b, c, d, e, f, g)) => ((a, b, c, d, e, f), g),
+            };
+            let shard = match shard {
+                Some(s) => Some(serde_json::from_str::<ShardInfo>(&s).map_err(|e| {
+                    InvalidArgumentError::new_err(format!(
+                        "item '{name}': shard must be JSON {{\"global_shape\": [...], \"offsets\": [...], \"replica_id\": n}}: {e}"
+                    ))
+                })?),
+                None => None,
+            };
+            specs.push(ItemSpec { meta: parse_json(&meta, "item meta")?, name, kind, dtype, shape, nbytes, shard });
         }
         py.allow_threads(|| self.with(|w| w.add_part(name, tree, specs)))
     }
@@ -414,16 +472,14 @@ impl StepReader {
     /// Reads items by index (GIL released): [(Buffer, tier it came from)].
     fn read_items(&self, py: Python<'_>, items: Vec<usize>) -> PyResult<Vec<(Buffer, String)>> {
         let got = py.allow_threads(|| self.inner.read_items(&items)).map_err(err)?;
-        Ok(got
-            .into_iter()
-            .map(|(d, tier)| {
-                let backing = match d {
-                    ItemData::View { view, offset, len } => Backing::View(view, offset, len),
-                    ItemData::Owned(v) => Backing::Owned(v),
-                };
-                (Buffer { backing }, tier)
-            })
-            .collect())
+        Ok(got.into_iter().map(|(d, tier)| (Buffer::from(d), tier)).collect())
+    }
+
+    /// Reads bytes `start .. start + length` of one item (GIL released), reading only the
+    /// chunks that overlap them: (Buffer, tier it came from).
+    fn read_range(&self, py: Python<'_>, item: usize, start: u64, length: u64) -> PyResult<(Buffer, String)> {
+        let (d, tier) = py.allow_threads(|| self.inner.read_range(item, start, length)).map_err(err)?;
+        Ok((Buffer::from(d), tier))
     }
 }
 
@@ -462,9 +518,7 @@ fn placement(
     let p = pl::Placement::new(hosts, replicas, pl::Strategy::parse(strategy).map_err(err)?).map_err(err)?;
     let holders = (0..hosts).map(|h| p.holders(h)).collect();
     let exact = failures.map(|k| p.survival_probability(k)).transpose().map_err(err)?;
-    let closed = failures
-        .filter(|_| hosts % replicas == 0)
-        .map(|k| pl::gemini_closed_form(hosts, replicas, k));
+    let closed = failures.filter(|_| hosts % replicas == 0).map(|k| pl::gemini_closed_form(hosts, replicas, k));
     Ok((p.groups(), holders, exact, closed))
 }
 
