@@ -56,9 +56,10 @@ def worker(cfg: dict[str, Any]) -> None:
     jax.config.update("jax_num_cpu_devices", NDEV)
     jax.distributed.initialize(f"127.0.0.1:{cfg['port']}", num_processes=NPROC, process_id=cfg["pid"])
     import numpy as np
-    import tiercel.orbax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    import tiercel.orbax
 
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("x", "y"))
     rows = int(np.sqrt(cfg["per_array"] / 4 / 2)) // 2 * 2 or 2  # 2:1 matrices, even rows

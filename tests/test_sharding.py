@@ -8,6 +8,7 @@ import itertools
 
 import numpy as np
 import pytest
+
 from tiercel._sharding import CoverageError, Piece, box_of, box_of_index, box_size, intersect, plan, plan_piece
 
 

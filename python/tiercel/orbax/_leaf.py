@@ -14,22 +14,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _core, _dtypes
+from .. import _dtypes
 from ..leaves import Leaf, LeafHandler, register
 from ..manifest import Item, Shard
-
-#: Whether the core records an item's Shard in the manifest and reads byte ranges. Until it
-#: does, the shard rides in the item's meta and ranges are cut from whole items (see
-#: shard_of and _restore.read_range: the only two places that look at this).
-CORE_SHARDS = hasattr(_core.StepReader, "read_range")
-
-
-def shard_of(item: Item) -> Shard | None:
-    """Where a saved item sits in its global array (None: it is the whole array)."""
-    if item.shard is not None:
-        return item.shard
-    s = item.meta.get("shard")
-    return Shard.from_json(s) if s else None
 
 
 @dataclass(frozen=True)
@@ -76,10 +63,7 @@ class JaxHandler(LeafHandler):
             raise TypeError(f"'{name}' is a typed PRNG key array; save jax.random.key_data(key) instead")
         dtype = dtype_name(data.dtype, name)
         nbytes = int(data.size) * np.dtype(data.dtype).itemsize
-        meta: dict[str, Any] = {"framework": "jax"}
-        if shard is not None and not CORE_SHARDS:
-            meta["shard"], shard = shard.to_json(), None
-        return Leaf(name, "array", dtype, tuple(data.shape), nbytes, meta, data, shard=shard, handler=self)
+        return Leaf(name, "array", dtype, tuple(data.shape), nbytes, {"framework": "jax"}, data, shard=shard, handler=self)
 
     def host_address(self, leaf: Leaf) -> tuple[int, Any] | None:
         # On CPU devices np.asarray is a view of the device buffer: the core copies it with
@@ -102,7 +86,7 @@ class JaxHandler(LeafHandler):
         jax.Array on the default device."""
         dt = _dtypes.numpy_dtype(item.dtype)
         arr = np.empty(item.shape, dtype=dt) if item.nbytes == 0 else np.frombuffer(buf, dtype=dt).reshape(item.shape)
-        return arr if shard_of(item) is not None else jax.numpy.asarray(arr)
+        return arr if item.shard is not None else jax.numpy.asarray(arr)
 
 
 HANDLER = JaxHandler()

@@ -3,7 +3,6 @@ target shards need (tiercel._sharding plans them), from the fastest tier that ha
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -17,21 +16,6 @@ from ..manifest import Item
 from ..step import Reader, RestoreInfo
 from ..store import Store
 from ._layout import SavedLeaf, merge_layout, nested, rank_records
-from ._leaf import CORE_SHARDS, shard_of
-
-
-def read_range(reader: Reader, item: Item, start: int, length: int, cache: dict[tuple[int, int], np.ndarray]) -> np.ndarray:
-    """Bytes [start, start + length) of one saved item: the one place restores read bytes.
-    Until the core reads ranges, the whole item is read once (`cache`) and cut."""
-    if CORE_SHARDS:
-        return reader.read(item, start, length)
-    key = (reader.rank, item.index)
-    if key not in cache:
-        t0 = time.perf_counter()
-        ((buf, tier),) = reader._core.read_items([item.index])
-        cache[key] = np.frombuffer(memoryview(buf), dtype=np.uint8) if item.nbytes else np.empty(0, dtype=np.uint8)
-        reader._account(tier, item.nbytes, t0)
-    return cache[key][start : start + length]
 
 
 @dataclass
@@ -61,7 +45,6 @@ class SavedStep:
         self._store = store
         self._tiers = tiers
         self._readers: dict[int, Reader] = {}
-        self._cache: dict[tuple[int, int], np.ndarray] = {}
         #: Per leaf: ((rank, item index), offsets, shape) of every saved piece.
         self._boxes: dict[str, list[tuple[tuple[int, int], tuple[int, ...], tuple[int, ...]]]] = {}
         many = collective and store.world_size > 1 and store.coordinator is not None
@@ -114,7 +97,7 @@ class SavedStep:
         if leaf.key not in self._boxes:
             self._boxes[leaf.key] = []
             for rank, it in leaf.pieces:
-                shard = shard_of(it)
+                shard = it.shard
                 self._boxes[leaf.key].append(((rank, it.index), shard.offsets if shard else (0,) * len(it.shape), it.shape))
         saved = self._boxes[leaf.key]
         # Ranges closer than a chunk are read as one: the tiers read whole chunks anyway.
@@ -125,25 +108,6 @@ class SavedStep:
             raise NotFoundError(f"step {self.step} '{self.put}' leaf {leaf.key}: {e} (saved by {self.world_size} ranks)") from None
         return BoxPlan(box_shape(box), dtype, p, items)
 
-    def fetch(self, plans: Sequence[BoxPlan]) -> None:
-        """Reads ahead what `plans` need: until the core reads ranges, every needed item of a
-        rank in one call (one mapping of its memory-tier segments, not one per item)."""
-        if CORE_SHARDS:
-            return
-        wanted: dict[int, dict[int, Item]] = {}
-        for bp in plans:
-            for (rank, index), _ in bp.plan.reads:
-                if (rank, index) not in self._cache:
-                    wanted.setdefault(rank, {})[index] = bp.items[(rank, index)]
-        for rank, items in wanted.items():
-            reader = self.reader(rank)
-            t0 = time.perf_counter()
-            got = reader._core.read_items(list(items))
-            for (index, it), (buf, tier) in zip(items.items(), got):
-                self._cache[(rank, index)] = np.frombuffer(memoryview(buf), dtype=np.uint8) if it.nbytes else np.empty(0, np.uint8)
-                reader._account(tier, it.nbytes, t0)
-                t0 = time.perf_counter()
-
     def fill(self, bp: BoxPlan) -> np.ndarray:
         """The box's elements as a numpy array of the saved dtype. A box that is one whole
         saved piece comes back without a copy (from RAM: a view of shared memory)."""
@@ -151,11 +115,11 @@ class SavedStep:
         if len(reads) == 1:
             (rank, index), r = reads[0]
             if r.shape == bp.shape and r.nbytes == bp.items[(rank, index)].nbytes:
-                buf = read_range(self.reader(rank), bp.items[(rank, index)], r.start, r.nbytes, self._cache)
+                buf = self.reader(rank).read(bp.items[(rank, index)], r.start, r.nbytes)
                 return np.frombuffer(buf, dtype=bp.dtype).reshape(bp.shape)
         out = np.empty(bp.shape, dtype=bp.dtype)
         for (rank, index), r in reads:
-            buf = read_range(self.reader(rank), bp.items[(rank, index)], r.start, r.nbytes, self._cache)
+            buf = self.reader(rank).read(bp.items[(rank, index)], r.start, r.nbytes)
             out[r.dst] = np.ndarray(r.shape, dtype=bp.dtype, buffer=buf, strides=r.strides)
         return out
 
@@ -249,7 +213,6 @@ def restore_tree(saved: SavedStep, target: Any, multi_process: bool, on_leaf: Ca
             )
         pairs = [(by_key[k], t) for k, (_, t) in zip(keys, flat)]
     jobs = [_prepare(saved, leaf, t) for leaf, t in pairs]
-    saved.fetch([bp for job in jobs for bp, _ in job.boxes])
     values = []
     for i, job in enumerate(jobs):
         values.append(_build(saved, job))
