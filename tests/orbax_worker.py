@@ -269,6 +269,16 @@ def leaf_kinds(policy: dict, directory: str) -> dict:
     plain = restore(mngr, 7, None)
     target = jax.tree.map(lambda x: ocp.utils.to_shape_dtype_struct(x) if hasattr(x, "shape") else x, state)
     typed = restore(mngr, 7, target)
+    try:
+        tiercel.orbax.export(handler.store, 7, os.path.join(directory, "exported"))
+        raise AssertionError("Orbax cannot store the empty array")
+    except tiercel.InvalidArgumentError as e:
+        export_error = str(e)
+    del state["empty"]
+    mngr.save(8, args=ocp.args.Composite(state=tiercel.orbax.Save(state)))
+    mngr.wait_until_finished()
+    exported = tiercel.orbax.export(handler.store, 8, os.path.join(directory, "exported"))
+    plain_orbax = ocp.StandardCheckpointer().restore(exported)
     mngr.close()
     return {
         "plain_jax": [str(plain["jax"].dtype), plain["jax"].tolist() == np.arange(12).reshape(3, 4).tolist()],
@@ -281,6 +291,9 @@ def leaf_kinds(policy: dict, directory: str) -> dict:
                       np.asarray(typed["jax"]).astype(np.float32).tolist() == np.arange(12).reshape(3, 4).tolist()],
         "typed_tuple": type(typed["nested"]).__name__,
         "typed_py": typed["py"],
+        "export_error": export_error,
+        "exported": [plain_orbax["py"], float(plain_orbax["np_scalar"]), np.asarray(plain_orbax["np"]).tolist(),
+                     np.asarray(plain_orbax["jax"]).astype(np.float32).ravel().tolist()],
     }
 
 

@@ -126,15 +126,25 @@ def test_save_crash_restart_restore_anywhere(tmp_path, shm):
 
 EXPORT_CHECK = r"""
 import sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from orbax_state import global_values
-got = ocp.StandardCheckpointer().restore(sys.argv[1])
 want = global_values(4)
+got = ocp.StandardCheckpointer().restore(sys.argv[1])
 assert np.asarray(got["params"]["w"]).tobytes() == want["w"].tobytes()
 assert np.asarray(got["params"]["b"]).tobytes() == want["b"].tobytes()
 assert np.asarray(got["scale"]).tobytes() == want["scale"].tobytes()
 assert int(got["step"]) == 4
+# Into a sharding of this process's own, as any Orbax checkpoint.
+mesh = Mesh(np.array(jax.devices()), ("d",))
+sds = lambda v, spec: jax.ShapeDtypeStruct(np.shape(v), np.float32, sharding=NamedSharding(mesh, spec))
+target = {"params": {"w": sds(want["w"], P("d")), "b": sds(want["b"], P())}, "scale": sds(want["scale"], P()), "step": 0}
+got = ocp.StandardCheckpointer().restore(sys.argv[1], target)
+assert isinstance(got["params"]["w"], jax.Array) and len(got["params"]["w"].addressable_shards) == 2
+assert np.asarray(got["params"]["w"]).tobytes() == want["w"].tobytes() and got["step"] == 4
 assert not any(m == "tiercel" or m.startswith("tiercel.") for m in sys.modules), "tiercel was imported"
 print("EXPORT OK")
 """
@@ -185,6 +195,9 @@ def test_every_kind_of_leaf(tmp_path, shm):
     assert r["typed_jax"] == ["ArrayImpl", True, True], r
     assert r["typed_tuple"] == "tuple", r
     assert r["typed_py"] == [1, 2.5, True, "text", None], r
+    # Exported, every kind loads with Orbax's own StandardCheckpointer.
+    assert r["exported"] == [[1, 2.5, True, "text"], 2.5, [[0, 1, 2], [3, 4, 5]], list(range(12))], r
+    assert "zero size: ['empty']" in r["export_error"], r
 
 
 def test_a_step_saved_again_replaces_the_stale_copies(tmp_path, shm):

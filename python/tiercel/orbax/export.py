@@ -1,5 +1,6 @@
 """Export a step saved through tiercel.orbax to a standard Orbax checkpoint directory, which
-`ocp.StandardCheckpointer().restore(out_dir)` loads without tiercel."""
+`ocp.StandardCheckpointer().restore(out_dir)` (or `ocp.PyTreeCheckpointer`) loads without
+tiercel."""
 
 from __future__ import annotations
 
@@ -45,10 +46,18 @@ def export(
                 what = f"several ({', '.join(items)}): pass item=" if items else "none"
                 raise NotFoundError(f"step {step}: tiercel.orbax items saved: {what}")
             item = items[0]
-        tree = restore_tree(SavedStep(store, step, item, tiers), None, multi_process=False, on_leaf=progress)
-        with ocp.StandardCheckpointer() as ckptr:
+        saved = SavedStep(store, step, item, tiers)
+        empty = [leaf.key for leaf in saved.leaves if leaf.type in ("jax", "numpy") and 0 in leaf.shape]
+        if empty:
+            raise InvalidArgumentError(
+                f"step {step} '{item}': Orbax's format cannot store arrays of zero size: {', '.join(empty)}; "
+                "restore the step with tiercel instead (tiercel.orbax.Restore)"
+            )
+        tree = restore_tree(saved, None, multi_process=False, on_leaf=progress)
+        # Orbax's PyTree handler writes the format StandardCheckpointer reads, and also takes
+        # the strings and numpy scalars that StandardCheckpointer refuses to save.
+        with ocp.PyTreeCheckpointer() as ckptr:
             ckptr.save(out, tree)
-            ckptr.wait_until_finished()
         return out
     finally:
         if own:
