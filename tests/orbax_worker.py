@@ -269,6 +269,11 @@ def leaf_kinds(policy: dict, directory: str) -> dict:
     plain = restore(mngr, 7, None)
     target = jax.tree.map(lambda x: ocp.utils.to_shape_dtype_struct(x) if hasattr(x, "shape") else x, state)
     typed = restore(mngr, 7, target)
+    # Orbax's plain Checkpointer (no manager): a directory that names no step, so Save names it.
+    plain_dir = os.path.join(directory, "plain")
+    with ocp.Checkpointer(tiercel.orbax.TiercelCheckpointHandler(policy)) as ckptr:
+        ckptr.save(plain_dir, args=tiercel.orbax.Save({"v": np.arange(3)}, step=100))
+        by_marker = ckptr.restore(plain_dir, args=tiercel.orbax.Restore())  # the marker names the step
     try:
         tiercel.orbax.export(handler.store, 7, os.path.join(directory, "exported"))
         raise AssertionError("Orbax cannot store the empty array")
@@ -292,6 +297,7 @@ def leaf_kinds(policy: dict, directory: str) -> dict:
         "typed_tuple": type(typed["nested"]).__name__,
         "typed_py": typed["py"],
         "export_error": export_error,
+        "checkpointer": by_marker["v"].tolist(),
         "exported": [plain_orbax["py"], float(plain_orbax["np_scalar"]), np.asarray(plain_orbax["np"]).tolist(),
                      np.asarray(plain_orbax["jax"]).astype(np.float32).ravel().tolist()],
     }

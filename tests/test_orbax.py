@@ -198,6 +198,7 @@ def test_every_kind_of_leaf(tmp_path, shm):
     # Exported, every kind loads with Orbax's own StandardCheckpointer.
     assert r["exported"] == [[1, 2.5, True, "text"], 2.5, [[0, 1, 2], [3, 4, 5]], list(range(12))], r
     assert "zero size: ['empty']" in r["export_error"], r
+    assert r["checkpointer"] == [0, 1, 2], r
 
 
 def test_a_step_saved_again_replaces_the_stale_copies(tmp_path, shm):

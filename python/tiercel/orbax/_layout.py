@@ -110,6 +110,16 @@ class SavedLeaf:
     value: Any = None
 
 
+def is_layout(tree: dict[str, Any]) -> bool:
+    """Whether a put's tree (as the manifest keeps it) is a tiercel.orbax layout."""
+    if tree.get("t") != "dict":
+        return False
+    for k, v in tree["v"]:
+        if k == {"t": "str", "v": "format"}:
+            return bool(v == {"t": "str", "v": FORMAT})
+    return False
+
+
 def rank_records(m: Manifest, put: str) -> list[dict[str, Any]]:
     """One rank's leaf records of one put, with manifest Items in place of the arrays (no
     bytes read). Raises ValueError when the put is missing or not a tiercel.orbax layout."""

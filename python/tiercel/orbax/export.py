@@ -13,8 +13,8 @@ import orbax.checkpoint as ocp
 from ..coordinator import LocalCoordinator
 from ..errors import InvalidArgumentError, NotFoundError
 from ..store import PolicyLike, Store
+from ._layout import is_layout
 from ._restore import SavedStep, restore_tree
-from .handler import saved_items
 
 
 def export(
@@ -41,7 +41,8 @@ def export(
         store, own = Store(policy_or_store, coordinator=LocalCoordinator()), True
     try:
         if item is None:
-            items = saved_items(store, step)
+            trees = store.reader(step, rank=0).manifest.trees
+            items = [name for name, tree in trees.items() if is_layout(tree)]
             if len(items) != 1:
                 what = f"several ({', '.join(items)}): pass item=" if items else "none"
                 raise NotFoundError(f"step {step}: tiercel.orbax items saved: {what}")

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import re
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -299,23 +299,8 @@ def sync(manager: Any, handler: TiercelCheckpointHandler, item: str | None = Non
 
 
 def _tiercel_items(manager: Any, step: int) -> list[str]:
+    """The items of a step in the manager's directory that this adapter saved (a marker)."""
     step_dir = epath.Path(manager.directory) / str(step)
-    if not step_dir.exists():
-        # Other step name formats: ask Orbax.
-        step_dir = epath.Path(ocp.step.find_step_path(manager.directory, ocp.step.standard_name_format(), step=step))
+    if not step_dir.exists():  # a step_name_format of the user's own: ask the manager
+        step_dir = epath.Path(manager._get_read_step_directory(step, manager.directory))
     return sorted(p.name for p in step_dir.iterdir() if (p / MARKER).exists())
-
-
-def saved_items(store: Store, step: int) -> Sequence[str]:
-    """The Orbax items (puts) of a step that tiercel.orbax saved."""
-    m = store.reader(step, rank=0).manifest
-    return [name for name in m.trees if _is_layout(m.trees[name])]
-
-
-def _is_layout(tree: dict) -> bool:
-    if tree.get("t") != "dict":
-        return False
-    for k, v in tree["v"]:
-        if k == {"t": "str", "v": "format"}:
-            return v == {"t": "str", "v": FORMAT}
-    return False
