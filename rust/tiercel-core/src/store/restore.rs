@@ -39,6 +39,10 @@ pub struct StepReader {
     /// Problems met on the way (a bad chunk read from the next tier instead, a tier whose
     /// manifest could not be read), for logs and for the caller to show.
     pub warnings: Mutex<Vec<String>>,
+    /// Objects of the first source mapped so far (memory tier), by name: mapped once for the
+    /// reader's life, so reading many items or ranges of one part does not map (and
+    /// pre-populate) the whole part again each time.
+    views: Mutex<HashMap<String, Arc<View>>>,
 }
 
 impl StepReader {
@@ -94,7 +98,7 @@ impl StepReader {
         for w in &warnings {
             log::warn!("{w}");
         }
-        Ok(StepReader { step, rank, sources, store: store.clone(), warnings: Mutex::new(warnings) })
+        Ok(StepReader { step, rank, sources, store: store.clone(), warnings: Mutex::new(warnings), views: Mutex::new(HashMap::new()) })
     }
 
     /// The manifest of the first tier that has the step.
@@ -115,7 +119,7 @@ impl StepReader {
                 return Err(Error::invalid(format!("step {}: no item {i}", self.step)));
             }
         }
-        let mut views: HashMap<String, Arc<View>> = HashMap::new();
+        let mut views = self.views.lock();
         self.store.copy_pool.install(|| items.iter().map(|&i| self.read_span(i, 0, m.items[i].nbytes, &mut views)).collect())
     }
 
@@ -134,7 +138,7 @@ impl StepReader {
                 it.nbytes
             ))
         })?;
-        let mut views = HashMap::new();
+        let mut views = self.views.lock();
         self.store.copy_pool.install(|| self.read_span(item, start, end, &mut views))
     }
 
