@@ -269,6 +269,13 @@ def leaf_kinds(policy: dict, directory: str) -> dict:
     plain = restore(mngr, 7, None)
     target = jax.tree.map(lambda x: ocp.utils.to_shape_dtype_struct(x) if hasattr(x, "shape") else x, state)
     typed = restore(mngr, 7, target)
+    # A target naming one leaf, in another dtype: just that leaf, cast.
+    part = restore(mngr, 7, {"np": jax.ShapeDtypeStruct((2, 3), np.float32)})
+    try:
+        restore(mngr, 7, {"np": jax.ShapeDtypeStruct((3, 2), np.int16)})
+        raise AssertionError("a target of another shape must be refused")
+    except tiercel.InvalidArgumentError as e:
+        shape_error = str(e)
     # Orbax's plain Checkpointer (no manager): a directory that names no step, so Save names it.
     plain_dir = os.path.join(directory, "plain")
     with ocp.Checkpointer(tiercel.orbax.TiercelCheckpointHandler(policy)) as ckptr:
@@ -298,6 +305,8 @@ def leaf_kinds(policy: dict, directory: str) -> dict:
         "typed_py": typed["py"],
         "export_error": export_error,
         "checkpointer": by_marker["v"].tolist(),
+        "part": [sorted(part), str(part["np"].dtype), part["np"].tolist()],
+        "shape_error": shape_error,
         "exported": [plain_orbax["py"], float(plain_orbax["np_scalar"]), np.asarray(plain_orbax["np"]).tolist(),
                      np.asarray(plain_orbax["jax"]).astype(np.float32).ravel().tolist()],
     }

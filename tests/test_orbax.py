@@ -199,6 +199,8 @@ def test_every_kind_of_leaf(tmp_path, shm):
     assert r["exported"] == [[1, 2.5, True, "text"], 2.5, [[0, 1, 2], [3, 4, 5]], list(range(12))], r
     assert "zero size: ['empty']" in r["export_error"], r
     assert r["checkpointer"] == [0, 1, 2], r
+    assert r["part"] == [["np"], "float32", [[0, 1, 2], [3, 4, 5]]], r
+    assert "['np']: the target has shape (3, 2), the checkpoint (2, 3)" in r["shape_error"], r
 
 
 def test_a_step_saved_again_replaces_the_stale_copies(tmp_path, shm):
