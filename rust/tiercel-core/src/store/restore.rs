@@ -119,8 +119,10 @@ impl StepReader {
                 return Err(Error::invalid(format!("step {}: no item {i}", self.step)));
             }
         }
-        let mut views = self.views.lock();
-        self.store.copy_pool.install(|| items.iter().map(|&i| self.read_span(i, 0, m.items[i].nbytes, &mut views)).collect())
+        let mut views = self.take_views();
+        let out = self.store.copy_pool.install(|| items.iter().map(|&i| self.read_span(i, 0, m.items[i].nbytes, &mut views)).collect());
+        self.views.lock().extend(views);
+        out
     }
 
     /// Reads bytes `start..start + len` of item `item`, touching only the chunks that overlap
@@ -138,8 +140,17 @@ impl StepReader {
                 it.nbytes
             ))
         })?;
-        let mut views = self.views.lock();
-        self.store.copy_pool.install(|| self.read_span(item, start, end, &mut views))
+        let mut views = self.take_views();
+        let out = self.store.copy_pool.install(|| self.read_span(item, start, end, &mut views));
+        self.views.lock().extend(views);
+        out
+    }
+
+    /// The objects mapped so far, for one call to use (and hand back). Taken rather than
+    /// locked across the call: no lock is held while the copy pool runs, so concurrent calls
+    /// cannot deadlock in it (they map again at worst).
+    fn take_views(&self) -> HashMap<String, Arc<View>> {
+        std::mem::take(&mut *self.views.lock())
     }
 
     /// Bytes `start..end` of item `i`: zero-copy if it can, else chunk by chunk.
