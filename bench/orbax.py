@@ -138,7 +138,7 @@ def worker(cfg: dict[str, Any]) -> None:
     # tiercel: memory tier + fs tier on the same disk, no compression (Orbax writes raw too).
     for name, order in (("tiercel_ram", ["ram", "disk"]), ("tiercel_fs", ["disk", "ram"])):
         tiers = [
-            {"name": "ram", "kind": "memory", "root": cfg["shm"], "keep": 2},
+            {"name": "ram", "kind": "memory", "root": f"{cfg['shm']}/{name}", "keep": 2},
             {"name": "disk", "kind": "fs", "url": str(base / name / "disk"), "keep": 2, "compression": "none"},
         ]
         handler = tiercel.orbax.TiercelCheckpointHandler({"tier": tiers, "restore": {"order": order}})
@@ -155,7 +155,7 @@ def worker(cfg: dict[str, Any]) -> None:
         out[name]["restored_from"] = handler.last_restore.tiers
         handler.store.coordinator.all_gather(name)  # both processes done before the next round
         mngr.close()
-        shutil.rmtree(cfg["shm"], ignore_errors=True)
+        shutil.rmtree(f"{cfg['shm']}/{name}", ignore_errors=True)
     (Path(cfg["out"]) / f"orbax-bench-{cfg['pid']}.json").write_text(json.dumps(out))
     jax.distributed.shutdown()
 
