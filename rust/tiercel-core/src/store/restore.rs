@@ -39,6 +39,10 @@ pub struct StepReader {
     /// Problems met on the way (a bad chunk read from the next tier instead, a tier whose
     /// manifest could not be read), for logs and for the caller to show.
     pub warnings: Mutex<Vec<String>>,
+    /// Objects of the first source mapped so far (memory tier), by name: mapped once for the
+    /// reader's life, so reading many items or ranges of one part does not map (and
+    /// pre-populate) the whole part again each time.
+    views: Mutex<HashMap<String, Arc<View>>>,
 }
 
 impl StepReader {
@@ -97,7 +101,7 @@ impl StepReader {
         for w in &warnings {
             log::warn!("{w}");
         }
-        Ok(StepReader { step, rank, sources, store: store.clone(), warnings: Mutex::new(warnings) })
+        Ok(StepReader { step, rank, sources, store: store.clone(), warnings: Mutex::new(warnings), views: Mutex::new(HashMap::new()) })
     }
 
     /// The manifest of the first tier that has the step.
@@ -118,8 +122,10 @@ impl StepReader {
                 return Err(Error::invalid(format!("step {}: no item {i}", self.step)).at(self.step, self.rank));
             }
         }
-        let mut views: HashMap<String, Arc<View>> = HashMap::new();
-        self.store.copy_pool.install(|| items.iter().map(|&i| self.read_span(i, 0, m.items[i].nbytes, &mut views)).collect())
+        let mut views = self.take_views();
+        let out = self.store.copy_pool.install(|| items.iter().map(|&i| self.read_span(i, 0, m.items[i].nbytes, &mut views)).collect());
+        self.views.lock().extend(views);
+        out
     }
 
     /// Reads bytes `start..start + len` of item `item`, touching only the chunks that overlap
@@ -143,8 +149,17 @@ impl StepReader {
             .at(self.step, self.rank)
             .with_item(&it.name)
         })?;
-        let mut views = HashMap::new();
-        self.store.copy_pool.install(|| self.read_span(item, start, end, &mut views))
+        let mut views = self.take_views();
+        let out = self.store.copy_pool.install(|| self.read_span(item, start, end, &mut views));
+        self.views.lock().extend(views);
+        out
+    }
+
+    /// The objects mapped so far, for one call to use (and hand back). Taken rather than
+    /// locked across the call: no lock is held while the copy pool runs, so concurrent calls
+    /// cannot deadlock in it (they map again at worst).
+    fn take_views(&self) -> HashMap<String, Arc<View>> {
+        std::mem::take(&mut *self.views.lock())
     }
 
     /// Bytes `start..end` of item `i`: zero-copy if it can, else chunk by chunk.
