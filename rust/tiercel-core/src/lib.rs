@@ -10,6 +10,8 @@ pub mod placement;
 pub mod policy;
 pub mod scheduler;
 pub mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod tier;
 pub mod transport;
 
