@@ -15,4 +15,4 @@ pub mod testing;
 pub mod tier;
 pub mod transport;
 
-pub use error::{Error, ErrorKind, Result};
+pub use error::{Error, ErrorKind, Fields, Result};

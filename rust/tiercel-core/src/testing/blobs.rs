@@ -25,7 +25,7 @@ fn missing_objects_are_not_found(s: &BlobsSubject) {
     let e = b.get("nope").unwrap_err();
     assert_eq!(e.kind, ErrorKind::NotFound, "{e}");
     assert!(e.message.contains(&b.describe("nope")), "message lacks where: {e}");
-    assert_eq!(e.path.as_deref(), Some(b.describe("nope").as_str()));
+    assert_eq!(e.fields.path.as_deref(), Some(b.describe("nope").as_str()));
     assert_eq!(b.get_range("nope", 0, &mut [0u8; 4]).unwrap_err().kind, ErrorKind::NotFound);
     // Deleting what is not there is no error.
     b.delete("nope").unwrap();
