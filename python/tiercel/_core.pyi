@@ -1,6 +1,15 @@
-"""Type stubs of tiercel._core, the Rust extension (rust/tiercel-py/src/lib.rs). Keep in step."""
+"""Type stubs of tiercel._core, the Rust extension (rust/tiercel-py/src/). Keep in step."""
 
 from typing import Any, Callable, TypedDict
+
+# The exception classes are tiercel.errors' own (the same objects).
+from .errors import CapacityError as CapacityError
+from .errors import ConfigError as ConfigError
+from .errors import IntegrityError as IntegrityError
+from .errors import InvalidArgumentError as InvalidArgumentError
+from .errors import NotFoundError as NotFoundError
+from .errors import TiercelError as TiercelError
+from .errors import TierUnavailableError as TierUnavailableError
 
 class Removal(TypedDict):
     """One entry of a gc plan (or of what gc removed)."""
@@ -13,14 +22,6 @@ class Removal(TypedDict):
 
 FORMAT_VERSION: int
 
-# The exception classes are tiercel.errors' own (the same objects).
-from .errors import CapacityError as CapacityError
-from .errors import ConfigError as ConfigError
-from .errors import IntegrityError as IntegrityError
-from .errors import InvalidArgumentError as InvalidArgumentError
-from .errors import NotFoundError as NotFoundError
-from .errors import TiercelError as TiercelError
-from .errors import TierUnavailableError as TierUnavailableError
 
 class Buffer:
     """Bytes behind the buffer protocol: a segment being written, a zero-copy view of a

@@ -17,7 +17,7 @@ pub fn encode(raw: Vec<u8>, c: Compression, value_size: Option<usize>) -> (Strin
         return (RAW.into(), raw);
     };
     let group = match value_size {
-        Some(n) if c.bytegroup && n > 1 && raw.len() % n == 0 => Some(n),
+        Some(n) if c.bytegroup && n > 1 && raw.len().is_multiple_of(n) => Some(n),
         _ => None,
     };
     let grouped;
@@ -57,7 +57,7 @@ pub fn decode(codec: &str, stored: &[u8], dst: &mut [u8]) -> Result<()> {
                 .strip_prefix("bytegroup")
                 .and_then(|r| r.strip_suffix("+zstd"))
                 .and_then(|n| n.parse::<usize>().ok())
-                .filter(|n| *n > 1 && dst.len() % n == 0)
+                .filter(|n| *n > 1 && dst.len().is_multiple_of(*n))
                 .ok_or_else(|| Error::integrity(format!("unknown codec '{other}'")))?;
             Some(n)
         }

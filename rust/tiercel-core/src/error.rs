@@ -55,23 +55,50 @@ pub struct Error {
     pub kind: ErrorKind,
     /// The whole message, context included: what `Display` prints and a user reads.
     pub message: String,
-    /// The tier the error is about, where known.
+    /// What the error is about, where known (boxed: errors travel in every `Result`).
+    pub fields: Box<Fields>,
+}
+
+/// The context of an error, as fields: every one None until some code that knows it says.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Fields {
+    /// The tier's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tier: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rank: Option<u32>,
     /// The item's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub item: Option<String>,
     /// The chunk's index in its item.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chunk: Option<u64>,
     /// The file, object key or URL (a policy file for configuration errors).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
+}
+
+impl Fields {
+    /// `self`, completed by what `other` knows and `self` does not.
+    pub fn or(self, other: Fields) -> Fields {
+        Fields {
+            tier: self.tier.or(other.tier),
+            step: self.step.or(other.step),
+            rank: self.rank.or(other.rank),
+            item: self.item.or(other.item),
+            chunk: self.chunk.or(other.chunk),
+            path: self.path.or(other.path),
+        }
+    }
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Error { kind, message: message.into(), tier: None, step: None, rank: None, item: None, chunk: None, path: None }
+        Error { kind, message: message.into(), fields: Box::default() }
     }
     pub fn config(m: impl Into<String>) -> Self {
         Self::new(ErrorKind::Config, m)
@@ -117,45 +144,32 @@ impl Error {
     // error arose, is the most precise.
 
     pub fn with_tier(mut self, tier: impl Into<String>) -> Self {
-        self.tier.get_or_insert_with(|| tier.into());
+        self.fields.tier.get_or_insert_with(|| tier.into());
         self
     }
     pub fn with_step(mut self, step: u64) -> Self {
-        self.step.get_or_insert(step);
+        self.fields.step.get_or_insert(step);
         self
     }
     pub fn with_rank(mut self, rank: u32) -> Self {
-        self.rank.get_or_insert(rank);
+        self.fields.rank.get_or_insert(rank);
         self
     }
     pub fn with_item(mut self, item: impl Into<String>) -> Self {
-        self.item.get_or_insert_with(|| item.into());
+        self.fields.item.get_or_insert_with(|| item.into());
         self
     }
     pub fn with_chunk(mut self, chunk: u64) -> Self {
-        self.chunk.get_or_insert(chunk);
+        self.fields.chunk.get_or_insert(chunk);
         self
     }
     pub fn with_path(mut self, path: impl Into<String>) -> Self {
-        self.path.get_or_insert_with(|| path.into());
+        self.fields.path.get_or_insert_with(|| path.into());
         self
     }
-    /// Every field at once (each set only while unknown).
-    pub fn with_fields(
-        mut self,
-        tier: Option<String>,
-        step: Option<u64>,
-        rank: Option<u32>,
-        item: Option<String>,
-        chunk: Option<u64>,
-        path: Option<String>,
-    ) -> Self {
-        self.tier = self.tier.or(tier);
-        self.step = self.step.or(step);
-        self.rank = self.rank.or(rank);
-        self.item = self.item.or(item);
-        self.chunk = self.chunk.or(chunk);
-        self.path = self.path.or(path);
+    /// Every field that `fields` knows and this error does not yet.
+    pub fn with_fields(mut self, fields: Fields) -> Self {
+        *self.fields = std::mem::take(&mut *self.fields).or(fields);
         self
     }
     /// Step and rank at once, as most of the save and restore paths know them.
@@ -188,7 +202,8 @@ mod tests {
             .with_step(9)
             .context("persisting step 4");
         assert_eq!(e.kind, ErrorKind::TierUnavailable);
-        assert_eq!((e.tier.as_deref(), e.path.as_deref(), e.step, e.rank), (Some("disk"), Some("/x/y"), Some(4), Some(1)));
+        let f = &e.fields;
+        assert_eq!((f.tier.as_deref(), f.path.as_deref(), f.step, f.rank), (Some("disk"), Some("/x/y"), Some(4), Some(1)));
         assert!(e.to_string().starts_with("persisting step 4: tier 'disk': /x/y: ") && e.message.contains("no space left"), "{e}");
     }
 }

@@ -10,7 +10,9 @@ pub mod placement;
 pub mod policy;
 pub mod scheduler;
 pub mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod tier;
 pub mod transport;
 
-pub use error::{Error, ErrorKind, Result};
+pub use error::{Error, ErrorKind, Fields, Result};

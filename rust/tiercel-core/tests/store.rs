@@ -463,8 +463,9 @@ fn a_failed_persist_keeps_its_error() {
     assert_eq!(state(&h, "ram"), TierState::Done);
     let TierState::Failed(e) = state(&h, "disk") else { panic!("{:?}", h.states()) };
     assert_eq!(e.kind, ErrorKind::TierUnavailable, "{e}");
-    assert_eq!((e.tier.as_deref(), e.step, e.rank), (Some("disk"), Some(2), Some(0)));
-    assert!(e.path.as_deref().is_some_and(|p| p.starts_with(&dirs.disk().display().to_string())), "{e:?}");
+    let f = &e.fields;
+    assert_eq!((f.tier.as_deref(), f.step, f.rank), (Some("disk"), Some(2), Some(0)));
+    assert!(f.path.as_deref().is_some_and(|p| p.starts_with(&dirs.disk().display().to_string())), "{e:?}");
     assert!(e.message.starts_with("persisting step 2 of rank 0 to tier 'disk': "), "{e}");
     store.close();
 }

@@ -36,12 +36,13 @@ fn class_name(kind: ErrorKind) -> &'static str {
 pub fn exception<'py>(py: Python<'py>, e: &Error) -> PyResult<Bound<'py, PyAny>> {
     let cls = module(py)?.getattr(class_name(e.kind))?;
     let kw = PyDict::new(py);
-    kw.set_item("tier", e.tier.as_deref())?;
-    kw.set_item("step", e.step)?;
-    kw.set_item("rank", e.rank)?;
-    kw.set_item("item", e.item.as_deref())?;
-    kw.set_item("chunk", e.chunk)?;
-    kw.set_item("path", e.path.as_deref())?;
+    let f = &e.fields;
+    kw.set_item("tier", f.tier.as_deref())?;
+    kw.set_item("step", f.step)?;
+    kw.set_item("rank", f.rank)?;
+    kw.set_item("item", f.item.as_deref())?;
+    kw.set_item("chunk", f.chunk)?;
+    kw.set_item("path", f.path.as_deref())?;
     cls.call((e.message.as_str(),), Some(&kw))
 }
 

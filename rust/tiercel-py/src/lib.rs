@@ -70,7 +70,7 @@ fn placement(
     let p = pl::Placement::new(hosts, replicas, pl::Strategy::parse(strategy)?)?;
     let holders = (0..hosts).map(|h| p.holders(h)).collect();
     let exact = failures.map(|k| p.survival_probability(k)).transpose()?;
-    let closed = failures.filter(|_| hosts % replicas == 0).map(|k| pl::gemini_closed_form(hosts, replicas, k));
+    let closed = failures.filter(|_| hosts.is_multiple_of(replicas)).map(|k| pl::gemini_closed_form(hosts, replicas, k));
     Ok((p.groups(), holders, exact, closed))
 }
 

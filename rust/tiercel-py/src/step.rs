@@ -40,7 +40,7 @@ impl StepWriter {
 impl StepWriter {
     #[getter]
     fn step(&self) -> TcResult<u64> {
-        Ok(self.with(|w| Ok(w.step()))?)
+        self.with(|w| Ok(w.step()))
     }
 
     /// Lays out one put: items are (name, kind, dtype, shape, nbytes, meta_json[,
@@ -69,7 +69,7 @@ impl StepWriter {
 
     /// The writable shared-memory segment of a part.
     fn segment(&self, part: usize) -> TcResult<Buffer> {
-        Ok(self.with(|w| w.segment(part)).map(|s| Buffer { backing: Backing::Segment(s) })?)
+        self.with(|w| w.segment(part)).map(|s| Buffer { backing: Backing::Segment(s) })
     }
 
     /// Copies items from host memory: [(item index, source address)], GIL released. The
@@ -80,12 +80,12 @@ impl StepWriter {
 
     /// Marks items the caller wrote into the segment itself (device tensors, strided arrays).
     fn mark_written(&self, items: Vec<usize>) -> TcResult<()> {
-        Ok(self.with(|w| w.mark_written(&items))?)
+        self.with(|w| w.mark_written(&items))
     }
 
     /// The manifest as laid out so far (JSON).
     fn manifest_json(&self) -> TcResult<String> {
-        Ok(self.with(|w| Ok(json(w.manifest())))?)
+        self.with(|w| Ok(json(w.manifest())))
     }
 
     fn commit(&self, py: Python<'_>) -> TcResult<SaveHandle> {

@@ -31,7 +31,9 @@ impl Env {
 }
 
 /// Sections of an INI file (`~/.aws/credentials`, `~/.aws/config`): name -> key -> value.
-fn parse_ini(text: &str) -> HashMap<String, HashMap<String, String>> {
+type Ini = HashMap<String, HashMap<String, String>>;
+
+fn parse_ini(text: &str) -> Ini {
     let mut out: HashMap<String, HashMap<String, String>> = HashMap::new();
     let mut section: Option<String> = None;
     for line in text.lines() {
@@ -74,7 +76,7 @@ fn aws_profile(env: &Env) -> Result<Option<AwsProfile>> {
     let file = |var: &str, default: &str| -> Option<PathBuf> {
         env.get(var).map(PathBuf::from).or_else(|| env.home.as_ref().map(|h| h.join(".aws").join(default)))
     };
-    let read = |p: Option<PathBuf>| -> Result<(Option<String>, HashMap<String, HashMap<String, String>>)> {
+    let read = |p: Option<PathBuf>| -> Result<(Option<String>, Ini)> {
         let Some(p) = p else { return Ok((None, HashMap::new())) };
         match std::fs::read_to_string(&p) {
             Ok(t) => Ok((Some(p.display().to_string()), parse_ini(&t))),
@@ -220,10 +222,10 @@ pub(super) fn s3_builder(url: &str, o: &ObjectOptions, env: &Env) -> Result<(Ama
     match o.allow_http {
         Some(a) => b = b.with_config(allow_http_key, a.to_string()),
         // An http:// endpoint says plainly what it wants, as it does to the AWS SDKs.
-        None if !set_by_env.contains(allow_http_key.as_ref()) => {
-            if b.get_config_value(&AmazonS3ConfigKey::Endpoint).is_some_and(|e| is_http(&e)) {
-                b = b.with_config(allow_http_key, "true");
-            }
+        None if !set_by_env.contains(allow_http_key.as_ref())
+            && b.get_config_value(&AmazonS3ConfigKey::Endpoint).is_some_and(|e| is_http(&e)) =>
+        {
+            b = b.with_config(allow_http_key, "true");
         }
         None => {}
     }

@@ -255,7 +255,7 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
     }
     let manifest = Arc::new(manifest);
     for (idx, slot) in store.later_slots() {
-        if step % slot.config.every != 0 {
+        if !step.is_multiple_of(slot.config.every) {
             handle.set(&slot.config.name, TierState::NotScheduled);
             continue;
         }

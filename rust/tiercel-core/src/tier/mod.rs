@@ -35,7 +35,7 @@ pub trait ChunkSource: Sync {
 }
 
 /// One storage tier. The Store reaches every tier through this trait only; every kind passes
-/// the conformance suite in `tier::conformance`.
+/// the conformance suite in `testing::tiers`.
 pub trait Tier: Send + Sync {
     fn name(&self) -> &str;
 
@@ -174,6 +174,3 @@ pub fn encode_rank(
     out.objects = vec![format::ObjectMeta { name: object_name.into(), len: pos }];
     Ok(out)
 }
-
-#[cfg(test)]
-pub mod conformance;

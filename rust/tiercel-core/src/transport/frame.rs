@@ -6,7 +6,7 @@ use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Fields, Result};
 
 /// "TCL" and the protocol version: 2 since ERROR frames carry numeric kinds and fields.
 pub const MAGIC: [u8; 4] = *b"TCL\x02";
@@ -144,41 +144,20 @@ pub fn control_len(h: &Header) -> Result<usize> {
 pub struct WireError {
     pub code: u8,
     pub message: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tier: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub step: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rank: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub item: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub chunk: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub path: Option<String>,
+    #[serde(flatten)]
+    pub fields: Fields,
 }
 
 impl WireError {
     pub fn from_error(e: &Error) -> WireError {
-        let e = e.clone();
-        WireError {
-            code: e.kind.code(),
-            message: e.message,
-            tier: e.tier,
-            step: e.step,
-            rank: e.rank,
-            item: e.item,
-            chunk: e.chunk,
-            path: e.path,
-        }
+        WireError { code: e.kind.code(), message: e.message.clone(), fields: (*e.fields).clone() }
     }
 
     /// The error as the client sees it: the server's, said to come from `peer`. An unknown
     /// code (a newer peer) reads as the tier being unavailable.
     pub fn into_error(self, peer: &str) -> Error {
         let kind = ErrorKind::from_code(self.code).unwrap_or(ErrorKind::TierUnavailable);
-        Error::new(kind, format!("peer {peer}: {}", self.message))
-            .with_fields(self.tier, self.step, self.rank, self.item, self.chunk, self.path)
+        Error::new(kind, format!("peer {peer}: {}", self.message)).with_fields(self.fields)
     }
 }
 
@@ -292,11 +271,11 @@ mod tests {
         );
         let back = serde_json::from_slice::<WireError>(&body).unwrap().into_error("10.0.0.2:7070");
         assert_eq!(
-            (back.kind, back.tier.as_deref(), back.step, back.rank, back.chunk),
+            (back.kind, back.fields.tier.as_deref(), back.fields.step, back.fields.rank, back.fields.chunk),
             (ErrorKind::Integrity, Some("peer"), Some(7), Some(3), Some(1))
         );
         assert_eq!(back.message, "peer 10.0.0.2:7070: chunk at object 0 offset 4096 arrived corrupted");
-        let unknown = WireError { code: 99, message: "x".into(), ..WireError::from_error(&Error::invalid("")) };
+        let unknown = WireError { code: 99, message: "x".into(), fields: Fields::default() };
         assert_eq!(unknown.into_error("p").kind, ErrorKind::TierUnavailable);
     }
 }

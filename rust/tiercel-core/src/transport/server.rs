@@ -162,7 +162,13 @@ fn read(
         }
     };
     if offset.checked_add(len).is_none_or(|end| end > view.len() as u64) {
-        return Err(Error::invalid(format!("step {step} rank {rank} object {object}: range {offset}+{len} is outside it")));
+        // The replica's manifest says the bytes are there: a short object is damage.
+        return Err(Error::integrity(format!(
+            "step {step} rank {rank} object {object} is shorter than its manifest says (needs bytes {offset}..{}, has {})",
+            offset as u128 + len as u128,
+            view.len()
+        ))
+        .at(step, rank));
     }
     Ok(view)
 }

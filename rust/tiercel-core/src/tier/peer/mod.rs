@@ -64,6 +64,22 @@ impl Cluster {
     }
 }
 
+/// Steps whose pushes this process remembers (for `try_commit`): far more than any `keep`.
+const PUSHED_KEPT: usize = 1024;
+
+/// What failed when every holder failed: nobody has it, not found; someone has a bad copy and
+/// nobody a good one, integrity; anything else (a holder that could not answer, and may yet
+/// have it) unavailable.
+fn combined_kind(kinds: &[ErrorKind]) -> ErrorKind {
+    if kinds.iter().all(|k| *k == ErrorKind::NotFound) {
+        ErrorKind::NotFound
+    } else if kinds.iter().all(|k| matches!(k, ErrorKind::NotFound | ErrorKind::Integrity)) {
+        ErrorKind::Integrity
+    } else {
+        ErrorKind::TierUnavailable
+    }
+}
+
 pub struct PeerTier {
     name: String,
     rank: u32,
@@ -76,6 +92,8 @@ pub struct PeerTier {
     cluster: RwLock<Option<Cluster>>,
     idle: Mutex<HashMap<String, Vec<Conn>>>,
     manifests: Mutex<HashMap<(u64, u32), (Manifest, String)>>,
+    /// Steps this process has pushed to every peer host (newest `PUSHED_KEPT`).
+    pushed: Mutex<std::collections::BTreeSet<u64>>,
     local_addr: SocketAddr,
     runtime: Mutex<Option<tokio::runtime::Runtime>>,
 }
@@ -122,6 +140,7 @@ impl PeerTier {
             cluster: RwLock::new(None),
             idle: Mutex::new(HashMap::new()),
             manifests: Mutex::new(HashMap::new()),
+            pushed: Mutex::new(Default::default()),
             local_addr,
             runtime: Mutex::new(Some(runtime)),
         }))
@@ -240,17 +259,8 @@ impl PeerTier {
                 }
             }
         }
-        // Nobody has it: not found. Someone has a bad copy, nobody a good one: integrity.
-        // Anything else (a holder that could not answer) may yet have it: unavailable.
-        let kind = if kinds.iter().all(|k| *k == ErrorKind::NotFound) {
-            ErrorKind::NotFound
-        } else if kinds.iter().all(|k| matches!(k, ErrorKind::NotFound | ErrorKind::Integrity)) {
-            ErrorKind::Integrity
-        } else {
-            ErrorKind::TierUnavailable
-        };
         let msg = format!("tier '{}': no peer holds step {step} of rank {rank} ({})", self.name, errs.join("; "));
-        Err(Error::new(kind, msg).with_tier(&self.name).at(step, rank))
+        Err(Error::new(combined_kind(&kinds), msg).with_tier(&self.name).at(step, rank))
     }
 
     /// Stops serving (on store close).
@@ -277,8 +287,15 @@ impl Tier for PeerTier {
             let handles: Vec<_> = hosts.iter().map(|cands| s.spawn(|| self.push(cands, &m, src, link))).collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::unavailable("replication thread panicked")))).collect()
         });
+        // A step written again must not be served from an old copy's manifest.
+        self.manifests.lock().remove(&(m.step, m.rank));
         for r in results {
             r?;
+        }
+        let mut pushed = self.pushed.lock();
+        pushed.insert(m.step);
+        while pushed.len() > PUSHED_KEPT {
+            pushed.pop_first();
         }
         Ok(m)
     }
@@ -292,23 +309,26 @@ impl Tier for PeerTier {
             }
         }
         let object = m.objects[c.object as usize].name.clone();
-        let mut errs = vec![];
+        let (mut errs, mut kinds) = (vec![], vec![]);
         for addr in &addrs {
             let res = self.with_conn(addr, |conn| conn.read(m.step, m.rank, &object, c.stored_offset, c.crc32c, dst));
             match res {
                 Ok(()) => return Ok(()),
-                Err(e) => errs.push(e.message),
+                Err(e) => {
+                    kinds.push(e.kind);
+                    errs.push(e.message)
+                }
             }
         }
-        Err(Error::unavailable(format!("tier '{}': no peer could send the chunk: {}", self.name, errs.join("; ")))
-            .with_tier(&self.name)
-            .at(m.step, m.rank))
+        let msg = format!("tier '{}': no peer could send the chunk: {}", self.name, errs.join("; "));
+        Err(Error::new(combined_kind(&kinds), msg).with_tier(&self.name).at(m.step, m.rank))
     }
 
     /// The peer tier commits per rank: `write_rank` returns only once every peer host has
-    /// acknowledged its complete, verified copy.
-    fn try_commit(&self, _step: u64, _world_size: u32) -> Result<bool> {
-        Ok(true)
+    /// acknowledged its complete, verified copy, so a step is committed once this process
+    /// has written it.
+    fn try_commit(&self, step: u64, _world_size: u32) -> Result<bool> {
+        Ok(self.pushed.lock().contains(&step))
     }
 
     /// Steps of this rank that some peer holds a complete copy of.

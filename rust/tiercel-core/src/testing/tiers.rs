@@ -1,139 +1,28 @@
-//! The conformance suite every tier kind passes: written once, generic over a constructor,
-//! and instantiated per kind by `conformance_suite!` at the bottom of this file. Adding a kind
-//! (s3, gcs, a Python tier behind a shim) is one line there.
-//!
-//! The suite goes through the `Tier` trait and `tier::read_chunk` only. To damage stored
-//! bytes it rewrites objects in place when `blobs().describe(key)` is a local file (so a
-//! memory tier's mapped segment keeps its inode, as real bit rot would), and through
-//! `blobs().put` otherwise (object stores).
+//! The suite every tier kind passes. It goes through the `Tier` trait and
+//! `tier::read_chunk` only. To damage stored bytes it rewrites objects of the subject's
+//! storage in place when `describe(key)` is a local file (so a memory tier's mapped segment
+//! keeps its inode, as real bit rot would), and through `put` otherwise (object stores).
 
-use std::any::Any;
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::blobs::{Blobs, FsBlobs};
+use super::subjects::TierSubject;
+use super::{always, floats, noise, Case, Rules};
+use crate::blobs::Blobs;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{self, ChunkMeta, ItemMeta, Manifest};
-use crate::policy::{Codec, Compression, TierKind};
+use crate::format::{self, ChunkMeta, ItemMeta, Manifest, ObjectMeta};
 use crate::scheduler::Link;
-use crate::tier::blob::BlobTier;
-use crate::tier::memory::MemoryTier;
+use crate::tier::gc::{self, GcOptions};
 use crate::tier::{read_chunk, ChunkSource, Tier};
 
-/// Keeps a tier's storage alive for the test and removes it afterwards (a temp dir, a bucket
-/// prefix, a server process).
-pub type Guard = Box<dyn Any>;
-
-/// A fresh, empty tier of one kind under test, with the objects its bytes are stored in (to
-/// look at and damage them) and what keeps its storage alive.
-pub struct Subject {
-    pub tier: Arc<dyn Tier>,
-    pub storage: Arc<dyn Blobs>,
-    pub guard: Guard,
-}
-
-/// Makes a fresh, empty tier of one kind.
-pub type Make = dyn Fn() -> Subject;
-
 // ---------------------------------------------------------------------------------------------
-// Constructors, one per kind
-// ---------------------------------------------------------------------------------------------
-
-fn tempdir_in(base: &str) -> tempfile::TempDir {
-    tempfile::Builder::new().prefix("tiercel-conformance-").tempdir_in(base).expect("tempdir")
-}
-
-pub fn memory_tier() -> Subject {
-    let dir = tempdir_in("/dev/shm");
-    let tier: Arc<dyn Tier> = MemoryTier::open("ram", dir.path(), None).expect("open memory tier");
-    let storage = Arc::new(FsBlobs::new("ram", dir.path()).expect("open fs blobs"));
-    Subject { tier, storage, guard: Box::new(dir) }
-}
-
-pub fn fs_tier(compression: Compression) -> Subject {
-    let dir = tempdir_in(&std::env::temp_dir().display().to_string());
-    let storage: Arc<dyn Blobs> = Arc::new(FsBlobs::new("disk", dir.path()).expect("open fs blobs"));
-    let tier: Arc<dyn Tier> = Arc::new(BlobTier::new("disk", storage.clone(), compression));
-    Subject { tier, storage, guard: Box::new(dir) }
-}
-
-/// An object-store tier under a fresh prefix of a bucket named by `{var}_ENDPOINT` and
-/// `{var}_BUCKET`: for s3, the moto server and bucket that the test wrapper
-/// (`tests/servers.py`, run by `make test-rust`) starts and makes. No GCS emulator here takes
-/// the XML API writes that the gcs kind sends (see docs/object-store.md), so the gcs kind runs
-/// only when pointed at a real bucket. The prefix is deleted afterwards.
-pub fn object_tier(kind: TierKind, var: &str, compression: Compression) -> Subject {
-    use crate::object::{Env, ObjectBlobs};
-    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let get = |k: &str| std::env::var(format!("{var}_{k}")).unwrap_or_else(|_| panic!("${var}_{k} is not set"));
-    let (endpoint, bucket) = (get("ENDPOINT"), get("BUCKET"));
-    let scheme = if kind == TierKind::Gcs { "gs" } else { "s3" };
-    let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let prefix = format!("conformance-{}-{n}", std::process::id());
-    // Through the policy parser, as a user's tier would be.
-    let cfg = |url: String| -> crate::policy::TierConfig {
-        let json = serde_json::json!({"tier": [
-            {"name": "ram", "kind": "memory", "root": "/unused"},
-            {"name": kind.as_str(), "kind": kind.as_str(), "url": url, "endpoint": endpoint, "retries": 3,
-             "compression": compression.to_string()},
-        ]});
-        crate::policy::Policy::from_json(&json.to_string(), "<conformance>").expect("policy").tiers.remove(1)
-    };
-    // The process's settings (to run the suite against a real bucket), else the test
-    // servers' key.
-    let mut env = Env::process();
-    if !env.vars.contains_key("AWS_ACCESS_KEY_ID") {
-        env.vars.insert("AWS_ACCESS_KEY_ID".into(), "tiercel-test-key".into());
-        env.vars.insert("AWS_SECRET_ACCESS_KEY".into(), "tiercel-test-secret-0123456789".into());
-    }
-    let storage: Arc<dyn Blobs> = Arc::new(
-        ObjectBlobs::open_with(kind.as_str(), &cfg(format!("{scheme}://{bucket}/{prefix}")).spec, &env).expect("open object tier"),
-    );
-    let tier: Arc<dyn Tier> = Arc::new(BlobTier::new(kind.as_str(), storage.clone(), compression));
-    let root = ObjectBlobs::open_with(kind.as_str(), &cfg(format!("{scheme}://{bucket}")).spec, &env).expect("open bucket");
-    struct Cleanup(ObjectBlobs, String);
-    impl Drop for Cleanup {
-        fn drop(&mut self) {
-            let _ = self.0.delete_prefix(&self.1);
-        }
-    }
-    Subject { tier, storage, guard: Box::new(Cleanup(root, prefix)) }
-}
-
-pub fn zstd3() -> Compression {
-    Compression { codec: Codec::Zstd { level: 3 }, bytegroup: false }
-}
-
-pub fn bytegroup_zstd3() -> Compression {
-    Compression { codec: Codec::Zstd { level: 3 }, bytegroup: true }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Test data: a logical manifest over in-memory items
+// Test data: one rank's manifest over in-memory items
 // ---------------------------------------------------------------------------------------------
 
 const CHUNK: u64 = 4096;
 
 fn link() -> Arc<Link> {
     Link::new("t", None)
-}
-
-/// Deterministic bytes: xorshift noise (incompressible) or smooth float32 values
-/// (compressible, and more so after bytegroup).
-fn noise(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
-}
-
-fn floats(count: usize, seed: u64) -> Vec<u8> {
-    (0..count).flat_map(|i| ((i as f32 + seed as f32) * 0.001).sin().to_le_bytes()).collect()
 }
 
 /// (name, dtype, bytes) of one rank's items: empty, one byte, exactly one chunk, one chunk
@@ -151,7 +40,7 @@ fn items(seed: u64) -> Vec<(&'static str, &'static str, Vec<u8>)> {
 }
 
 /// The index of the multi-chunk float item that the damage tests aim at.
-const TARGET: &str = "model/several";
+pub const TARGET: &str = "model/several";
 
 struct VecSource {
     data: Vec<Vec<u8>>,
@@ -178,20 +67,24 @@ impl ChunkSource for FailingSource {
     }
 }
 
-/// A logical manifest (stored offsets meaningless) and its source.
+/// A rank's manifest and its source, laid out as a save lays it out in the memory tier (one
+/// part, items 64-byte aligned, raw chunks): a tier lays out its own copy (the peer tier
+/// keeps this one).
 fn logical(step: u64, rank: u32, world_size: u32) -> (Manifest, VecSource) {
     let mut m = Manifest::new(step, rank, world_size, "logical", CHUNK);
+    let mut pos = 0u64;
     m.trees.push(("state".into(), serde_json::json!({"model": {"w": "@item:model/several"}, "step": step})));
     let mut data = vec![];
     for (name, dtype, bytes) in items(step * 31 + rank as u64) {
         let size = if dtype == "float32" { 4 } else { 1 };
+        pos = format::align_up(pos, format::ITEM_ALIGN);
         let chunks = format::chunk_ranges(bytes.len() as u64, CHUNK)
             .map(|(off, len)| ChunkMeta {
                 offset: off,
                 len,
                 crc32c: crc32c::crc32c(&bytes[off as usize..(off + len) as usize]),
                 object: 0,
-                stored_offset: 0,
+                stored_offset: pos + off,
                 stored_len: len,
                 codec: "raw".into(),
             })
@@ -211,8 +104,10 @@ fn logical(step: u64, rank: u32, world_size: u32) -> (Manifest, VecSource) {
             }),
             chunks,
         });
+        pos += bytes.len() as u64;
         data.push(bytes);
     }
+    m.objects = vec![ObjectMeta { name: format::part_name(rank, 0), len: pos }];
     (m, VecSource { data, chunk_size: CHUNK })
 }
 
@@ -269,8 +164,7 @@ fn assert_names(e: &Error, tier: &dyn Tier, step: u64, rank: u32, item: &str, ch
 // The suite
 // ---------------------------------------------------------------------------------------------
 
-pub fn write_and_read_back(make: &Make) {
-    let subject = make();
+fn write_and_read_back(subject: &TierSubject) {
     let (tier, storage) = (&*subject.tier, &*subject.storage);
     let (lm, src) = logical(1, 0, 1);
     let written = tier.write_rank(&lm, &src, &link()).unwrap();
@@ -303,16 +197,17 @@ pub fn write_and_read_back(make: &Make) {
     assert_eq!(sizes, vec![0, 1, 1, 2, 6, 4], "the test data covers the chunking edge cases");
 }
 
-pub fn invisible_until_committed(make: &Make) {
-    let subject = make();
+fn invisible_until_committed(subject: &TierSubject) {
     let tier = &*subject.tier;
     write(tier, 1, 0, 2);
     assert_eq!(tier.committed_steps().unwrap(), Vec::<u64>::new());
     assert_eq!(tier.all_steps().unwrap(), vec![1]);
+    assert_eq!(tier.ranks_written(1).unwrap(), vec![0]);
     assert!(!tier.try_commit(1, 2).unwrap(), "committed with one of two ranks");
     assert_eq!(tier.committed_steps().unwrap(), Vec::<u64>::new());
     assert_eq!(tier.commit_record(1).unwrap_err().kind, ErrorKind::NotFound);
     write(tier, 1, 1, 2);
+    assert_eq!(tier.ranks_written(1).unwrap(), vec![0, 1]);
     assert_eq!(tier.committed_steps().unwrap(), Vec::<u64>::new(), "visible before try_commit");
     assert!(tier.try_commit(1, 2).unwrap());
     assert_eq!(tier.committed_steps().unwrap(), vec![1]);
@@ -328,8 +223,7 @@ pub fn invisible_until_committed(make: &Make) {
     }
 }
 
-pub fn flipped_byte_is_integrity_error(make: &Make) {
-    let subject = make();
+fn flipped_byte_is_integrity_error(subject: &TierSubject) {
     let (tier, storage) = (&*subject.tier, &*subject.storage);
     let m = write_committed(tier, 1);
     let item = m.item_index(TARGET).unwrap();
@@ -347,8 +241,7 @@ pub fn flipped_byte_is_integrity_error(make: &Make) {
     read_chunk(tier, &m, item, 2, &mut ok).unwrap();
 }
 
-pub fn truncated_data_is_a_clear_error(make: &Make) {
-    let subject = make();
+fn truncated_data_is_a_clear_error(subject: &TierSubject) {
     let (tier, storage) = (&*subject.tier, &*subject.storage);
     let m = write_committed(tier, 1);
     let item = m.item_index(TARGET).unwrap();
@@ -365,8 +258,7 @@ pub fn truncated_data_is_a_clear_error(make: &Make) {
     read_item(tier, &m, m.item_index("exact").unwrap()).unwrap();
 }
 
-pub fn missing_data_is_a_clear_error(make: &Make) {
-    let subject = make();
+fn missing_data_is_a_clear_error(subject: &TierSubject) {
     let (tier, storage) = (&*subject.tier, &*subject.storage);
     let m = write_committed(tier, 1);
     let item = m.item_index(TARGET).unwrap();
@@ -377,8 +269,7 @@ pub fn missing_data_is_a_clear_error(make: &Make) {
     assert!(e.message.contains(&m.objects[0].name), "message lacks the object: {}", e.message);
 }
 
-pub fn corrupt_manifest_is_integrity_error(make: &Make) {
-    let subject = make();
+fn corrupt_manifest_is_integrity_error(subject: &TierSubject) {
     let (tier, storage) = (&*subject.tier, &*subject.storage);
     write_committed(tier, 1);
     let key = format!("{}/{}", format::step_dir(1), format::manifest_name(0));
@@ -401,11 +292,10 @@ pub fn corrupt_manifest_is_integrity_error(make: &Make) {
     assert!(e.message.contains("step 2") && e.message.contains(&place), "{}", e.message);
 
     // A rank that never wrote is NotFound, not Integrity.
-    assert_eq!(tier.read_manifest(1, 7).unwrap_err().kind, ErrorKind::NotFound);
+    assert_eq!(tier.read_manifest(1, 1).unwrap_err().kind, ErrorKind::NotFound);
 }
 
-pub fn delete_step_removes_it(make: &Make) {
-    let subject = make();
+fn delete_step_removes_it(subject: &TierSubject) {
     let (tier, storage) = (&*subject.tier, &*subject.storage);
     write_committed(tier, 1);
     write_committed(tier, 2);
@@ -426,8 +316,7 @@ pub fn delete_step_removes_it(make: &Make) {
     assert_eq!(tier.all_steps().unwrap(), vec![2]);
 }
 
-pub fn steps_are_in_numeric_order(make: &Make) {
-    let subject = make();
+fn steps_are_in_numeric_order(subject: &TierSubject) {
     let tier = &*subject.tier;
     for step in [100, 2, 10, 1] {
         write_committed(tier, step);
@@ -436,8 +325,7 @@ pub fn steps_are_in_numeric_order(make: &Make) {
     assert_eq!(tier.all_steps().unwrap(), vec![1, 2, 10, 100]);
 }
 
-pub fn uncommitted_leftovers(make: &Make) {
-    let subject = make();
+fn uncommitted_leftovers(subject: &TierSubject) {
     let (tier, storage) = (&*subject.tier, &*subject.storage);
     write_committed(tier, 1);
     write(tier, 3, 0, 2); // rank 1 of 2 never came
@@ -451,8 +339,7 @@ pub fn uncommitted_leftovers(make: &Make) {
     assert_eq!(tier.commit_record(3).unwrap_err().kind, ErrorKind::NotFound);
 }
 
-pub fn failed_write_leaves_no_manifest(make: &Make) {
-    let subject = make();
+fn failed_write_leaves_no_manifest(subject: &TierSubject) {
     let tier = &*subject.tier;
     let (m, src) = logical(1, 0, 1);
     let e = tier.write_rank(&m, &FailingSource(src), &link()).unwrap_err();
@@ -465,127 +352,80 @@ pub fn failed_write_leaves_no_manifest(make: &Make) {
     assert_eq!(tier.committed_steps().unwrap(), vec![1]);
 }
 
-/// Instantiates every test of the suite for one tier kind: `conformance_suite!(module, ctor)`.
-/// A kind that needs a server names the variable that says where one runs:
-/// `conformance_suite!(module, ctor, needs = "VAR")`; without it set, its tests pass as skipped
-/// (and say so), so that `cargo test` runs anywhere.
-macro_rules! conformance_suite {
-    ($kind:ident, $make:expr) => {
-        conformance_suite!($kind, $make, needs = "");
-    };
-    ($kind:ident, $make:expr, needs = $var:literal) => {
-        mod $kind {
-            use super::*;
-
-            fn make() -> Subject {
-                ($make)()
-            }
-
-            fn skip() -> bool {
-                super::server_missing($var, stringify!($kind))
-            }
-
-            #[test]
-            fn write_and_read_back() {
-                if !skip() {
-                    super::write_and_read_back(&make)
-                }
-            }
-            #[test]
-            fn invisible_until_committed() {
-                if !skip() {
-                    super::invisible_until_committed(&make)
-                }
-            }
-            #[test]
-            fn flipped_byte_is_integrity_error() {
-                if !skip() {
-                    super::flipped_byte_is_integrity_error(&make)
-                }
-            }
-            #[test]
-            fn truncated_data_is_a_clear_error() {
-                if !skip() {
-                    super::truncated_data_is_a_clear_error(&make)
-                }
-            }
-            #[test]
-            fn missing_data_is_a_clear_error() {
-                if !skip() {
-                    super::missing_data_is_a_clear_error(&make)
-                }
-            }
-            #[test]
-            fn corrupt_manifest_is_integrity_error() {
-                if !skip() {
-                    super::corrupt_manifest_is_integrity_error(&make)
-                }
-            }
-            #[test]
-            fn delete_step_removes_it() {
-                if !skip() {
-                    super::delete_step_removes_it(&make)
-                }
-            }
-            #[test]
-            fn steps_are_in_numeric_order() {
-                if !skip() {
-                    super::steps_are_in_numeric_order(&make)
-                }
-            }
-            #[test]
-            fn uncommitted_leftovers() {
-                if !skip() {
-                    super::uncommitted_leftovers(&make)
-                }
-            }
-            #[test]
-            fn failed_write_leaves_no_manifest() {
-                if !skip() {
-                    super::failed_write_leaves_no_manifest(&make)
-                }
-            }
-        }
-    };
+/// The peer tier's commit: a rank's step is there once that rank's copy is complete, whatever
+/// the other ranks did; another rank's copy is readable once that rank has written it.
+fn commits_per_rank(subject: &TierSubject) {
+    let tier = &*subject.tier;
+    assert!(tier.committed_steps().unwrap().is_empty());
+    assert_eq!(tier.commit_record(1).unwrap_err().kind, ErrorKind::NotFound);
+    write(tier, 1, 0, 2);
+    assert!(tier.try_commit(1, 2).unwrap());
+    assert_eq!(tier.committed_steps().unwrap(), vec![1]);
+    assert_eq!(tier.ranks_written(1).unwrap(), vec![0]);
+    let rec = tier.commit_record(1).unwrap();
+    assert_eq!((rec.step, rec.world_size, rec.tier.as_str()), (1, 2, tier.name()));
+    assert_eq!(tier.read_manifest(1, 1).unwrap_err().kind, ErrorKind::NotFound);
+    write(tier, 1, 1, 2);
+    let m = tier.read_manifest(1, 1).unwrap();
+    assert_eq!((m.rank, m.world_size), (1, 2));
+    read_item(tier, &m, m.item_index(TARGET).unwrap()).unwrap();
 }
 
-/// True, after saying so, when `var` (a server a kind needs) is named but not set.
-pub fn server_missing(var: &str, kind: &str) -> bool {
-    if var.is_empty() || std::env::var_os(var).is_some() {
-        return false;
+/// gc removes what its plan lists, by the one step rule, and nothing more.
+fn gc_follows_the_step_rule(subject: &TierSubject) {
+    let tier = &*subject.tier;
+    let opts = GcOptions { keep: Some(1), temp_age: Some(std::time::Duration::from_secs(600)) };
+    assert!(tier.gc_plan(&opts).unwrap().is_empty(), "an empty tier has nothing to collect");
+    for step in [1, 2, 4] {
+        write_committed(tier, step);
     }
-    eprintln!("conformance {kind}: skipped: ${var} is not set (`make test-rust` starts the servers and sets it)");
-    true
+    write(tier, 3, 0, 2); // rank 1 of 2 never came
+    write(tier, 5, 0, 2); // newer than every committed step: a save in progress
+    let plan = tier.gc_plan(&opts).unwrap();
+    assert_eq!(gc::steps_of(&plan), vec![1, 2, 3], "{plan:?}");
+    assert_eq!(plan.len(), 3, "nothing but steps: {plan:?}");
+    assert_eq!(tier.all_steps().unwrap(), vec![1, 2, 3, 4, 5], "planning removes nothing");
+    assert_eq!(tier.gc_apply(plan.clone()).unwrap(), plan);
+    assert_eq!(tier.all_steps().unwrap(), vec![4, 5]);
+    assert_eq!(tier.committed_steps().unwrap(), vec![4]);
+    assert!(tier.gc_plan(&opts).unwrap().is_empty());
 }
 
-// One line per tier kind.
-conformance_suite!(memory, memory_tier);
-conformance_suite!(fs_none, || fs_tier(Compression::none()));
-conformance_suite!(fs_zstd, || fs_tier(zstd3()));
-conformance_suite!(fs_bytegroup_zstd, || fs_tier(bytegroup_zstd3()));
-conformance_suite!(s3, || object_tier(TierKind::S3, "TIERCEL_TEST_S3", zstd3()), needs = "TIERCEL_TEST_S3_ENDPOINT");
-conformance_suite!(s3_none, || object_tier(TierKind::S3, "TIERCEL_TEST_S3", Compression::none()), needs = "TIERCEL_TEST_S3_ENDPOINT");
-conformance_suite!(gcs, || object_tier(TierKind::Gcs, "TIERCEL_TEST_GCS", zstd3()), needs = "TIERCEL_TEST_GCS_ENDPOINT");
+fn per_rank(r: &Rules) -> Option<&'static str> {
+    r.per_rank_commit.then_some("a step is visible per rank here (tested by commits_per_rank)")
+}
 
-/// The compressed kinds really exercise their codecs on this data (else the suite would test
-/// the raw path three times).
-#[test]
-fn compressed_kinds_use_their_codecs() {
-    for (compression, want) in [(zstd3(), "zstd"), (bytegroup_zstd3(), "bytegroup4+zstd")] {
-        let subject = fs_tier(compression);
-        let m = write(&*subject.tier, 1, 0, 1);
-        let codecs = |name: &str| -> Vec<String> { m.items[m.item_index(name).unwrap()].chunks.iter().map(|c| c.codec.clone()).collect() };
-        assert!(codecs(TARGET).iter().any(|c| c == want), "{compression}: {TARGET} codecs {:?}", codecs(TARGET));
-        // Noise does not shrink and is stored raw.
-        assert!(codecs("optim/noise").iter().all(|c| c == "raw"), "{:?}", codecs("optim/noise"));
-        assert!(m.objects[0].len < m.total_bytes(), "{compression}: nothing was compressed");
-    }
-    let subject = memory_tier();
-    let m = write(&*subject.tier, 1, 0, 1);
-    assert!(m.items.iter().flat_map(|i| &i.chunks).all(|c| c.codec == "raw"));
-    for it in &m.items {
-        if let Some(c) = it.chunks.first() {
-            assert_eq!(c.stored_offset % format::ITEM_ALIGN, 0, "item {} is not aligned", it.name);
-        }
-    }
+fn all_ranks(r: &Rules) -> Option<&'static str> {
+    (!r.per_rank_commit).then_some("steps commit once every rank has written them (tested by invisible_until_committed)")
+}
+
+fn no_delete(r: &Rules) -> Option<&'static str> {
+    (!r.deletes).then_some("copies are removed by their holders' retention, not by delete_step or gc")
+}
+
+/// Every test of the suite, for one tier kind.
+pub fn cases() -> Vec<Case<TierSubject>> {
+    vec![
+        Case { name: "write_and_read_back", run: write_and_read_back, skip: always },
+        Case { name: "invisible_until_committed", run: invisible_until_committed, skip: per_rank },
+        Case { name: "commits_per_rank", run: commits_per_rank, skip: all_ranks },
+        Case { name: "flipped_byte_is_integrity_error", run: flipped_byte_is_integrity_error, skip: always },
+        Case { name: "truncated_data_is_a_clear_error", run: truncated_data_is_a_clear_error, skip: always },
+        Case { name: "missing_data_is_a_clear_error", run: missing_data_is_a_clear_error, skip: always },
+        Case { name: "corrupt_manifest_is_integrity_error", run: corrupt_manifest_is_integrity_error, skip: always },
+        Case { name: "delete_step_removes_it", run: delete_step_removes_it, skip: no_delete },
+        Case { name: "steps_are_in_numeric_order", run: steps_are_in_numeric_order, skip: always },
+        Case { name: "uncommitted_leftovers", run: uncommitted_leftovers, skip: per_rank },
+        Case { name: "failed_write_leaves_no_manifest", run: failed_write_leaves_no_manifest, skip: always },
+        Case { name: "gc_follows_the_step_rule", run: gc_follows_the_step_rule, skip: no_delete },
+    ]
+}
+
+/// The chunks `write` stores for item `name` of a fresh step on `tier`: their codecs, and
+/// whether every item starts 64-byte aligned in its object (for tests of one kind's layout).
+pub fn stored_layout(tier: &dyn Tier, name: &str) -> (Vec<String>, u64, u64, bool) {
+    let m = write(tier, 1, 0, 1);
+    let codecs = m.items[m.item_index(name).expect("item")].chunks.iter().map(|c| c.codec.clone()).collect();
+    let aligned = m.items.iter().all(|it| it.chunks.first().is_none_or(|c| c.stored_offset % format::ITEM_ALIGN == 0));
+    (codecs, m.objects.iter().map(|o| o.len).sum(), m.total_bytes(), aligned)
 }
