@@ -4,12 +4,19 @@ items plus a JSON tree, and building it back.
 Arrays, tensors and byte strings become items, stored in chunks; small Python values (ints,
 floats, strings, bools, None) stay in the tree, which goes into the manifest. Other objects
 are pickled into a byte item (DeepSpeed puts argparse namespaces and enums in its states).
+
+Two container subclasses keep their class, because code reads it back: `OrderedDict` (every
+torch `state_dict()`, with its `_metadata` attribute of module versions) and `torch.Size`
+(DeepSpeed's `param_shapes`, on which `zero_to_fp32.py` calls `.numel()`). Any other subclass
+of dict, list or tuple (a namedtuple, a defaultdict) is pickled whole, so it too comes back
+as it was.
 """
 
 from __future__ import annotations
 
 import pickle
 import sys
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +45,12 @@ class Leaf:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _scalar(v: Any) -> dict | None:
+def _scalar(v: Any, exact: bool = False) -> dict | None:
+    """The tree node of a small Python value, or None. `exact`: only the plain types, so that
+    a subclass (an IntEnum such as DeepSpeed's ZeroStageEnum) is pickled and keeps its class;
+    dict keys are taken by isinstance."""
+    if exact and type(v) not in (type(None), bool, int, float, str):
+        return None
     # bool before int: bool is an int subclass.
     if v is None:
         return {"t": "none"}
@@ -95,9 +107,13 @@ class Flattener:
             if leaf is not None:
                 return self._leaf(leaf)
             return self._pickled(v, path)
-        s = _scalar(v)
+        s = _scalar(v, exact=True)
         if s is not None:
             return s
+        torch = _torch()
+        cls = _container_class(v, torch)
+        if cls is None and isinstance(v, (dict, list, tuple)):
+            return self._pickled(v, path)  # a subclass the tree cannot name
         if isinstance(v, dict):
             keys = []
             for k, x in v.items():
@@ -105,11 +121,19 @@ class Flattener:
                 if ks is None:
                     raise TypeError(f"'{self._display(path)}' has a key of type {type(k).__name__}; keys must be str, int, float, bool or None")
                 keys.append([ks, self.node(x, [*path, str(k)])])
-            return {"t": "dict", "v": keys}
+            node: dict[str, Any] = {"t": "dict", "v": keys}
+            if cls == "OrderedDict":
+                node["c"] = cls
+                attrs = getattr(v, "__dict__", None)
+                if attrs:  # torch's state_dict()._metadata
+                    node["a"] = self.node(dict(attrs), [*path, "@attrs"])
+            return node
         if isinstance(v, (list, tuple)):
             kind = "list" if isinstance(v, list) else "tuple"
-            return {"t": kind, "v": [self.node(x, [*path, str(i)]) for i, x in enumerate(v)]}
-        torch = _torch()
+            node = {"t": kind, "v": [self.node(x, [*path, str(i)]) for i, x in enumerate(v)]}
+            if cls == "torch.Size":
+                node["c"] = cls
+            return node
         if torch is not None and isinstance(v, torch.Tensor):
             return self._leaf(self._tensor(v, path))
         if isinstance(v, np.ndarray) or isinstance(v, np.generic):
@@ -161,6 +185,20 @@ class Flattener:
         return Leaf(name, "array", _dtypes.torch_name(t.dtype), tuple(t.shape), t.numel() * t.element_size(), meta, data)
 
 
+def _container_class(v: Any, torch: Any) -> str | None:
+    """The name a tree node gives the class of a dict/list/tuple: "" for the plain type,
+    "OrderedDict" or "torch.Size" for the two subclasses the tree keeps, None for any other
+    subclass (and for non-containers)."""
+    t = type(v)
+    if t in (dict, list, tuple):
+        return ""
+    if t is OrderedDict:
+        return "OrderedDict"
+    if torch is not None and t is torch.Size:
+        return "torch.Size"
+    return None
+
+
 def flatten(prefix: str, value: Any) -> tuple[dict, list[Leaf]]:
     f = Flattener(prefix)
     return f.node(value, []), f.leaves
@@ -172,11 +210,22 @@ def unflatten(node: dict, items: list[Any]) -> Any:
     if t == "item":
         return items[node["i"]]
     if t == "dict":
-        return {_unscalar(k): unflatten(v, items) for k, v in node["v"]}
+        pairs = ((_unscalar(k), unflatten(v, items)) for k, v in node["v"])
+        if node.get("c") == "OrderedDict":
+            od: OrderedDict = OrderedDict(pairs)
+            for name, value in unflatten(node["a"], items).items() if "a" in node else ():
+                setattr(od, name, value)
+            return od
+        return dict(pairs)
     if t == "list":
         return [unflatten(v, items) for v in node["v"]]
     if t == "tuple":
-        return tuple(unflatten(v, items) for v in node["v"])
+        values = tuple(unflatten(v, items) for v in node["v"])
+        if node.get("c") == "torch.Size":
+            import torch  # a torch.Size was saved: the job that reads it has torch
+
+            return torch.Size(values)
+        return values
     return _unscalar(node)
 
 
@@ -186,7 +235,8 @@ def tree_items(node: dict) -> list[int]:
     if t == "item":
         return [node["i"]]
     if t == "dict":
-        return [i for _, v in node["v"] for i in tree_items(v)]
+        # Attributes ("a") are flattened after the entries: their items come last.
+        return [i for _, v in node["v"] for i in tree_items(v)] + (tree_items(node["a"]) if "a" in node else [])
     if t in ("list", "tuple"):
         return [i for v in node["v"] for i in tree_items(v)]
     return []
