@@ -11,7 +11,7 @@ DEPS_STAMP := $(VENV)/.tiercel-deps
 BUILD_STAMP := $(VENV)/.tiercel-build
 SOURCES := $(shell find rust python -type f \( -name '*.rs' -o -name '*.py' -o -name 'Cargo.toml' \) 2>/dev/null) Cargo.toml pyproject.toml
 
-.PHONY: all venv build test test-rust test-python demo bench clean
+.PHONY: all venv build lint test test-rust test-python demo bench clean
 
 all: test
 
@@ -39,7 +39,15 @@ test-python: build
 	@echo "==> pytest"
 	$(PY) -m pytest -q tests
 
-test: test-rust test-python
+# Linters: rustfmt and clippy on the Rust workspace, ruff and mypy on the Python code.
+lint: $(DEPS_STAMP)
+	@echo "==> lint (cargo fmt --check, cargo clippy -D warnings, ruff, mypy)"
+	cargo fmt --all --check
+	cargo clippy --release --workspace --all-targets --quiet -- -D warnings
+	$(VENV)/bin/ruff check python tests bench examples
+	$(VENV)/bin/mypy
+
+test: lint test-rust test-python
 
 demo: build
 	$(PY) examples/torch_demo.py

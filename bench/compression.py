@@ -179,11 +179,11 @@ class Bench:
             raise RuntimeError(f"{self.compression}: step {self.step} on disk: {states}")
         r["persist_s"] = min(r["persist_s"], persist)
         r["blocking_s"] = min(r["blocking_s"], h.blocking_seconds)
-        items = store.reader(self.step, tiers=["disk"]).manifest["items"]
-        assert sum(it["nbytes"] for it in items) == raw
-        r["stored_bytes"] = sum(c["stored_len"] for it in items for c in it["chunks"])
+        items = store.reader(self.step, tiers=["disk"]).manifest.items
+        assert sum(it.nbytes for it in items) == raw
+        r["stored_bytes"] = sum(it.stored_bytes for it in items)
         r["ratio"] = raw / r["stored_bytes"]
-        r["codecs"] = sorted({c["codec"] for it in items for c in it["chunks"]})
+        r["codecs"] = sorted({c.codec for it in items for c in it.chunks})
         for kind in ("cold", "warm"):
             if kind == "cold":
                 drop_cache(step_files(self.disk, self.step))

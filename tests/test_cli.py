@@ -23,6 +23,7 @@ import pytest
 
 import tiercel
 from tiercel import cli
+from tiercel.cli.output import Progress, fmt_bytes
 
 WORLD = 2
 STEPS = (1, 2, 3, 4)
@@ -335,7 +336,7 @@ def test_gc_dry_run_removes_nothing(env: Env, capsys):
 
 def test_progress_helper():
     buf = io.StringIO()
-    p = cli.Progress("cp", 2, 2048, unit="ranks", lines=True, stream=buf)
+    p = Progress("cp", 2, 2048, unit="ranks", lines=True, stream=buf)
     p.update(done=1, nbytes=1024)
     p.update(done=2, nbytes=2048)
     p.finish("done")
@@ -346,11 +347,17 @@ def test_progress_helper():
             return True
 
     t = Tty()
-    p = cli.Progress("verify", 4, 4096, unit="ranks", stream=t)
+    now = [100.0]
+    p = Progress("verify", 4, 4096, unit="ranks", stream=t, clock=lambda: now[0])
+    now[0] = 102.0
+    p.update(done=2, nbytes=2048)
+    now[0] = 104.0
     p.update(done=4, nbytes=4096)
     p.finish("ok")
-    assert t.getvalue() == "\rverify [########################] 4/4 ranks  4.0 KiB / 4.0 KiB\x1b[K\r\x1b[Kok\n"
-    assert [cli.fmt_bytes(n) for n in (0, 1023, 1024, 5 << 30)] == ["0 B", "1023 B", "1.0 KiB", "5.0 GiB"]
+    assert t.getvalue() == ("\rverify [############............] 2/4 ranks  2.0 KiB / 4.0 KiB  1.0 KiB/s  ETA 0:02\x1b[K"
+                            "\rverify [########################] 4/4 ranks  4.0 KiB / 4.0 KiB  1.0 KiB/s  ETA 0:00\x1b[K"
+                            "\r\x1b[Kok\n")
+    assert [fmt_bytes(n) for n in (0, 1023, 1024, 5 << 30)] == ["0 B", "1023 B", "1.0 KiB", "5.0 GiB"]
 
 
 def test_placement_command_needs_no_policy(tmp_path):

@@ -5,8 +5,9 @@
     state = store.restore()
 """
 
-from ._core import (
-    FORMAT_VERSION,
+from ._core import FORMAT_VERSION
+from .coordinator import Coordinator, JaxCoordinator, KVStoreCoordinator, LocalCoordinator, TorchCoordinator
+from .errors import (
     CapacityError,
     ConfigError,
     IntegrityError,
@@ -15,8 +16,10 @@ from ._core import (
     TiercelError,
     TierUnavailableError,
 )
-from .coordinator import Coordinator, LocalCoordinator, TorchCoordinator
-from .store import Reader, RestoreInfo, SaveHandle, Store, Writer
+from .leaves import Leaf, LeafHandler, register_leaf_handler
+from .manifest import Item, Manifest, Shard
+from .step import Reader, RestoreInfo, SaveHandle, Writer
+from .store import Store
 
 __all__ = [
     "FORMAT_VERSION",
@@ -25,15 +28,23 @@ __all__ = [
     "Coordinator",
     "IntegrityError",
     "InvalidArgumentError",
+    "Item",
+    "JaxCoordinator",
+    "KVStoreCoordinator",
+    "Leaf",
+    "LeafHandler",
     "LocalCoordinator",
+    "Manifest",
     "NotFoundError",
     "Reader",
     "RestoreInfo",
     "SaveHandle",
+    "Shard",
     "Store",
     "TiercelError",
     "TierUnavailableError",
     "TorchCoordinator",
     "Writer",
+    "register_leaf_handler",
 ]
 __version__ = "0.1.0"

@@ -1,56 +1,23 @@
 """Flattening a state (nested dicts/lists/tuples of arrays, tensors, bytes and scalars) into
 items plus a JSON tree, and building it back.
 
-Arrays, tensors and byte strings become items, stored in chunks; small Python values (ints,
-floats, strings, bools, None) stay in the tree, which goes into the manifest. Other objects
-are pickled into a byte item (DeepSpeed puts argparse namespaces and enums in its states).
-
-Two container subclasses keep their class, because code reads it back: `OrderedDict` (every
-torch `state_dict()`, with its `_metadata` attribute of module versions) and `torch.Size`
-(DeepSpeed's `param_shapes`, on which `zero_to_fp32.py` calls `.numel()`). Any other subclass
-of dict, list or tuple (a namedtuple, a defaultdict) is pickled whole, so it too comes back
-as it was.
+Small Python values (ints, floats, strings, bools, None) and containers stay in the tree,
+which goes into the manifest; every other value is a leaf, which the first leaf handler
+that claims it (tiercel.leaves: numpy, torch, bytes, adapters' types, else pickle) turns
+into an item.
 """
 
 from __future__ import annotations
 
-import pickle
-import sys
+import importlib
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-import numpy as np
-
-from . import _dtypes
+if TYPE_CHECKING:
+    from .leaves import Leaf
 
 
-def _torch() -> Any:
-    """torch if this process has imported it: a value can only be a tensor then, and a
-    numpy-only job (or the CLI) never pays for importing torch."""
-    return sys.modules.get("torch")
-
-
-@dataclass
-class Leaf:
-    """One item to store: what the manifest records, and the object to copy from."""
-
-    name: str
-    kind: str  # "array" or "bytes"
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    meta: dict[str, Any]
-    obj: Any  # np.ndarray, torch.Tensor or a bytes-like object
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _scalar(v: Any, exact: bool = False) -> dict | None:
-    """The tree node of a small Python value, or None. `exact`: only the plain types, so that
-    a subclass (an IntEnum such as DeepSpeed's ZeroStageEnum) is pickled and keeps its class;
-    dict keys are taken by isinstance."""
-    if exact and type(v) not in (type(None), bool, int, float, str):
-        return None
+def _scalar(v: Any) -> dict | None:
     # bool before int: bool is an int subclass.
     if v is None:
         return {"t": "none"}
@@ -80,11 +47,17 @@ def _unscalar(node: dict) -> Any:
     raise ValueError(f"not a scalar node: {t}")
 
 
+#: Exact types that are tree scalars. Subclasses (IntEnum, np.float64) are leaves: a handler
+#: (numpy) or the pickle fallback keeps their type.
+_SCALARS = (type(None), bool, int, float, str)
+
+
 class Flattener:
     def __init__(self, prefix: str):
         self.prefix = prefix
         self.leaves: list[Leaf] = []
         self._names: set[str] = set()
+        self._active: set[int] = set()  # ids of the containers on the current path
 
     def _name(self, path: list[str]) -> str:
         base = "/".join([self.prefix, *path])
@@ -95,108 +68,69 @@ class Flattener:
         self._names.add(name)
         return name
 
-    def _leaf(self, leaf: Leaf) -> dict:
+    def _display(self, path: list[str]) -> str:
+        return "/".join([self.prefix, *path])
+
+    def node(self, v: Any, path: list[str]) -> dict:
+        from .leaves import handler_for
+
+        if type(v) in _SCALARS:
+            s = _scalar(v)
+            assert s is not None
+            return s
+        if type(v) in _CONTAINERS or isinstance(v, tuple):
+            if id(v) in self._active:
+                raise TypeError(f"'{self._display(path)}' contains itself (a cycle); a checkpoint must be a tree")
+            self._active.add(id(v))
+            try:
+                return self._container(v, path)
+            finally:
+                self._active.discard(id(v))
+        handler = handler_for(v)
+        leaf = handler.describe(v, self._name(path))
+        leaf.handler = handler
         self.leaves.append(leaf)
         return {"t": "item", "i": len(self.leaves) - 1}
 
-    def node(self, v: Any, path: list[str]) -> dict:
-        # numpy scalars first: np.float64 and np.str_ subclass float and str, and would come
-        # back as plain Python values.
-        if isinstance(v, np.generic):
-            leaf = self._array(v, path)
-            if leaf is not None:
-                return self._leaf(leaf)
-            return self._pickled(v, path)
-        s = _scalar(v, exact=True)
-        if s is not None:
-            return s
-        torch = _torch()
-        cls = _container_class(v, torch)
-        if cls is None and isinstance(v, (dict, list, tuple)):
-            return self._pickled(v, path)  # a subclass the tree cannot name
+    def _container(self, v: Any, path: list[str]) -> dict:
         if isinstance(v, dict):
             keys = []
             for k, x in v.items():
-                ks = _scalar(k)
+                ks = _scalar(k) if type(k) in _SCALARS else None
                 if ks is None:
                     raise TypeError(f"'{self._display(path)}' has a key of type {type(k).__name__}; keys must be str, int, float, bool or None")
                 keys.append([ks, self.node(x, [*path, str(k)])])
             node: dict[str, Any] = {"t": "dict", "v": keys}
-            if cls == "OrderedDict":
-                node["c"] = cls
+            if type(v) is OrderedDict:
+                node["c"] = "OrderedDict"  # torch state_dict()s are OrderedDicts
                 attrs = getattr(v, "__dict__", None)
-                if attrs:  # torch's state_dict()._metadata
+                if attrs:  # ... with a `_metadata` attribute (module versions, read by load_state_dict)
                     node["a"] = self.node(dict(attrs), [*path, "@attrs"])
             return node
-        if isinstance(v, (list, tuple)):
-            kind = "list" if isinstance(v, list) else "tuple"
-            node = {"t": kind, "v": [self.node(x, [*path, str(i)]) for i, x in enumerate(v)]}
-            if cls == "torch.Size":
-                node["c"] = cls
-            return node
-        if torch is not None and isinstance(v, torch.Tensor):
-            return self._leaf(self._tensor(v, path))
-        if isinstance(v, np.ndarray) or isinstance(v, np.generic):
-            leaf = self._array(v, path)
-            if leaf is not None:
-                return self._leaf(leaf)
-        if isinstance(v, (bytes, bytearray, memoryview)):
-            mv = memoryview(v).cast("B")
-            return self._leaf(Leaf(self._name(path), "bytes", "uint8", (mv.nbytes,), mv.nbytes, {"type": type(v).__name__}, mv))
-        return self._pickled(v, path)
-
-    def _pickled(self, v: Any, path: list[str]) -> dict:
-        data = pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)
-        return self._leaf(Leaf(self._name(path), "bytes", "uint8", (len(data),), len(data), {"type": "pickle", "class": type(v).__qualname__}, data))
-
-    def _display(self, path: list[str]) -> str:
-        return "/".join([self.prefix, *path])
-
-    def _array(self, v: Any, path: list[str]) -> Leaf | None:
-        arr = np.asarray(v)
-        name = _dtypes.numpy_name(arr.dtype)
-        if name is None:
-            return None  # object/str/structured: pickled by the caller
-        if not arr.dtype.isnative:
-            arr = arr.astype(arr.dtype.newbyteorder("="))
-        meta = {"framework": "numpy"}
-        if isinstance(v, np.generic):
-            meta["scalar"] = True
-        return Leaf(self._name(path), "array", name, tuple(arr.shape), arr.nbytes, meta, arr)
-
-    def _tensor(self, t: Any, path: list[str]) -> Leaf:
-        name = self._name(path)
-        if t.is_sparse or t.layout != _torch().strided:
-            raise TypeError(f"item '{name}': {t.layout} tensors are not supported; convert with .to_dense()")
-        if t.device.type == "meta":
-            raise TypeError(f"item '{name}' is a tensor on device 'meta', which holds no data to save")
-        if t.is_quantized:
-            raise TypeError(f"item '{name}': quantized tensors are not supported; dequantize first")
-        meta = {"framework": "torch", "device": str(t.device)}
-        if t.requires_grad:
-            meta["requires_grad"] = True
-        data = t.detach()
-        # A lazily conjugated or negated view (`z.conj()`, `x._neg_view()`) shares its data
-        # with the original and only carries a flag: its bytes are not its values.
-        if data.is_conj():
-            data = data.resolve_conj()
-        if data.is_neg():
-            data = data.resolve_neg()
-        return Leaf(name, "array", _dtypes.torch_name(t.dtype), tuple(t.shape), t.numel() * t.element_size(), meta, data)
+        kind = "list" if isinstance(v, list) else "tuple"
+        node = {"t": kind, "v": [self.node(x, [*path, str(i)]) for i, x in enumerate(v)]}
+        if kind == "tuple" and type(v) is not tuple:
+            # namedtuple, torch.Size: the class is recorded and rebuilt when importable.
+            node["c"] = f"{type(v).__module__}:{type(v).__qualname__}"
+        return node
 
 
-def _container_class(v: Any, torch: Any) -> str | None:
-    """The name a tree node gives the class of a dict/list/tuple: "" for the plain type,
-    "OrderedDict" or "torch.Size" for the two subclasses the tree keeps, None for any other
-    subclass (and for non-containers)."""
-    t = type(v)
-    if t in (dict, list, tuple):
-        return ""
-    if t is OrderedDict:
-        return "OrderedDict"
-    if torch is not None and t is torch.Size:
-        return "torch.Size"
-    return None
+#: Containers kept as tree structure, besides tuples and their subclasses. Other dict and
+#: list subclasses (defaultdict, ...) are leaves, so the pickle fallback keeps their type.
+_CONTAINERS = (dict, OrderedDict, list)
+
+
+def _tuple_class(path: str) -> type | None:
+    """The tuple subclass a tree recorded ("collections:Point"), if it can be imported here.
+    Only tuple subclasses are ever called: a manifest cannot name an arbitrary callable."""
+    module, _, qualname = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError):
+        return None
+    return obj if isinstance(obj, type) and issubclass(obj, tuple) else None
 
 
 def flatten(prefix: str, value: Any) -> tuple[dict, list[Leaf]]:
@@ -204,28 +138,27 @@ def flatten(prefix: str, value: Any) -> tuple[dict, list[Leaf]]:
     return f.node(value, []), f.leaves
 
 
-def unflatten(node: dict, items: list[Any]) -> Any:
+def unflatten(node: dict, items: Mapping[int, Any] | Sequence[Any]) -> Any:
     """Rebuilds a tree; `items[i]` is the restored value of item reference i."""
     t = node["t"]
     if t == "item":
         return items[node["i"]]
     if t == "dict":
-        pairs = ((_unscalar(k), unflatten(v, items)) for k, v in node["v"])
-        if node.get("c") == "OrderedDict":
-            od: OrderedDict = OrderedDict(pairs)
-            for name, value in unflatten(node["a"], items).items() if "a" in node else ():
-                setattr(od, name, value)
-            return od
-        return dict(pairs)
+        d = {_unscalar(k): unflatten(v, items) for k, v in node["v"]}
+        if node.get("c") != "OrderedDict":
+            return d
+        od = OrderedDict(d)
+        for name, value in unflatten(node["a"], items).items() if "a" in node else ():
+            setattr(od, name, value)
+        return od
     if t == "list":
         return [unflatten(v, items) for v in node["v"]]
     if t == "tuple":
-        values = tuple(unflatten(v, items) for v in node["v"])
-        if node.get("c") == "torch.Size":
-            import torch  # a torch.Size was saved: the job that reads it has torch
-
-            return torch.Size(values)
-        return values
+        vals = tuple(unflatten(v, items) for v in node["v"])
+        cls = _tuple_class(node["c"]) if "c" in node else None
+        if cls is None:
+            return vals
+        return cls(*vals) if hasattr(cls, "_fields") else cls(vals)
     return _unscalar(node)
 
 
@@ -235,7 +168,7 @@ def tree_items(node: dict) -> list[int]:
     if t == "item":
         return [node["i"]]
     if t == "dict":
-        # Attributes ("a") are flattened after the entries: their items come last.
+        # An OrderedDict's attributes ("a") are flattened after its entries.
         return [i for _, v in node["v"] for i in tree_items(v)] + (tree_items(node["a"]) if "a" in node else [])
     if t in ("list", "tuple"):
         return [i for v in node["v"] for i in tree_items(v)]

@@ -127,8 +127,8 @@ def default_coordinator(rank: int | None, world_size: int | None) -> tuple[Coord
                 )
             return c, c.rank, c.world_size
     if _jax_initialized():
-        c = JaxCoordinator()
-        return c, c.rank, c.world_size
+        j = JaxCoordinator()
+        return j, j.rank, j.world_size
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
     if world_size is None:

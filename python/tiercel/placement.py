@@ -81,7 +81,7 @@ def report(hosts: int, replicas: int, failures: int | None = None) -> str:
         lines.append(f"{strategy}: {shape}")
         if k is None:
             continue
-        if note is not None:
+        if note is not None or exact is None:
             lines.append(f"  exact probability unavailable: {note}")
         else:
             lines.append("  " + _prob_line(exact, total))

@@ -1,29 +1,21 @@
-"""The Python face of a Store: framework objects in, buffers to the Rust core, objects out.
-
-No bytes move in Python loops here: contiguous host arrays are copied by the core on its
-copy threads with the GIL released; device and non-contiguous tensors are copied once by
-their framework straight into the shared-memory segment.
-"""
+"""The Python face of a Store: one per training process (rank). Opens the core from a
+policy, joins the job's other ranks through the coordinator, and hands out writers and
+readers of steps (tiercel.step)."""
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import secrets
 import socket
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
-import numpy as np
-
-from . import _core, _dtypes
-from ._tree import Leaf, _torch, flatten, tree_items, unflatten
+from . import _core
 from .coordinator import Coordinator, default_coordinator
-
+from .errors import InvalidArgumentError, NotFoundError, TiercelError
+from .step import Reader, RestoreInfo, SaveHandle, Writer
 
 PolicyLike = str | os.PathLike | Mapping[str, Any]
 
@@ -32,235 +24,6 @@ def _policy_path(policy: PolicyLike | None) -> PolicyLike:
     if policy is not None:
         return policy
     return os.environ.get("TIERCEL_POLICY", "tiercel.toml")
-
-
-class SaveHandle:
-    """What a save has done where. `wait()` blocks until every tier is final."""
-
-    def __init__(self, core: _core.SaveHandle, blocking_seconds: float):
-        self._core = core
-        self.step: int = core.step
-        #: Seconds the save blocked the caller (the copy into the memory tier).
-        self.blocking_seconds = blocking_seconds
-
-    def states(self) -> dict[str, str]:
-        """{tier: state}: pending, running, written (this rank; others still going),
-        committed, not scheduled (`every`), "skipped: ...", "failed: ..."."""
-        return dict(self._core.states())
-
-    def done(self) -> bool:
-        return self._core.done()
-
-    def wait(self, timeout: float | None = None) -> dict[str, str]:
-        """Waits for the background tiers; raises TimeoutError, or the tier's error if one failed."""
-        if not self._core.wait(timeout):
-            raise TimeoutError(f"step {self.step}: background tiers not done after {timeout} s: {self.states()}")
-        states = self.states()
-        failed = {t: s for t, s in states.items() if s.startswith("failed")}
-        if failed:
-            raise _core.TierUnavailableError(f"step {self.step}: " + "; ".join(f"tier '{t}' {s}" for t, s in failed.items()))
-        return states
-
-    def __repr__(self) -> str:
-        return f"SaveHandle(step={self.step}, {self.states()})"
-
-
-class Writer:
-    """Writes one step, `put` by `put`; commits on a clean exit, discards on an exception."""
-
-    def __init__(self, store: Store, step: int):
-        self._store = store
-        self._core = store._core.begin(step)
-        self.step = step
-        self.handle: SaveHandle | None = None
-        self._t0 = time.perf_counter()
-
-    def put(self, name: str, value: Any) -> None:
-        """Copies `value` (a tree of arrays, tensors, bytes and scalars) into this step."""
-        if not isinstance(name, str) or not name or "/" in name:
-            raise _core.InvalidArgumentError(f"put name must be a non-empty string without '/', got {name!r}")
-        try:
-            tree, leaves = flatten(name, value)
-        except TypeError as e:
-            raise _core.InvalidArgumentError(f"step {self.step}: {e}") from None
-        specs = [(l.name, l.kind, l.dtype, list(l.shape), l.nbytes, json.dumps(l.meta)) for l in leaves]
-        part, places = self._core.add_part(name, json.dumps(tree), specs)
-        direct: list[tuple[int, int]] = []  # (item index, source address): copied by the core
-        framework_copied: list[int] = []
-        keep_alive = []
-        segment = None
-        for leaf, (index, offset) in zip(leaves, places):
-            if leaf.nbytes == 0:
-                continue
-            src = _host_address(leaf)
-            if src is not None:
-                direct.append((index, src[0]))
-                keep_alive.append(src[1])
-                continue
-            if segment is None:
-                segment = self._core.segment(part)
-            _copy_into(segment, offset, leaf)
-            framework_copied.append(index)
-        if direct:
-            self._core.copy_items(direct)
-        if framework_copied:
-            self._core.mark_written(framework_copied)
-        del keep_alive
-
-    def commit(self) -> SaveHandle:
-        core_handle = self._core.commit()
-        self.handle = SaveHandle(core_handle, time.perf_counter() - self._t0)
-        return self.handle
-
-    def abort(self) -> None:
-        self._core.abort()
-
-    def __enter__(self) -> Writer:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
-
-
-def _host_address(leaf: Leaf) -> tuple[int, Any] | None:
-    """(address, owner) of a leaf's bytes when they are contiguous in host memory."""
-    obj = leaf.obj
-    torch = _torch()
-    if torch is not None and isinstance(obj, torch.Tensor):
-        if obj.device.type == "cpu" and obj.is_contiguous():
-            return obj.data_ptr(), obj
-        return None
-    if isinstance(obj, np.ndarray):
-        if obj.flags.c_contiguous:
-            return obj.__array_interface__["data"][0], obj
-        return None
-    if isinstance(obj, bytes):
-        arr = np.frombuffer(obj, dtype=np.uint8)
-        return arr.__array_interface__["data"][0], (arr, obj)
-    mv = memoryview(obj)
-    if mv.c_contiguous:
-        arr = np.frombuffer(mv, dtype=np.uint8)
-        return arr.__array_interface__["data"][0], (arr, mv)
-    return None
-
-
-def _copy_into(segment: _core.Buffer, offset: int, leaf: Leaf) -> None:
-    """One copy by the framework straight into shared memory: device tensors (a single
-    device-to-host transfer) and non-contiguous arrays."""
-    obj = leaf.obj
-    torch = _torch()
-    if torch is not None and isinstance(obj, torch.Tensor):
-        dst = torch.frombuffer(segment, dtype=torch.uint8, count=leaf.nbytes, offset=offset)
-        dst = dst.view(obj.dtype).view(obj.shape)
-        dst.copy_(obj)
-        return
-    dst = np.frombuffer(segment, dtype=obj.dtype, count=obj.size, offset=offset).reshape(obj.shape)
-    np.copyto(dst, obj)
-
-
-@dataclass
-class RestoreInfo:
-    """How the last restore went."""
-
-    step: int
-    seconds: float
-    #: Number of items read from each tier ("ram", "disk", "ram+disk" when chunks were mixed).
-    tiers: dict[str, int] = field(default_factory=dict)
-    nbytes: int = 0
-    warnings: list[str] = field(default_factory=list)
-
-    @property
-    def tier(self) -> str:
-        """The tier most items came from."""
-        return max(self.tiers, key=self.tiers.get) if self.tiers else "-"
-
-
-class Reader:
-    """One rank's view of a committed step; reads only the items asked for."""
-
-    def __init__(self, store: Store, step: int, rank: int | None = None, tiers: list[str] | None = None):
-        self._core = store._core.reader(step, rank, tiers)
-        self.step = step
-        self.manifest: dict = json.loads(self._core.manifest_json())
-        self._trees = dict((name, tree) for name, tree in self.manifest["trees"])
-        self.info = RestoreInfo(step=step, seconds=0.0)
-
-    def names(self) -> list[str]:
-        """The names that were put in this step."""
-        return list(self._trees)
-
-    def get(self, name: str) -> Any:
-        """Rebuilds one put value (e.g. "optim") without reading the others."""
-        if name not in self._trees:
-            raise _core.NotFoundError(f"step {self.step}: nothing was put under '{name}' (have: {', '.join(self._trees)})")
-        return self._read(self._trees[name])
-
-    def get_all(self) -> dict[str, Any]:
-        return {name: self._read(tree) for name, tree in self._trees.items()}
-
-    def _read(self, tree: dict) -> Any:
-        t0 = time.perf_counter()
-        refs = tree_items(tree)
-        # Item references in a tree index the put's own leaves; the manifest numbers items
-        # across puts, in put order.
-        base = self._item_base(tree)
-        indices = [base + r for r in refs]
-        buffers = self._core.read_items(indices)
-        values: dict[int, Any] = {}
-        for r, i, (buf, tier) in zip(refs, indices, buffers):
-            item = self.manifest["items"][i]
-            values[r] = _rebuild(item, buf)
-            self.info.tiers[tier] = self.info.tiers.get(tier, 0) + 1
-            self.info.nbytes += item["nbytes"]
-        self.info.seconds += time.perf_counter() - t0
-        self.info.warnings = self._core.warnings()
-        return unflatten(tree, values)
-
-    def _item_base(self, tree: dict) -> int:
-        base = 0
-        for name, t in self._trees.items():
-            if t is tree:
-                return base
-            base += len(tree_items(t))
-        raise AssertionError("tree not in manifest")
-
-
-def _rebuild(item: dict, buf: _core.Buffer) -> Any:
-    meta = item.get("meta") or {}
-    if item["kind"] == "bytes":
-        data = bytes(memoryview(buf)) if len(buf) else b""
-        kind = meta.get("type")
-        if kind == "pickle":
-            return pickle.loads(data)
-        if kind == "bytearray":
-            return bytearray(data)
-        return data
-    shape = tuple(item["shape"])
-    dtype = item["dtype"]
-    if meta.get("framework") == "torch":
-        try:
-            import torch
-        except ImportError:
-            raise _core.InvalidArgumentError(f"item '{item['name']}' is a torch tensor; install torch to restore it") from None
-        tdt = _dtypes.torch_dtype(dtype)
-        if item["nbytes"] == 0:
-            t = torch.empty(shape, dtype=tdt)
-        else:
-            t = torch.frombuffer(buf, dtype=torch.uint8).view(tdt).reshape(shape)
-        if meta.get("requires_grad"):
-            t.requires_grad_(True)
-        return t
-    ndt = _dtypes.numpy_dtype(dtype)
-    if item["nbytes"] == 0:
-        arr = np.empty(shape, dtype=ndt)
-    else:
-        arr = np.frombuffer(buf, dtype=ndt).reshape(shape)
-    if meta.get("scalar"):
-        return arr[()]
-    return arr
 
 
 class Store:
@@ -311,7 +74,7 @@ class Store:
         has_peer = any(t["kind"] == "peer" for t in self._core.tiers())
         if self.coordinator is None:
             if has_peer:
-                raise _core.InvalidArgumentError(
+                raise InvalidArgumentError(
                     "a peer tier needs a coordinator to exchange addresses: initialize torch.distributed "
                     "(or jax.distributed) before opening the Store, or pass coordinator="
                 )
@@ -319,7 +82,9 @@ class Store:
         host = os.environ.get("TIERCEL_HOST") or socket.gethostname()
         addr = secret = None
         if has_peer:
-            ip, port = self._core.peer_address().rsplit(":", 1)
+            listen = self._core.peer_address()
+            assert listen is not None  # the policy has a peer tier
+            ip, port = listen.rsplit(":", 1)
             if ip in ("0.0.0.0", "[::]"):
                 ip = os.environ.get("TIERCEL_ADVERTISE") or socket.gethostbyname(socket.gethostname())
             addr = f"{ip}:{port}"
@@ -342,14 +107,14 @@ class Store:
     def writer(self, step: int) -> Writer:
         """A writer for `step`: `with store.writer(step) as w: w.put("model", sd)`."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise _core.InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
+            raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
         return Writer(self, step)
 
     def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
         """Saves a dict state; each top-level key becomes one put ("model", "optim", ...).
         Returns once the state is in the memory tier; the rest happens in the background."""
         if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
-            raise _core.InvalidArgumentError(
+            raise InvalidArgumentError(
                 f"save() takes a dict with str keys (e.g. {{'model': ..., 'optim': ...}}), got {type(state).__name__}; "
                 "use store.writer(step).put(name, value) for anything else"
             )
@@ -384,7 +149,7 @@ class Store:
                     return step
             return None
         if self.coordinator is None:
-            raise _core.InvalidArgumentError(
+            raise InvalidArgumentError(
                 "a job of several ranks needs a coordinator to agree on the step: initialize torch.distributed "
                 "before opening the Store, pass coordinator=, or restore(step=N)"
             )
@@ -404,7 +169,7 @@ class Store:
         try:
             self._core.reader(step, None, None)
             return True
-        except _core.TiercelError as e:
+        except TiercelError as e:
             self._skipped.append(f"step {step} skipped on rank {self.rank}: {e}")
             return False
 
@@ -435,10 +200,10 @@ class Store:
         if step is None:
             try:
                 steps: Any = self.steps()
-            except _core.TiercelError as e:
+            except TiercelError as e:
                 steps = f"cannot list: {e}"
             why = "".join(f"; {s}" for s in self._skipped)
-            raise _core.NotFoundError(
+            raise NotFoundError(
                 f"rank {self.rank}: no step can be restored by every rank from tiers {self._core.restore_order} "
                 f"(committed here: {steps}){why}"
             )

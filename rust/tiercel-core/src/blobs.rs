@@ -142,12 +142,7 @@ impl Blobs for FsBlobs {
         let p = self.path(key);
         self.ensure_parent(&p)?;
         let tmp = tmp_path(&p);
-        let file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)
-            .map_err(|e| self.err(&p, e))?;
+        let file = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp).map_err(|e| self.err(&p, e))?;
         Ok(Box::new(FsWriter { tier: self.tier.clone(), file: std::io::BufWriter::with_capacity(1 << 20, file), tmp, dst: p }))
     }
 

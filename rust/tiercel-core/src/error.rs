@@ -54,16 +54,10 @@ impl Error {
     pub fn io(tier: &str, what: &std::path::Path, e: std::io::Error) -> Self {
         let hint = match e.raw_os_error() {
             Some(libc::ENOSPC) => " (no space left: free space or lower `keep`/`capacity`)",
-            Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => {
-                " (permission denied or read-only: check the tier's root/url)"
-            }
+            Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => " (permission denied or read-only: check the tier's root/url)",
             _ => "",
         };
-        let kind = if e.kind() == std::io::ErrorKind::NotFound {
-            ErrorKind::NotFound
-        } else {
-            ErrorKind::TierUnavailable
-        };
+        let kind = if e.kind() == std::io::ErrorKind::NotFound { ErrorKind::NotFound } else { ErrorKind::TierUnavailable };
         Error::new(kind, format!("tier '{tier}': {}: {e}{hint}", what.display()))
     }
     /// Prefix the message with more context ("step 4, rank 1: ...").

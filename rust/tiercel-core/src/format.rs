@@ -82,11 +82,48 @@ pub struct ItemMeta {
     pub dtype: String,
     pub shape: Vec<u64>,
     pub nbytes: u64,
-    /// Free-form facts the Python side needs to rebuild the value (framework, shard info);
+    /// Free-form facts the Python side needs to rebuild the value (framework, dtype quirks);
     /// tiercel-core stores it and never interprets it.
     #[serde(default)]
     pub meta: serde_json::Value,
+    /// Where this item lies in a global array when it is one shard of it (absent: the item
+    /// is the whole value). Omitted from the JSON when absent, so older manifests read as is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<ShardInfo>,
     pub chunks: Vec<ChunkMeta>,
+}
+
+/// One shard of a global array: the item's `shape` is the shard's own; it starts at
+/// `offsets` (one per dimension) in an array of `global_shape`. `replica_id` tells copies of
+/// the same shard apart (0 for the first data-parallel replica), so a restore can read each
+/// shard once and place it into any target sharding.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ShardInfo {
+    pub global_shape: Vec<u64>,
+    pub offsets: Vec<u64>,
+    #[serde(default)]
+    pub replica_id: u32,
+}
+
+impl ShardInfo {
+    /// Checks that a shard of `shape` fits: the ranks agree and, per dimension,
+    /// `offset + shape <= global`. Returns why not.
+    pub fn check(&self, shape: &[u64]) -> std::result::Result<(), String> {
+        let rank = self.global_shape.len();
+        if self.offsets.len() != rank || shape.len() != rank {
+            return Err(format!(
+                "shard has {} offsets and a global shape of {rank} dimensions for an item of {} dimensions; all three must match",
+                self.offsets.len(),
+                shape.len()
+            ));
+        }
+        for (d, ((&off, &n), &g)) in self.offsets.iter().zip(shape).zip(&self.global_shape).enumerate() {
+            if off.checked_add(n).is_none_or(|end| end > g) {
+                return Err(format!("shard dimension {d}: offset {off} + size {n} exceeds the global size {g}"));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -135,8 +172,8 @@ impl Manifest {
 
     /// Decodes and checks a manifest read from `where_` (a path or key, for the message).
     pub fn from_json(bytes: &[u8], where_: &str) -> Result<Self> {
-        let m: Manifest = serde_json::from_slice(bytes)
-            .map_err(|e| Error::integrity(format!("{where_}: not a valid tiercel manifest: {e}")))?;
+        let m: Manifest =
+            serde_json::from_slice(bytes).map_err(|e| Error::integrity(format!("{where_}: not a valid tiercel manifest: {e}")))?;
         if m.format != MANIFEST_FORMAT {
             return Err(Error::integrity(format!("{where_}: format is '{}', expected '{MANIFEST_FORMAT}'", m.format)));
         }
@@ -147,6 +184,9 @@ impl Manifest {
             )));
         }
         for item in &m.items {
+            if let Some(shard) = &item.shard {
+                shard.check(&item.shape).map_err(|why| Error::integrity(format!("{where_}: item '{}': {why}", item.name)))?;
+            }
             let mut expect = 0u64;
             for c in &item.chunks {
                 if c.offset != expect || c.object as usize >= m.objects.len() {
@@ -203,16 +243,13 @@ pub struct CommitRecord {
 
 impl CommitRecord {
     pub fn new(step: u64, world_size: u32, tier: &str) -> Self {
-        let time = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs_f64())
-            .unwrap_or(0.0);
+        let time = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
         CommitRecord { format: COMMIT_FORMAT.into(), version: FORMAT_VERSION, step, world_size, tier: tier.into(), time, ranks: None }
     }
 
     pub fn from_json(bytes: &[u8], where_: &str) -> Result<Self> {
-        let c: CommitRecord = serde_json::from_slice(bytes)
-            .map_err(|e| Error::integrity(format!("{where_}: not a valid commit record: {e}")))?;
+        let c: CommitRecord =
+            serde_json::from_slice(bytes).map_err(|e| Error::integrity(format!("{where_}: not a valid commit record: {e}")))?;
         if c.format != COMMIT_FORMAT || c.version > FORMAT_VERSION {
             return Err(Error::integrity(format!("{where_}: unknown commit record format/version")));
         }
@@ -259,18 +296,66 @@ mod tests {
             shape: vec![8],
             nbytes: 8,
             meta: serde_json::Value::Null,
-            chunks: vec![ChunkMeta {
-                offset: 0,
-                len: 8,
-                crc32c: 0,
-                object: 0,
-                stored_offset: 4,
-                stored_len: 8,
-                codec: "raw".into(),
-            }],
+            shard: None,
+            chunks: vec![ChunkMeta { offset: 0, len: 8, crc32c: 0, object: 0, stored_offset: 4, stored_len: 8, codec: "raw".into() }],
         });
         let e = Manifest::from_json(&m.to_json(), "x").unwrap_err();
         assert!(e.message.contains("outside object"), "{}", e.message);
         assert!(Manifest::from_json(b"{", "x/y.json").unwrap_err().message.contains("x/y.json"));
+    }
+
+    fn one_item(shard: Option<ShardInfo>) -> Manifest {
+        let mut m = Manifest::new(1, 0, 1, "ram", 4);
+        m.objects.push(ObjectMeta { name: "d".into(), len: 8 });
+        m.items.push(ItemMeta {
+            name: "w".into(),
+            kind: "array".into(),
+            dtype: "uint8".into(),
+            shape: vec![2, 4],
+            nbytes: 8,
+            meta: serde_json::Value::Null,
+            shard,
+            chunks: vec![ChunkMeta { offset: 0, len: 8, crc32c: 0, object: 0, stored_offset: 0, stored_len: 8, codec: "raw".into() }],
+        });
+        m
+    }
+
+    #[test]
+    fn shard_info_round_trips_and_is_omitted_when_absent() {
+        let plain = one_item(None);
+        let text = String::from_utf8(plain.to_json()).unwrap();
+        assert!(!text.contains("shard"), "{text}");
+        assert_eq!(Manifest::from_json(text.as_bytes(), "x").unwrap(), plain);
+        // A manifest written before shards existed (this one) has no such field and reads as before.
+
+        let shard = ShardInfo { global_shape: vec![4, 8], offsets: vec![2, 4], replica_id: 1 };
+        let sharded = one_item(Some(shard.clone()));
+        let text = String::from_utf8(sharded.to_json()).unwrap();
+        assert!(text.contains(r#""shard":{"global_shape":[4,8],"offsets":[2,4],"replica_id":1}"#), "{text}");
+        assert_eq!(Manifest::from_json(text.as_bytes(), "x").unwrap().items[0].shard, Some(shard));
+        // replica_id may be left out (0).
+        let text = text.replace(r#","replica_id":1"#, "");
+        assert_eq!(Manifest::from_json(text.as_bytes(), "x").unwrap().items[0].shard.as_ref().unwrap().replica_id, 0);
+    }
+
+    #[test]
+    fn shard_info_must_fit_its_global_array() {
+        let bad = [
+            (
+                ShardInfo { global_shape: vec![4, 8], offsets: vec![3, 4], replica_id: 0 },
+                "dimension 0: offset 3 + size 2 exceeds the global size 4",
+            ),
+            (ShardInfo { global_shape: vec![4, 8], offsets: vec![0, 5], replica_id: 0 }, "dimension 1"),
+            (ShardInfo { global_shape: vec![4, 8], offsets: vec![0], replica_id: 0 }, "1 offsets"),
+            (ShardInfo { global_shape: vec![8], offsets: vec![0], replica_id: 0 }, "all three must match"),
+            (ShardInfo { global_shape: vec![4, 8], offsets: vec![u64::MAX, 0], replica_id: 0 }, "exceeds"),
+        ];
+        for (shard, want) in bad {
+            let e = Manifest::from_json(&one_item(Some(shard)).to_json(), "m.json").unwrap_err();
+            assert_eq!(e.kind, crate::error::ErrorKind::Integrity);
+            assert!(e.message.contains(want) && e.message.contains("m.json") && e.message.contains("'w'"), "{}", e.message);
+        }
+        let whole = ShardInfo { global_shape: vec![2, 4], offsets: vec![0, 0], replica_id: 0 };
+        assert!(Manifest::from_json(&one_item(Some(whole)).to_json(), "m.json").is_ok());
     }
 }

@@ -33,8 +33,7 @@ use object_store::gcp::{GcpCredential, GoogleCloudStorageBuilder, GoogleConfigKe
 use object_store::multipart::{MultipartStore, PartId};
 use object_store::path::Path as ObjPath;
 use object_store::{
-    ClientConfigKey, GetOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig,
-    StaticCredentialProvider,
+    ClientConfigKey, GetOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig, StaticCredentialProvider,
 };
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
@@ -340,7 +339,11 @@ fn gcs_builder(url: &str, o: &ObjectOptions, env: &Env) -> Result<(GoogleCloudSt
     // The Google SDKs' emulator switch: its host, anonymous requests.
     let emulator = env.get("STORAGE_EMULATOR_HOST").map(|h| {
         let h = h.trim_end_matches('/');
-        if h.contains("://") { h.to_string() } else { format!("http://{h}") }
+        if h.contains("://") {
+            h.to_string()
+        } else {
+            format!("http://{h}")
+        }
     });
     let base = o.endpoint.clone().or(emulator.clone());
     if let Some(base) = &base {
@@ -358,9 +361,7 @@ fn gcs_builder(url: &str, o: &ObjectOptions, env: &Env) -> Result<(GoogleCloudSt
     let allow_http_key = GoogleConfigKey::Client(ClientConfigKey::AllowHttp);
     match o.allow_http {
         Some(a) => b = b.with_config(allow_http_key, a.to_string()),
-        None if base.as_deref().is_some_and(is_http) && env.get("GOOGLE_ALLOW_HTTP").is_none() => {
-            b = b.with_config(allow_http_key, "true")
-        }
+        None if base.as_deref().is_some_and(is_http) && env.get("GOOGLE_ALLOW_HTTP").is_none() => b = b.with_config(allow_http_key, "true"),
         None => {}
     }
     match o.timeout {
@@ -615,8 +616,9 @@ impl Inner {
             match self.store.put_opts(&path, bytes.clone().into(), opts).await {
                 Ok(_) => return Ok(true),
                 Err(object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. }) => return Ok(false),
-                Err(e) if matches!(e, object_store::Error::NotImplemented { .. } | object_store::Error::NotSupported { .. })
-                    || e.to_string().contains("status code: 501") =>
+                Err(e)
+                    if matches!(e, object_store::Error::NotImplemented { .. } | object_store::Error::NotSupported { .. })
+                        || e.to_string().contains("status code: 501") =>
                 {
                     if !self.no_conditional_put.swap(true, Ordering::Relaxed) {
                         log::warn!(
@@ -631,7 +633,12 @@ impl Inner {
                 // A create that is not idempotent is not retried by the client on a reset or
                 // timeout: the object may or may not be there. Look, then try again.
                 Err(e) if attempt < 4 => {
-                    log::warn!("tier '{}': create-if-absent of {} failed, checking: {}", self.tier, self.describe(key), sanitize(&e.to_string(), &self.secrets));
+                    log::warn!(
+                        "tier '{}': create-if-absent of {} failed, checking: {}",
+                        self.tier,
+                        self.describe(key),
+                        sanitize(&e.to_string(), &self.secrets)
+                    );
                     match self.get(key).await {
                         Ok(have) => return Ok(have.as_ref() == data),
                         Err(g) if g.kind == ErrorKind::NotFound => {}
@@ -846,7 +853,13 @@ impl ObjectWriter {
             std::process::id(),
             MARKER_SEQ.fetch_add(1, Ordering::Relaxed)
         );
-        let m = UploadMarker { key: self.key.clone(), upload_id: id.clone(), host: i.host.clone(), pid: std::process::id(), started: unix_now() };
+        let m = UploadMarker {
+            key: self.key.clone(),
+            upload_id: id.clone(),
+            host: i.host.clone(),
+            pid: std::process::id(),
+            started: unix_now(),
+        };
         if let Err(e) = block_on(i.put(&marker, serde_json::to_vec(&m).unwrap().into())) {
             let _ = block_on(i.multipart.abort_multipart(&path, &id));
             active_uploads().lock().remove(&id);
@@ -1053,7 +1066,13 @@ mod tests {
         assert_eq!(v(&b, AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp)).as_deref(), Some("true"));
         // The environment beats the files.
         let b = s3(
-            &[("AWS_ACCESS_KEY_ID", "ENVKEY"), ("AWS_SECRET_ACCESS_KEY", "ENVSECRET"), ("AWS_DEFAULT_REGION", "us-west-1"), ("AWS_REGION", "us-west-2"), ("AWS_ENDPOINT_URL", "https://minio.local")],
+            &[
+                ("AWS_ACCESS_KEY_ID", "ENVKEY"),
+                ("AWS_SECRET_ACCESS_KEY", "ENVSECRET"),
+                ("AWS_DEFAULT_REGION", "us-west-1"),
+                ("AWS_REGION", "us-west-2"),
+                ("AWS_ENDPOINT_URL", "https://minio.local"),
+            ],
             h,
             &none,
         );

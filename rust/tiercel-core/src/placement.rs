@@ -59,9 +59,7 @@ impl Strategy {
             "group" => Ok(Strategy::Group),
             "ring" => Ok(Strategy::Ring),
             "mixed" => Ok(Strategy::Mixed),
-            _ => Err(Error::invalid(format!(
-                "unknown placement strategy '{s}': expected \"group\", \"ring\" or \"mixed\""
-            ))),
+            _ => Err(Error::invalid(format!("unknown placement strategy '{s}': expected \"group\", \"ring\" or \"mixed\""))),
         }
     }
 }
@@ -100,9 +98,7 @@ impl Placement {
             return Err(Error::invalid("placement needs at least one host (hosts = 0)"));
         }
         if m == 0 {
-            return Err(Error::invalid(
-                "replicas must be at least 1 (the host's own copy counts as one replica)",
-            ));
+            return Err(Error::invalid("replicas must be at least 1 (the host's own copy counts as one replica)"));
         }
         if m > n {
             return Err(Error::invalid(format!(

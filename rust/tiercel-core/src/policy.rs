@@ -83,17 +83,11 @@ pub struct Compression {
 
 impl Compression {
     pub fn none() -> Self {
-        Compression {
-            codec: Codec::None,
-            bytegroup: false,
-        }
+        Compression { codec: Codec::None, bytegroup: false }
     }
 
     fn zstd(level: i32) -> Self {
-        Compression {
-            codec: Codec::Zstd { level },
-            bytegroup: false,
-        }
+        Compression { codec: Codec::Zstd { level }, bytegroup: false }
     }
 
     /// Parses `none` | `off` | `zstd` (level 3) | `zstd:N` | `bytegroup+zstd` |
@@ -118,10 +112,7 @@ impl Compression {
             },
             None => return Err(format!("{EXPECTED}, got {s:?}")),
         };
-        Ok(Compression {
-            bytegroup,
-            ..Self::zstd(level)
-        })
+        Ok(Compression { bytegroup, ..Self::zstd(level) })
     }
 }
 
@@ -238,9 +229,7 @@ pub struct Policy {
 impl Policy {
     /// Reads and validates a TOML policy file.
     pub fn load(path: &Path) -> Result<Policy> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            Error::config(format!("cannot read policy file {}: {e}", path.display()))
-        })?;
+        let text = std::fs::read_to_string(path).map_err(|e| Error::config(format!("cannot read policy file {}: {e}", path.display())))?;
         Self::from_toml(&text, &path.display().to_string())
     }
 
@@ -253,24 +242,16 @@ impl Policy {
             // toml's messages may span lines ("invalid array\nexpected `]`"): keep it one line.
             let message = e.message().trim().replace('\n', "; ");
             // Quote the line, so the key is named even when toml's message does not.
-            let quoted = at
-                .and_then(|l| text.lines().nth(l - 1))
-                .map(|l| format!(" (line: `{}`)", l.trim()))
-                .unwrap_or_default();
+            let quoted = at.and_then(|l| text.lines().nth(l - 1)).map(|l| format!(" (line: `{}`)", l.trim())).unwrap_or_default();
             Error::config(format!("{source}:{line} invalid TOML: {message}{quoted}"))
         })?;
-        Checker {
-            source,
-            text: Some(text),
-        }
-        .policy(&root)
+        Checker { source, text: Some(text) }.policy(&root)
     }
 
     /// The same schema as a JSON object: `{"tier": [{...}], "restore": {"order": [...]},
     /// "store": {...}}`.
     pub fn from_json(text: &str, source: &str) -> Result<Policy> {
-        let value: serde_json::Value = serde_json::from_str(text)
-            .map_err(|e| Error::config(format!("{source}: invalid JSON: {e}")))?;
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| Error::config(format!("{source}: invalid JSON: {e}")))?;
         Checker { source, text: None }.policy(&Node::from(value))
     }
 
@@ -287,25 +268,20 @@ impl Policy {
 /// Parses a byte size: `"8GiB"`, `"512 MiB"`, `"1.5GB"`, `"4096"`. KB/MB/GB/TB are decimal
 /// (1000^n), KiB/MiB/GiB/TiB binary (1024^n).
 pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
-    parse_bytes(s).map_err(|why| {
-        format!("{s:?} is not a size ({why}); write e.g. \"8GiB\", \"1.5GB\" or 4096 (bytes)")
-    })
+    parse_bytes(s).map_err(|why| format!("{s:?} is not a size ({why}); write e.g. \"8GiB\", \"1.5GB\" or 4096 (bytes)"))
 }
 
 /// Parses bytes per second: `"2GB/s"`, `"100MiB/s"`; `"2GB"` and a plain integer also work.
 pub fn parse_bandwidth(s: &str) -> std::result::Result<u64, String> {
     let t = s.trim();
-    parse_bytes(t.strip_suffix("/s").unwrap_or(t)).map_err(|why| {
-        format!("{s:?} is not a bandwidth ({why}); write e.g. \"2GB/s\" or \"100MiB/s\"")
-    })
+    parse_bytes(t.strip_suffix("/s").unwrap_or(t))
+        .map_err(|why| format!("{s:?} is not a bandwidth ({why}); write e.g. \"2GB/s\" or \"100MiB/s\""))
 }
 
 /// A number with an optional unit, exactly in bytes. Returns why not, for the caller to wrap.
 fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
     let s = s.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
     let (number, unit) = (&s[..split], s[split..].trim_start());
     // Decimal arithmetic in integers, so that "1.5GiB" is exact and "1.5B" is refused.
     let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
@@ -316,12 +292,8 @@ fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
     let multiplier = unit_multiplier(unit)?;
     let too_large = || "too large".to_string();
     let mantissa: u128 = digits.parse().map_err(|_| too_large())?;
-    let scale = 10u128
-        .checked_pow(fraction.len() as u32)
-        .ok_or_else(too_large)?;
-    let total = mantissa
-        .checked_mul(multiplier.into())
-        .ok_or_else(too_large)?;
+    let scale = 10u128.checked_pow(fraction.len() as u32).ok_or_else(too_large)?;
+    let total = mantissa.checked_mul(multiplier.into()).ok_or_else(too_large)?;
     if total % scale != 0 {
         return Err("not a whole number of bytes".into());
     }
@@ -345,10 +317,7 @@ fn unit_multiplier(unit: &str) -> std::result::Result<u64, String> {
         "B" => Ok(1000u64.pow(power)),
         "iB" | "ib" | "IB" | "Ib" => Ok(1024u64.pow(power)),
         // Network speeds are often quoted in bits (10Gb/s = 1.25GB/s): refuse rather than guess.
-        "b" => Err(format!(
-            "`{unit}` means bits; write `{}B` for bytes",
-            &unit[..1]
-        )),
+        "b" => Err(format!("`{unit}` means bits; write `{}B` for bytes", &unit[..1])),
         _ => Err(unknown()),
     }
 }
@@ -414,14 +383,10 @@ impl From<serde_json::Value> for Node {
             J::Null => Value::Null,
             J::Bool(b) => Value::Bool(b),
             // An integer beyond i64 is no valid setting; as a float it is reported as such.
-            J::Number(n) => n
-                .as_i64()
-                .map_or_else(|| Value::Float(n.as_f64().unwrap_or(f64::NAN)), Value::Int),
+            J::Number(n) => n.as_i64().map_or_else(|| Value::Float(n.as_f64().unwrap_or(f64::NAN)), Value::Int),
             J::String(s) => Value::Str(s),
             J::Array(items) => Value::List(items.into_iter().map(Node::from).collect()),
-            J::Object(map) => {
-                Value::Table(map.into_iter().map(|(k, v)| (k, Node::from(v))).collect())
-            }
+            J::Object(map) => Value::Table(map.into_iter().map(|(k, v)| (k, Node::from(v))).collect()),
         })
     }
 }
@@ -432,11 +397,7 @@ impl From<serde_json::Value> for Node {
 // entries, which `Spanned` rejects; `NodeVisitor` takes either answer.
 const SPANNED_NAME: &str = "$__serde_spanned_private_Spanned";
 const SPANNED_START: &str = "$__serde_spanned_private_start";
-const SPANNED_FIELDS: &[&str] = &[
-    SPANNED_START,
-    "$__serde_spanned_private_end",
-    "$__serde_spanned_private_value",
-];
+const SPANNED_FIELDS: &[&str] = &[SPANNED_START, "$__serde_spanned_private_end", "$__serde_spanned_private_value"];
 /// toml presents a date-time as a map with this single key.
 const TOML_DATETIME: &str = "$__toml_private_datetime";
 
@@ -471,9 +432,7 @@ impl<'de> Visitor<'de> for NodeVisitor {
         Ok(Node::bare(Value::Int(n)))
     }
     fn visit_u64<E>(self, n: u64) -> std::result::Result<Node, E> {
-        Ok(Node::bare(
-            i64::try_from(n).map_or(Value::Float(n as f64), Value::Int),
-        ))
+        Ok(Node::bare(i64::try_from(n).map_or(Value::Float(n as f64), Value::Int)))
     }
     fn visit_f64<E>(self, x: f64) -> std::result::Result<Node, E> {
         Ok(Node::bare(Value::Float(x)))
@@ -502,10 +461,7 @@ impl<'de> Visitor<'de> for NodeVisitor {
                     map.next_value::<usize>()?;
                     map.next_key::<String>()?;
                     let node = map.next_value_seed(Unspanned)?;
-                    return Ok(Node {
-                        pos: Some(start),
-                        ..node
-                    });
+                    return Ok(Node { pos: Some(start), ..node });
                 }
                 TOML_DATETIME => return Ok(Node::bare(Value::Datetime(map.next_value()?))),
                 _ => entries.push((key, map.next_value::<Node>()?)),
@@ -549,21 +505,13 @@ const PEER_KEYS: &[&str] = &["replicas", "placement", "listen", "secret"];
 const RESTORE_KEYS: &[&str] = &["order"];
 const STORE_KEYS: &[&str] = &["chunk_size", "threads", "io_threads"];
 /// Where each key belongs, to point a key written in the wrong table to the right one.
-const SECTIONS: &[(&str, &[&str])] = &[
-    ("the top level", TOP_KEYS),
-    ("[[tier]]", TIER_KEYS),
-    ("[restore]", RESTORE_KEYS),
-    ("[store]", STORE_KEYS),
-];
+const SECTIONS: &[(&str, &[&str])] =
+    &[("the top level", TOP_KEYS), ("[[tier]]", TIER_KEYS), ("[restore]", RESTORE_KEYS), ("[store]", STORE_KEYS)];
 
 /// 1-based line of a byte offset.
 fn line_of(text: &str, pos: usize) -> usize {
     let end = pos.min(text.len());
-    text.as_bytes()[..end]
-        .iter()
-        .filter(|&&b| b == b'\n')
-        .count()
-        + 1
+    text.as_bytes()[..end].iter().filter(|&&b| b == b'\n').count() + 1
 }
 
 /// Builds a `Policy` from a source tree and phrases its errors.
@@ -588,11 +536,7 @@ impl Checker<'_> {
     }
 
     fn expected(&self, node: &Node, path: &str, what: &str) -> Error {
-        self.at(
-            node,
-            path,
-            format!("expected {what}, got {}", node.describe()),
-        )
+        self.at(node, path, format!("expected {what}, got {}", node.describe()))
     }
 
     fn table<'n>(&self, node: &'n Node, path: &str) -> Result<&'n [(String, Node)]> {
@@ -609,19 +553,12 @@ impl Checker<'_> {
         };
         let hint = if let Some(close) = closest(key, known) {
             format!("did you mean `{close}`?")
-        } else if let Some((section, _)) = SECTIONS
-            .iter()
-            .find(|(_, keys)| keys.contains(&key.as_str()))
-        {
+        } else if let Some((section, _)) = SECTIONS.iter().find(|(_, keys)| keys.contains(&key.as_str())) {
             format!("`{key}` belongs in {section}")
         } else {
             format!("known keys: {}", known.join(", "))
         };
-        let at = if path.is_empty() {
-            key.clone()
-        } else {
-            format!("{path}.{key}")
-        };
+        let at = if path.is_empty() { key.clone() } else { format!("{path}.{key}") };
         Err(self.at(node, &at, format!("unknown key `{key}`; {hint}")))
     }
 
@@ -645,13 +582,7 @@ impl Checker<'_> {
     }
 
     /// A positive number of bytes: an integer, or a string read by `parse`, which reads `what`.
-    fn bytes(
-        &self,
-        node: &Node,
-        path: &str,
-        parse: fn(&str) -> std::result::Result<u64, String>,
-        what: &str,
-    ) -> Result<u64> {
+    fn bytes(&self, node: &Node, path: &str, parse: fn(&str) -> std::result::Result<u64, String>, what: &str) -> Result<u64> {
         let n = match &node.value {
             Value::Str(s) => parse(s).map_err(|m| self.at(node, path, m))?,
             Value::Int(n) if *n > 0 => *n as u64,
@@ -671,9 +602,7 @@ impl Checker<'_> {
         let tier_nodes = match get("tier") {
             Some(node) => match &node.value {
                 Value::List(items) if !items.is_empty() => items,
-                _ => {
-                    return Err(self.expected(node, "tier", "a non-empty list of [[tier]] tables"))
-                }
+                _ => return Err(self.expected(node, "tier", "a non-empty list of [[tier]] tables")),
             },
             None => {
                 return Err(Error::config(format!(
@@ -694,13 +623,10 @@ impl Checker<'_> {
         };
         let mut policy = Policy {
             source: self.source.to_string(),
-            restore_order: restore_order
-                .unwrap_or_else(|| tiers.iter().map(|t| t.name.clone()).collect()),
+            restore_order: restore_order.unwrap_or_else(|| tiers.iter().map(|t| t.name.clone()).collect()),
             tiers,
             chunk_size: DEFAULT_CHUNK_SIZE,
-            threads: std::thread::available_parallelism()
-                .map_or(1, |n| n.get())
-                .min(MAX_DEFAULT_THREADS),
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_DEFAULT_THREADS),
             io_threads: DEFAULT_IO_THREADS,
         };
         if let Some(node) = get("store") {
@@ -714,9 +640,7 @@ impl Checker<'_> {
         let bare_path = format!("tier[{i}]");
         let entries = self.table(node, &bare_path)?;
         let get = |key: &str| entries.iter().find(|(k, _)| k == key).map(|(_, n)| n);
-        let missing = |path: &str, key: &str, what: &str| {
-            self.at(node, path, format!("missing `{key}` ({what})"))
-        };
+        let missing = |path: &str, key: &str, what: &str| self.at(node, path, format!("missing `{key}` ({what})"));
 
         let name_path = format!("{bare_path}.name");
         let Some(name_node) = get("name") else {
@@ -725,79 +649,58 @@ impl Checker<'_> {
             return Err(missing(&bare_path, "name", "a unique name such as \"ram\""));
         };
         let name = self.string(name_node, &name_path)?;
-        if !name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-        {
-            return Err(self.expected(
-                name_node,
-                &name_path,
-                "a name of letters, digits, `_` and `-`",
-            ));
+        if !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') {
+            return Err(self.expected(name_node, &name_path, "a name of letters, digits, `_` and `-`"));
         }
         if let Some(j) = earlier.iter().position(|t| t.name == name) {
-            return Err(self.at(
-                name_node,
-                &name_path,
-                format!("duplicate tier name {name:?}, already used by tier[{j}]"),
-            ));
+            return Err(self.at(name_node, &name_path, format!("duplicate tier name {name:?}, already used by tier[{j}]")));
         }
         // In a file the name helps find the table; in JSON the index is the whole address.
-        let path = if self.text.is_some() {
-            format!("{bare_path} ({name:?})")
-        } else {
-            bare_path.clone()
-        };
+        let path = if self.text.is_some() { format!("{bare_path} ({name:?})") } else { bare_path.clone() };
         let key_path = |key: &str| format!("{path}.{key}");
         self.check_keys(entries, &path, TIER_KEYS)?;
 
-        let known_kinds = TierKind::ALL
-            .iter()
-            .map(|k| format!("{:?}", k.as_str()))
-            .collect::<Vec<_>>()
-            .join(", ");
-        let kind_node =
-            get("kind").ok_or_else(|| missing(&path, "kind", &format!("one of {known_kinds}")))?;
+        let known_kinds = TierKind::ALL.iter().map(|k| format!("{:?}", k.as_str())).collect::<Vec<_>>().join(", ");
+        let kind_node = get("kind").ok_or_else(|| missing(&path, "kind", &format!("one of {known_kinds}")))?;
         let kind_name = self.string(kind_node, &key_path("kind"))?;
-        let kind = TierKind::from_name(kind_name).ok_or_else(|| {
-            self.at(
-                kind_node,
-                &key_path("kind"),
-                format!("unknown kind {kind_name:?}; known kinds: {known_kinds}"),
-            )
-        })?;
+        let kind = TierKind::from_name(kind_name)
+            .ok_or_else(|| self.at(kind_node, &key_path("kind"), format!("unknown kind {kind_name:?}; known kinds: {known_kinds}")))?;
         // The blocking part of a save copies into shared memory, so that tier comes first, once.
         match (i, &kind) {
             (0, TierKind::Memory) => {}
             (0, _) => {
-                return Err(self.at(kind_node, &key_path("kind"), format!(
-                    "the first tier must be kind \"memory\" (a save copies into shared memory first), got {kind_name:?}"
-                )))
+                return Err(self.at(
+                    kind_node,
+                    &key_path("kind"),
+                    format!("the first tier must be kind \"memory\" (a save copies into shared memory first), got {kind_name:?}"),
+                ))
             }
             (_, TierKind::Memory) => {
-                return Err(self.at(kind_node, &key_path("kind"), format!(
-                    "only one memory tier is allowed, and tier[0] ({:?}) is one", earlier[0].name
-                )))
+                return Err(self.at(
+                    kind_node,
+                    &key_path("kind"),
+                    format!("only one memory tier is allowed, and tier[0] ({:?}) is one", earlier[0].name),
+                ))
             }
             _ => {}
         }
 
         if kind != TierKind::Peer {
             if let Some(key) = PEER_KEYS.iter().find(|k| get(k).is_some()) {
-                return Err(self.at(
-                    get(key).unwrap(),
-                    &key_path(key),
-                    format!("`{key}` is only valid for kind \"peer\""),
-                ));
+                return Err(self.at(get(key).unwrap(), &key_path(key), format!("`{key}` is only valid for kind \"peer\"")));
             }
         }
         if kind == TierKind::Peer {
             for key in ["root", "url"] {
                 if let Some(n) = get(key) {
-                    return Err(self.at(n, &key_path(key), format!(
-                        "`{key}` is not valid for kind \"peer\": peer copies live under the memory tier's root; \
+                    return Err(self.at(
+                        n,
+                        &key_path(key),
+                        format!(
+                            "`{key}` is not valid for kind \"peer\": peer copies live under the memory tier's root; \
                          set `listen` for the address to serve them on"
-                    )));
+                        ),
+                    ));
                 }
             }
             let listen = match get("listen") {
@@ -814,7 +717,11 @@ impl Checker<'_> {
                 Some(n) => {
                     let r = self.positive_int(n, &key_path("replicas"))? as usize;
                     if r < 2 {
-                        return Err(self.at(n, &key_path("replicas"), "a peer tier needs replicas >= 2 (this host's copy and at least one peer's)".to_string()));
+                        return Err(self.at(
+                            n,
+                            &key_path("replicas"),
+                            "a peer tier needs replicas >= 2 (this host's copy and at least one peer's)".to_string(),
+                        ));
                     }
                     r
                 }
@@ -878,11 +785,8 @@ impl Checker<'_> {
         let location = self.string(location_node, &key_path(location_key))?;
         let location = match kind {
             TierKind::Memory => location.to_string(),
-            TierKind::Fs => {
-                fs_path(location).map_err(|m| self.at(location_node, &key_path("url"), m))?
-            }
-            TierKind::S3 | TierKind::Gcs => object_url(&kind, location)
-                .map_err(|m| self.at(location_node, &key_path("url"), m))?,
+            TierKind::Fs => fs_path(location).map_err(|m| self.at(location_node, &key_path("url"), m))?,
+            TierKind::S3 | TierKind::Gcs => object_url(&kind, location).map_err(|m| self.at(location_node, &key_path("url"), m))?,
             TierKind::Peer => unreachable!(),
         };
 
@@ -906,20 +810,15 @@ impl Checker<'_> {
         };
         Ok(TierConfig {
             every: optional("every").map_or(Ok(1), |(n, p)| self.positive_int(n, &p))?,
-            keep: optional("keep")
-                .map_or(Ok(default_keep), |(n, p)| self.count(n, &p).map(Some))?,
+            keep: optional("keep").map_or(Ok(default_keep), |(n, p)| self.count(n, &p).map(Some))?,
             compression: match optional("compression") {
-                Some((n, p)) => {
-                    Compression::parse(self.string(n, &p)?).map_err(|m| self.at(n, &p, m))?
-                }
+                Some((n, p)) => Compression::parse(self.string(n, &p)?).map_err(|m| self.at(n, &p, m))?,
                 None => default_compression,
             },
             bandwidth: optional("bandwidth")
                 .map(|(n, p)| self.bytes(n, &p, parse_bandwidth, "a bandwidth such as \"2GB/s\""))
                 .transpose()?,
-            capacity: optional("capacity")
-                .map(|(n, p)| self.bytes(n, &p, parse_size, "a size such as \"64GiB\""))
-                .transpose()?,
+            capacity: optional("capacity").map(|(n, p)| self.bytes(n, &p, parse_size, "a size such as \"64GiB\"")).transpose()?,
             name: name.to_string(),
             kind,
             location,
@@ -930,11 +829,7 @@ impl Checker<'_> {
     }
 
     /// The object-store keys of an s3 or gcs tier.
-    fn object_options<'n>(
-        &self,
-        kind: &TierKind,
-        optional: &dyn Fn(&str) -> Option<(&'n Node, String)>,
-    ) -> Result<ObjectOptions> {
+    fn object_options<'n>(&self, kind: &TierKind, optional: &dyn Fn(&str) -> Option<(&'n Node, String)>) -> Result<ObjectOptions> {
         let mut o = ObjectOptions::default();
         if let Some((n, p)) = optional("endpoint") {
             let e = self.string(n, &p)?.trim().trim_end_matches('/');
@@ -959,9 +854,11 @@ impl Checker<'_> {
         if let Some((n, p)) = optional("part_size") {
             let size = self.bytes(n, &p, parse_size, "a size such as \"16MiB\"")?;
             if !(MIN_PART_SIZE..=MAX_PART_SIZE).contains(&size) {
-                return Err(self.at(n, &p, format!(
-                    "expected a size between 5MiB (the smallest part S3 accepts) and 5GiB, got {}", n.describe()
-                )));
+                return Err(self.at(
+                    n,
+                    &p,
+                    format!("expected a size between 5MiB (the smallest part S3 accepts) and 5GiB, got {}", n.describe()),
+                ));
             }
             o.part_size = size;
         }
@@ -993,25 +890,15 @@ impl Checker<'_> {
         };
         let items = match &order.value {
             Value::List(items) if !items.is_empty() => items,
-            _ => {
-                return Err(self.expected(order, "restore.order", "a non-empty list of tier names"))
-            }
+            _ => return Err(self.expected(order, "restore.order", "a non-empty list of tier names")),
         };
         let mut names: Vec<String> = Vec::with_capacity(items.len());
         for (i, item) in items.iter().enumerate() {
             let path = format!("restore.order[{i}]");
             let name = self.string(item, &path)?;
             if tiers.iter().all(|t| t.name != name) {
-                let known = tiers
-                    .iter()
-                    .map(|t| format!("{:?}", t.name))
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                return Err(self.at(
-                    item,
-                    &path,
-                    format!("unknown tier {name:?}; the tiers are {known}"),
-                ));
+                let known = tiers.iter().map(|t| format!("{:?}", t.name)).collect::<Vec<_>>().join(", ");
+                return Err(self.at(item, &path, format!("unknown tier {name:?}; the tiers are {known}")));
             }
             if names.iter().any(|n| n == name) {
                 return Err(self.at(item, &path, format!("tier {name:?} is listed twice")));
@@ -1030,13 +917,8 @@ impl Checker<'_> {
             match key.as_str() {
                 "chunk_size" => {
                     let size = self.bytes(value, &path, parse_size, "a size such as \"4MiB\"")?;
-                    if size % CHUNK_ALIGN != 0 || !(MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&size)
-                    {
-                        return Err(self.expected(
-                            value,
-                            &path,
-                            "a multiple of 4096 bytes between 64KiB and 1GiB",
-                        ));
+                    if size % CHUNK_ALIGN != 0 || !(MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&size) {
+                        return Err(self.expected(value, &path, "a multiple of 4096 bytes between 64KiB and 1GiB"));
                     }
                     policy.chunk_size = size;
                 }
@@ -1055,16 +937,12 @@ fn fs_path(url: &str) -> std::result::Result<String, String> {
         return Ok(url.to_string());
     };
     if scheme != "file" {
-        return Err(format!(
-            "expected a path or file:// URL for kind \"fs\", got {url:?}"
-        ));
+        return Err(format!("expected a path or file:// URL for kind \"fs\", got {url:?}"));
     }
     // file:///abs/path and file://localhost/abs/path name a local path; file://host/... does not.
     let path = rest.strip_prefix("localhost").unwrap_or(rest);
     if !path.starts_with('/') {
-        return Err(format!(
-            "expected a local file:// URL such as \"file:///mnt/ckpt\", got {url:?}"
-        ));
+        return Err(format!("expected a local file:// URL such as \"file:///mnt/ckpt\", got {url:?}"));
     }
     Ok(path.to_string())
 }
@@ -1108,9 +986,7 @@ fn closest<'k>(key: &str, known: &[&'k str]) -> Option<&'k str> {
     known
         .iter()
         .map(|k| (edit_distance(&key, k), *k))
-        .filter(|&(d, k)| {
-            (d <= limit && d < key.chars().count()) || (key.len() >= 3 && k.starts_with(&key))
-        })
+        .filter(|&(d, k)| (d <= limit && d < key.chars().count()) || (key.len() >= 3 && k.starts_with(&key)))
         .min_by_key(|&(d, _)| d)
         .map(|(_, k)| k)
 }
@@ -1122,11 +998,7 @@ fn edit_distance(a: &str, b: &str) -> usize {
     for (i, ca) in a.chars().enumerate() {
         let mut cur = vec![i + 1];
         for (j, cb) in b.iter().enumerate() {
-            cur.push(
-                (prev[j] + usize::from(ca != *cb))
-                    .min(prev[j + 1] + 1)
-                    .min(cur[j] + 1),
-            );
+            cur.push((prev[j] + usize::from(ca != *cb)).min(prev[j + 1] + 1).min(cur[j] + 1));
         }
         prev = cur;
     }
@@ -1166,9 +1038,7 @@ order = ["ram", "disk"]
     }
 
     fn json_err(text: &str) -> String {
-        Policy::from_json(text, "<dict>")
-            .expect_err("policy should be rejected")
-            .message
+        Policy::from_json(text, "<dict>").expect_err("policy should be rejected").message
     }
 
     /// `MINIMAL` plus a second (fs) tier with `extra` lines; its lines start at 5.
@@ -1179,10 +1049,7 @@ order = ["ram", "disk"]
     /// Asserts that `msg` starts with `tiercel.toml:<line>: ` and mentions each of `parts`.
     fn assert_at(msg: &str, line: usize, parts: &[&str]) {
         let prefix = format!("tiercel.toml:{line}: ");
-        assert!(
-            msg.starts_with(&prefix),
-            "expected prefix {prefix:?} in {msg:?}"
-        );
+        assert!(msg.starts_with(&prefix), "expected prefix {prefix:?} in {msg:?}");
         for part in parts {
             assert!(msg.contains(part), "expected {part:?} in {msg:?}");
         }
@@ -1194,10 +1061,7 @@ order = ["ram", "disk"]
         assert_eq!(p.source, "tiercel.toml");
         assert_eq!(p.tiers.len(), 2);
         let ram = p.memory_tier();
-        assert_eq!(
-            (ram.name.as_str(), &ram.kind, ram.location.as_str()),
-            ("ram", &TierKind::Memory, "/dev/shm/tiercel/run1")
-        );
+        assert_eq!((ram.name.as_str(), &ram.kind, ram.location.as_str()), ("ram", &TierKind::Memory, "/dev/shm/tiercel/run1"));
         assert_eq!(ram.capacity, Some(8 << 30));
         assert_eq!(ram.keep, Some(2));
         assert_eq!(ram.every, 1);
@@ -1205,18 +1069,9 @@ order = ["ram", "disk"]
         assert_eq!(ram.bandwidth, None);
         assert_eq!(ram.line, 1);
         let disk = p.tier("disk").unwrap();
-        assert_eq!(
-            (disk.kind.as_str(), disk.location.as_str()),
-            ("fs", "/mnt/ckpt/run1")
-        );
+        assert_eq!((disk.kind.as_str(), disk.location.as_str()), ("fs", "/mnt/ckpt/run1"));
         assert_eq!((disk.every, disk.keep), (10, Some(3)));
-        assert_eq!(
-            disk.compression,
-            Compression {
-                codec: Codec::Zstd { level: 3 },
-                bytegroup: false
-            }
-        );
+        assert_eq!(disk.compression, Compression { codec: Codec::Zstd { level: 3 }, bytegroup: false });
         assert_eq!(disk.bandwidth, Some(2_000_000_000));
         assert_eq!(disk.capacity, None);
         assert_eq!(disk.line, 8);
@@ -1230,10 +1085,7 @@ order = ["ram", "disk"]
     fn defaults() {
         let p = Policy::from_toml(&with_disk(""), "p.toml").unwrap();
         let (ram, disk) = (&p.tiers[0], &p.tiers[1]);
-        assert_eq!(
-            (ram.every, ram.keep, ram.compression),
-            (1, Some(2), Compression::none())
-        );
+        assert_eq!((ram.every, ram.keep, ram.compression), (1, Some(2), Compression::none()));
         assert_eq!((disk.every, disk.keep), (1, None));
         assert_eq!(disk.compression.to_string(), "zstd:3");
         assert_eq!((disk.bandwidth, disk.capacity), (None, None));
@@ -1246,15 +1098,13 @@ order = ["ram", "disk"]
 
     #[test]
     fn store_settings_and_file_urls() {
-        let text = with_disk("[store]\nchunk_size = \"1MiB\"\nthreads = 3\nio_threads = 5\n")
-            .replace("/mnt/c", "file:///mnt/c");
+        let text = with_disk("[store]\nchunk_size = \"1MiB\"\nthreads = 3\nio_threads = 5\n").replace("/mnt/c", "file:///mnt/c");
         let p = Policy::from_toml(&text, "p.toml").unwrap();
         assert_eq!((p.chunk_size, p.threads, p.io_threads), (1 << 20, 3, 5));
         assert_eq!(p.tiers[1].location, "/mnt/c");
         assert_eq!(fs_path("file://localhost/x/y").unwrap(), "/x/y");
         assert_eq!(fs_path("relative/dir").unwrap(), "relative/dir");
-        let p = Policy::from_toml(&format!("{MINIMAL}[store]\nchunk_size = 65536\n"), "p.toml")
-            .unwrap();
+        let p = Policy::from_toml(&format!("{MINIMAL}[store]\nchunk_size = 65536\n"), "p.toml").unwrap();
         assert_eq!(p.chunk_size, 65536);
     }
 
@@ -1268,11 +1118,7 @@ order = ["ram", "disk"]
         let missing = dir.path().join("nope.toml");
         let e = Policy::load(&missing).unwrap_err();
         assert_eq!(e.kind, crate::error::ErrorKind::Config);
-        assert!(
-            e.message.contains(&missing.display().to_string()),
-            "{}",
-            e.message
-        );
+        assert!(e.message.contains(&missing.display().to_string()), "{}", e.message);
     }
 
     #[test]
@@ -1287,10 +1133,7 @@ order = ["ram", "disk"]
         }"#;
         let from_json = Policy::from_json(json, "<dict>").unwrap();
         let from_toml = Policy::from_toml(EXAMPLE, "<dict>").unwrap();
-        assert_eq!(
-            from_json.tiers.iter().map(|t| t.line).collect::<Vec<_>>(),
-            [0, 0]
-        );
+        assert_eq!(from_json.tiers.iter().map(|t| t.line).collect::<Vec<_>>(), [0, 0]);
         // Equal but for the lines, which only TOML has.
         let unlined = |p: &Policy| {
             let mut p = p.clone();
@@ -1299,33 +1142,23 @@ order = ["ram", "disk"]
         };
         assert_eq!(unlined(&from_json), unlined(&from_toml));
         // Integers stand for bytes in both forms.
-        let p = Policy::from_json(r#"{"tier":[{"name":"m","kind":"memory","root":"/r","capacity":4096}],"store":{"chunk_size":1048576}}"#, "<dict>").unwrap();
+        let p = Policy::from_json(
+            r#"{"tier":[{"name":"m","kind":"memory","root":"/r","capacity":4096}],"store":{"chunk_size":1048576}}"#,
+            "<dict>",
+        )
+        .unwrap();
         assert_eq!((p.tiers[0].capacity, p.chunk_size), (Some(4096), 1 << 20));
     }
 
     #[test]
     fn json_errors_have_paths_without_lines() {
         let base = r#"{"name":"ram","kind":"memory","root":"/r"}"#;
-        let msg = json_err(&format!(
-            r#"{{"tier":[{base},{{"name":"disk","kind":"fs","url":"/d","keep":-1}}]}}"#
-        ));
-        assert_eq!(
-            msg,
-            "<dict>: tier[1].keep: expected a positive integer, got -1"
-        );
+        let msg = json_err(&format!(r#"{{"tier":[{base},{{"name":"disk","kind":"fs","url":"/d","keep":-1}}]}}"#));
+        assert_eq!(msg, "<dict>: tier[1].keep: expected a positive integer, got -1");
         let msg = json_err(&format!(r#"{{"tier":[{base}],"stor":{{}}}}"#));
-        assert!(
-            msg.starts_with("<dict>: stor: unknown key `stor`")
-                && msg.contains("did you mean `store`?"),
-            "{msg}"
-        );
-        let msg = json_err(&format!(
-            r#"{{"tier":[{base}],"store":{{"threads":null}}}}"#
-        ));
-        assert_eq!(
-            msg,
-            "<dict>: store.threads: expected a positive integer, got null"
-        );
+        assert!(msg.starts_with("<dict>: stor: unknown key `stor`") && msg.contains("did you mean `store`?"), "{msg}");
+        let msg = json_err(&format!(r#"{{"tier":[{base}],"store":{{"threads":null}}}}"#));
+        assert_eq!(msg, "<dict>: store.threads: expected a positive integer, got null");
         assert!(json_err("[1, 2]").starts_with("<dict>: top level: expected a table"));
         assert!(json_err("{\"tier\": [").starts_with("<dict>: invalid JSON"));
     }
@@ -1335,32 +1168,16 @@ order = ["ram", "disk"]
         let msg = toml_err("[[tier]]\nname = \"ram\"\nkind = memory\n");
         assert_at(&msg, 3, &["invalid TOML"]);
         assert!(!msg.contains('\n'), "{msg:?}");
-        assert_at(
-            &toml_err("[[tier]]\nname = \"a\"\nname = \"b\"\n"),
-            3,
-            &["invalid TOML"],
-        );
+        assert_at(&toml_err("[[tier]]\nname = \"a\"\nname = \"b\"\n"), 3, &["invalid TOML"]);
         assert_at(&toml_err("[[tier]]\nx = [1,\n\n"), 2, &["invalid TOML"]);
     }
 
     #[test]
     fn unknown_keys_are_named_with_suggestions() {
         let msg = toml_err(&with_disk("evry = 10\n"));
-        assert_at(
-            &msg,
-            9,
-            &[
-                "tier[1] (\"disk\").evry",
-                "unknown key `evry`",
-                "did you mean `every`?",
-            ],
-        );
+        assert_at(&msg, 9, &["tier[1] (\"disk\").evry", "unknown key `evry`", "did you mean `every`?"]);
         let msg = toml_err(&format!("{MINIMAL}chunk_size = 4096\n"));
-        assert_at(
-            &msg,
-            5,
-            &["tier[0] (\"ram\").chunk_size", "belongs in [store]"],
-        );
+        assert_at(&msg, 5, &["tier[0] (\"ram\").chunk_size", "belongs in [store]"]);
         let msg = toml_err(&format!("{MINIMAL}colour = 1\n"));
         assert_at(&msg, 5, &["unknown key `colour`", "known keys: name, kind"]);
         let msg = toml_err(&format!("version = 1\n{MINIMAL}"));
@@ -1377,59 +1194,19 @@ order = ["ram", "disk"]
     #[test]
     fn wrong_types_and_values() {
         let cases: &[(&str, &str, &str)] = &[
-            (
-                "keep = -1",
-                "tier[1] (\"disk\").keep: expected a positive integer, got -1",
-                "",
-            ),
+            ("keep = -1", "tier[1] (\"disk\").keep: expected a positive integer, got -1", ""),
             ("keep = 0", ".keep: expected a positive integer, got 0", ""),
-            (
-                "every = \"10\"",
-                ".every: expected a positive integer, got \"10\"",
-                "",
-            ),
-            (
-                "every = 1.5",
-                ".every: expected a positive integer, got 1.5",
-                "",
-            ),
-            (
-                "compression = \"lz4\"",
-                ".compression: expected \"none\"",
-                "\"lz4\"",
-            ),
-            (
-                "compression = \"zstd:25\"",
-                ".compression: zstd level must be",
-                "25",
-            ),
-            (
-                "compression = 3",
-                ".compression: expected a non-empty string, got 3",
-                "",
-            ),
-            (
-                "bandwidth = \"fast\"",
-                ".bandwidth: \"fast\" is not a bandwidth",
-                "2GB/s",
-            ),
+            ("every = \"10\"", ".every: expected a positive integer, got \"10\"", ""),
+            ("every = 1.5", ".every: expected a positive integer, got 1.5", ""),
+            ("compression = \"lz4\"", ".compression: expected \"none\"", "\"lz4\""),
+            ("compression = \"zstd:25\"", ".compression: zstd level must be", "25"),
+            ("compression = 3", ".compression: expected a non-empty string, got 3", ""),
+            ("bandwidth = \"fast\"", ".bandwidth: \"fast\" is not a bandwidth", "2GB/s"),
             ("bandwidth = \"10Gb/s\"", ".bandwidth:", "means bits"),
-            (
-                "bandwidth = 0",
-                ".bandwidth: expected a bandwidth such as \"2GB/s\" or a positive integer, got 0",
-                "",
-            ),
-            (
-                "capacity = \"0GB\"",
-                ".capacity: expected a positive amount",
-                "\"0GB\"",
-            ),
+            ("bandwidth = 0", ".bandwidth: expected a bandwidth such as \"2GB/s\" or a positive integer, got 0", ""),
+            ("capacity = \"0GB\"", ".capacity: expected a positive amount", "\"0GB\""),
             ("capacity = true", ".capacity: expected", "got true"),
-            (
-                "capacity = 1979-05-27",
-                ".capacity: expected",
-                "date-time 1979-05-27",
-            ),
+            ("capacity = 1979-05-27", ".capacity: expected", "date-time 1979-05-27"),
             ("url = \"x\"", "invalid TOML", ""), // a duplicate key is a TOML error
         ];
         for (line, part1, part2) in cases {
@@ -1443,61 +1220,25 @@ order = ["ram", "disk"]
         let msg = toml_err("[[tier]]\nkind = \"memory\"\nroot = \"/r\"\n");
         assert_at(&msg, 1, &["tier[0]: missing `name`"]);
         let msg = toml_err("[[tier]]\nname = \"a b\"\nkind = \"memory\"\nroot = \"/r\"\n");
-        assert_at(
-            &msg,
-            2,
-            &["tier[0].name: expected a name of letters, digits"],
-        );
+        assert_at(&msg, 2, &["tier[0].name: expected a name of letters, digits"]);
         let msg = toml_err("[[tier]]\nname = \"\"\nkind = \"memory\"\nroot = \"/r\"\n");
         assert_at(&msg, 2, &["tier[0].name: expected a non-empty string"]);
         let msg = toml_err(&with_disk("").replace("\"disk\"", "\"ram\""));
-        assert_at(
-            &msg,
-            6,
-            &["tier[1].name: duplicate tier name \"ram\", already used by tier[0]"],
-        );
+        assert_at(&msg, 6, &["tier[1].name: duplicate tier name \"ram\", already used by tier[0]"]);
         let msg = toml_err(&with_disk("").replace("\"fs\"", "\"tape\""));
-        assert_at(
-            &msg,
-            7,
-            &["tier[1] (\"disk\").kind: unknown kind \"tape\"; known kinds: \"memory\", \"fs\"", "\"s3\", \"gcs\""],
-        );
+        assert_at(&msg, 7, &["tier[1] (\"disk\").kind: unknown kind \"tape\"; known kinds: \"memory\", \"fs\"", "\"s3\", \"gcs\""]);
         let msg = toml_err("[[tier]]\nname = \"ram\"\nroot = \"/r\"\n");
-        assert_at(
-            &msg,
-            1,
-            &["tier[0] (\"ram\"): missing `kind`", "\"memory\", \"fs\""],
-        );
+        assert_at(&msg, 1, &["tier[0] (\"ram\"): missing `kind`", "\"memory\", \"fs\""]);
     }
 
     #[test]
     fn memory_tier_rules() {
         let msg = toml_err("[[tier]]\nname = \"disk\"\nkind = \"fs\"\nurl = \"/d\"\n");
-        assert_at(
-            &msg,
-            3,
-            &[
-                "tier[0] (\"disk\").kind",
-                "first tier must be kind \"memory\"",
-            ],
-        );
-        let msg = toml_err(&format!(
-            "{MINIMAL}[[tier]]\nname = \"ram2\"\nkind = \"memory\"\nroot = \"/r2\"\n"
-        ));
-        assert_at(
-            &msg,
-            7,
-            &["tier[1] (\"ram2\").kind", "only one memory tier"],
-        );
+        assert_at(&msg, 3, &["tier[0] (\"disk\").kind", "first tier must be kind \"memory\""]);
+        let msg = toml_err(&format!("{MINIMAL}[[tier]]\nname = \"ram2\"\nkind = \"memory\"\nroot = \"/r2\"\n"));
+        assert_at(&msg, 7, &["tier[1] (\"ram2\").kind", "only one memory tier"]);
         let msg = toml_err(&format!("{MINIMAL}url = \"/x\"\n"));
-        assert_at(
-            &msg,
-            5,
-            &[
-                "tier[0] (\"ram\").url",
-                "not valid for kind \"memory\"; use `root`",
-            ],
-        );
+        assert_at(&msg, 5, &["tier[0] (\"ram\").url", "not valid for kind \"memory\"; use `root`"]);
         let msg = toml_err("[[tier]]\nname = \"ram\"\nkind = \"memory\"\n");
         assert_at(&msg, 1, &["tier[0] (\"ram\"): missing `root`"]);
         let msg = toml_err(&with_disk("root = \"/x\"\n"));
@@ -1513,66 +1254,27 @@ order = ["ram", "disk"]
     #[test]
     fn tiers_are_required() {
         assert_eq!(toml_err(""), "tiercel.toml: no tiers: add at least one [[tier]] table (the first of kind \"memory\")");
-        assert_at(
-            &toml_err("tier = []\n"),
-            1,
-            &["tier: expected a non-empty list of [[tier]] tables, got a list"],
-        );
-        assert_at(
-            &toml_err("tier = 3\n"),
-            1,
-            &["tier: expected a non-empty list"],
-        );
-        assert_at(
-            &toml_err("[tier]\nname = \"x\"\n"),
-            1,
-            &["tier: expected a non-empty list", "got a table"],
-        );
+        assert_at(&toml_err("tier = []\n"), 1, &["tier: expected a non-empty list of [[tier]] tables, got a list"]);
+        assert_at(&toml_err("tier = 3\n"), 1, &["tier: expected a non-empty list"]);
+        assert_at(&toml_err("[tier]\nname = \"x\"\n"), 1, &["tier: expected a non-empty list", "got a table"]);
     }
 
     #[test]
     fn restore_order_rules() {
-        let p = Policy::from_toml(
-            &with_disk("[restore]\norder = [\"disk\", \"ram\"]\n"),
-            "p.toml",
-        )
-        .unwrap();
+        let p = Policy::from_toml(&with_disk("[restore]\norder = [\"disk\", \"ram\"]\n"), "p.toml").unwrap();
         assert_eq!(p.restore_order, ["disk", "ram"]);
-        let p =
-            Policy::from_toml(&format!("restore.order = [\"ram\"]\n{MINIMAL}"), "p.toml").unwrap();
+        let p = Policy::from_toml(&format!("restore.order = [\"ram\"]\n{MINIMAL}"), "p.toml").unwrap();
         assert_eq!(p.restore_order, ["ram"]);
-        let msg = toml_err(&with_disk(
-            "[restore]\norder = [\n  \"ram\",\n  \"tape\",\n]\n",
-        ));
-        assert_at(
-            &msg,
-            12,
-            &["restore.order[1]: unknown tier \"tape\"; the tiers are \"ram\", \"disk\""],
-        );
+        let msg = toml_err(&with_disk("[restore]\norder = [\n  \"ram\",\n  \"tape\",\n]\n"));
+        assert_at(&msg, 12, &["restore.order[1]: unknown tier \"tape\"; the tiers are \"ram\", \"disk\""]);
         let msg = toml_err(&with_disk("[restore]\norder = [\"ram\", \"ram\"]\n"));
-        assert_at(
-            &msg,
-            10,
-            &["restore.order[1]: tier \"ram\" is listed twice"],
-        );
+        assert_at(&msg, 10, &["restore.order[1]: tier \"ram\" is listed twice"]);
         let msg = toml_err(&with_disk("[restore]\norder = []\n"));
-        assert_at(
-            &msg,
-            10,
-            &["restore.order: expected a non-empty list of tier names"],
-        );
+        assert_at(&msg, 10, &["restore.order: expected a non-empty list of tier names"]);
         let msg = toml_err(&with_disk("[restore]\norder = \"ram\"\n"));
-        assert_at(
-            &msg,
-            10,
-            &["restore.order: expected a non-empty list", "got \"ram\""],
-        );
+        assert_at(&msg, 10, &["restore.order: expected a non-empty list", "got \"ram\""]);
         let msg = toml_err(&with_disk("[restore]\norder = [1]\n"));
-        assert_at(
-            &msg,
-            10,
-            &["restore.order[0]: expected a non-empty string, got 1"],
-        );
+        assert_at(&msg, 10, &["restore.order[0]: expected a non-empty string, got 1"]);
     }
 
     #[test]
@@ -1606,30 +1308,12 @@ order = ["ram", "disk"]
         assert_eq!(parse_size("64gib"), Ok(64 << 30));
         assert_eq!(parse_size("0.5KiB"), Ok(512));
         assert_eq!(parse_size("0"), Ok(0));
-        for bad in [
-            "",
-            "abc",
-            "-1GB",
-            "1.5",
-            "1.2.3GB",
-            "8 XB",
-            "8K",
-            "8Gb",
-            "1e9",
-            "99999999999999999999GB",
-        ] {
+        for bad in ["", "abc", "-1GB", "1.5", "1.2.3GB", "8 XB", "8K", "8Gb", "1e9", "99999999999999999999GB"] {
             let e = parse_size(bad).expect_err(bad);
-            assert!(
-                e.contains("is not a size") && e.contains("8GiB"),
-                "{bad}: {e}"
-            );
+            assert!(e.contains("is not a size") && e.contains("8GiB"), "{bad}: {e}");
         }
-        assert!(parse_size("8Gb")
-            .unwrap_err()
-            .contains("means bits; write `GB`"));
-        assert!(parse_size("0.1B")
-            .unwrap_err()
-            .contains("whole number of bytes"));
+        assert!(parse_size("8Gb").unwrap_err().contains("means bits; write `GB`"));
+        assert!(parse_size("0.1B").unwrap_err().contains("whole number of bytes"));
     }
 
     #[test]
@@ -1640,10 +1324,7 @@ order = ["ram", "disk"]
         assert_eq!(parse_bandwidth("1.25 GB/s"), Ok(1_250_000_000));
         assert_eq!(parse_bandwidth("1000"), Ok(1000));
         let e = parse_bandwidth("10Gb/s").unwrap_err();
-        assert!(
-            e.contains("is not a bandwidth") && e.contains("means bits"),
-            "{e}"
-        );
+        assert!(e.contains("is not a bandwidth") && e.contains("means bits"), "{e}");
         assert!(parse_bandwidth("2GB/h").is_err());
         let p = Policy::from_toml(&with_disk("bandwidth = 1000000\n"), "p.toml").unwrap();
         assert_eq!(p.tiers[1].bandwidth, Some(1_000_000));
@@ -1651,10 +1332,7 @@ order = ["ram", "disk"]
 
     #[test]
     fn compression_strings() {
-        let zstd = |level, bytegroup| Compression {
-            codec: Codec::Zstd { level },
-            bytegroup,
-        };
+        let zstd = |level, bytegroup| Compression { codec: Codec::Zstd { level }, bytegroup };
         assert_eq!(Compression::parse("none"), Ok(Compression::none()));
         assert_eq!(Compression::parse("off"), Ok(Compression::none()));
         assert_eq!(Compression::parse("zstd"), Ok(zstd(3, false)));
@@ -1662,26 +1340,10 @@ order = ["ram", "disk"]
         assert_eq!(Compression::parse("zstd:-7"), Ok(zstd(-7, false)));
         assert_eq!(Compression::parse("bytegroup+zstd"), Ok(zstd(3, true)));
         assert_eq!(Compression::parse("bytegroup+zstd:1"), Ok(zstd(1, true)));
-        for bad in [
-            "zstd:0",
-            "zstd:20",
-            "zstd:-8",
-            "zstd:",
-            "zstd:x",
-            "zstd3",
-            "lz4",
-            "bytegroup",
-            "bytegroup+none",
-            "",
-        ] {
+        for bad in ["zstd:0", "zstd:20", "zstd:-8", "zstd:", "zstd:x", "zstd3", "lz4", "bytegroup", "bytegroup+none", ""] {
             assert!(Compression::parse(bad).is_err(), "{bad:?} accepted");
         }
-        for c in [
-            Compression::none(),
-            zstd(3, false),
-            zstd(-2, false),
-            zstd(9, true),
-        ] {
+        for c in [Compression::none(), zstd(3, false), zstd(-2, false), zstd(9, true)] {
             assert_eq!(Compression::parse(&c.to_string()), Ok(c));
         }
         assert_eq!(zstd(9, true).to_string(), "bytegroup+zstd:9");
@@ -1724,7 +1386,13 @@ order = ["ram", "disk"]
             ("s3", "s3://Bad_Bucket/x", "", 8, &["expected a bucket name", "\"s3://Bad_Bucket/x\""]),
             ("s3", "s3://ab/x", "", 8, &["expected a bucket name"]),
             ("s3", "s3://ckpt/a/../b", "", 8, &["invalid segment \"..\""]),
-            ("s3", "s3://ckpt", "endpoint = \"127.0.0.1:9000\"\n", 9, &[".endpoint: expected an http:// or https:// URL", "got \"127.0.0.1:9000\""]),
+            (
+                "s3",
+                "s3://ckpt",
+                "endpoint = \"127.0.0.1:9000\"\n",
+                9,
+                &[".endpoint: expected an http:// or https:// URL", "got \"127.0.0.1:9000\""],
+            ),
             ("s3", "s3://ckpt", "endpoint = \"http://\"\n", 9, &[".endpoint: expected an http://"]),
             ("gcs", "gs://ckpt", "region = \"us\"\n", 9, &[".region: `region` is not valid for kind \"gcs\""]),
             ("s3", "s3://ckpt", "allow_http = \"yes\"\n", 9, &[".allow_http: expected true or false, got \"yes\""]),

@@ -27,11 +27,7 @@ pub struct Link {
 
 impl Link {
     pub fn new(name: &str, bytes_per_sec: Option<u64>) -> Arc<Link> {
-        Arc::new(Link {
-            name: name.into(),
-            rate: bytes_per_sec.map(|r| r as f64),
-            bucket: Mutex::new((0.0, Instant::now())),
-        })
+        Arc::new(Link { name: name.into(), rate: bytes_per_sec.map(|r| r as f64), bucket: Mutex::new((0.0, Instant::now())) })
     }
 
     /// Takes `bytes` tokens, sleeping while the bucket is in debt. The bucket holds at most
@@ -125,10 +121,7 @@ impl Scheduler {
         let workers = (0..threads.max(1))
             .map(|i| {
                 let s = shared.clone();
-                std::thread::Builder::new()
-                    .name(format!("tiercel-io-{i}"))
-                    .spawn(move || worker(s))
-                    .expect("spawn scheduler worker")
+                std::thread::Builder::new().name(format!("tiercel-io-{i}")).spawn(move || worker(s)).expect("spawn scheduler worker")
             })
             .collect();
         Arc::new(Scheduler { shared, workers: Mutex::new(workers) })
@@ -344,9 +337,25 @@ mod tests {
         let s = Scheduler::new(1);
         let link = Link::new("l", None);
         let n = Arc::new(AtomicUsize::new(0));
-        s.submit(Job { link: link.clone(), priority: Priority::Flush, size: 0, label: "boom".into(), supersede_key: None, run: Box::new(|_| panic!("boom")) });
+        s.submit(Job {
+            link: link.clone(),
+            priority: Priority::Flush,
+            size: 0,
+            label: "boom".into(),
+            supersede_key: None,
+            run: Box::new(|_| panic!("boom")),
+        });
         let n2 = n.clone();
-        s.submit(Job { link, priority: Priority::Flush, size: 0, label: "ok".into(), supersede_key: None, run: Box::new(move |_| { n2.fetch_add(1, Ordering::SeqCst); }) });
+        s.submit(Job {
+            link,
+            priority: Priority::Flush,
+            size: 0,
+            label: "ok".into(),
+            supersede_key: None,
+            run: Box::new(move |_| {
+                n2.fetch_add(1, Ordering::SeqCst);
+            }),
+        });
         s.wait_idle();
         assert_eq!(n.load(Ordering::SeqCst), 1);
         s.shutdown();

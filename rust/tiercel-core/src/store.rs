@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use crate::blobs::FsBlobs;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{self, ChunkMeta, ItemMeta, Manifest, ObjectMeta};
+use crate::format::{self, ChunkMeta, ItemMeta, Manifest, ObjectMeta, ShardInfo};
 use crate::policy::{Policy, TierConfig, TierKind};
 use crate::scheduler::{Job, Link, Priority, Scheduler, Start};
 use crate::tier::blob::BlobTier;
@@ -206,6 +206,8 @@ pub struct ItemSpec {
     pub shape: Vec<u64>,
     pub nbytes: u64,
     pub meta: serde_json::Value,
+    /// Set when the item is one shard of a global array.
+    pub shard: Option<ShardInfo>,
 }
 
 /// Builds one step of this rank in the memory tier, `put` by `put`.
@@ -262,6 +264,11 @@ impl StepWriter {
         if self.manifest.trees.iter().any(|(n, _)| n == name) {
             return Err(Error::invalid(format!("step {step}: '{name}' was already put in this step")));
         }
+        for it in &items {
+            if let Some(shard) = &it.shard {
+                shard.check(&it.shape).map_err(|why| Error::invalid(format!("step {step}: item '{}': {why}", it.name)))?;
+            }
+        }
         let mut pos = 0u64;
         let mut places = vec![];
         for it in &items {
@@ -294,6 +301,7 @@ impl StepWriter {
                 shape: spec.shape,
                 nbytes: spec.nbytes,
                 meta: spec.meta,
+                shard: spec.shard,
                 chunks,
             });
         }
@@ -438,10 +446,7 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
                 handle2.set(&name, TierState::Running);
                 let slot = &store2.slots[idx];
                 let src = SegmentSource { manifest: &manifest2, segments: &parts2 };
-                let res = slot
-                    .tier
-                    .write_rank(&manifest2, &src, &slot.link)
-                    .and_then(|_| slot.tier.try_commit(step, store2.world_size));
+                let res = slot.tier.write_rank(&manifest2, &src, &slot.link).and_then(|_| slot.tier.try_commit(step, store2.world_size));
                 drop(parts2);
                 match res {
                     Ok(committed) => {
@@ -679,34 +684,54 @@ impl StepReader {
             }
         }
         let mut views: HashMap<String, Arc<View>> = HashMap::new();
-        self.store.copy_pool.install(|| {
-            items
-                .iter()
-                .map(|&i| {
-                    if let Some(v) = self.try_zero_copy(i, &mut views)? {
-                        return Ok(v);
-                    }
-                    self.read_owned(i)
-                })
-                .collect()
-        })
+        self.store.copy_pool.install(|| items.iter().map(|&i| self.read_span(i, 0, m.items[i].nbytes, &mut views)).collect())
     }
 
-    /// The fast path: the first source is the memory tier, the item sits raw in one object,
-    /// and every chunk's checksum holds.
-    fn try_zero_copy(&self, i: usize, views: &mut HashMap<String, Arc<View>>) -> Result<Option<(ItemData, String)>> {
+    /// Reads bytes `start..start + len` of item `item`, touching only the chunks that overlap
+    /// them (each still verified whole by its CRC32C, falling back chunk by chunk across tiers
+    /// like `read_items`). A zero-copy view when the item qualifies for one.
+    pub fn read_range(&self, item: usize, start: u64, len: u64) -> Result<(ItemData, String)> {
+        let it = self.manifest().items.get(item).ok_or_else(|| Error::invalid(format!("step {}: no item {item}", self.step)))?;
+        let end = start.checked_add(len).filter(|e| *e <= it.nbytes).ok_or_else(|| {
+            Error::invalid(format!(
+                "step {} rank {} item '{}': bytes {start}..{} lie outside its {} bytes",
+                self.step,
+                self.rank,
+                it.name,
+                start as u128 + len as u128,
+                it.nbytes
+            ))
+        })?;
+        let mut views = HashMap::new();
+        self.store.copy_pool.install(|| self.read_span(item, start, end, &mut views))
+    }
+
+    /// Bytes `start..end` of item `i`: zero-copy if it can, else chunk by chunk.
+    fn read_span(&self, i: usize, start: u64, end: u64, views: &mut HashMap<String, Arc<View>>) -> Result<(ItemData, String)> {
+        if let Some(v) = self.try_zero_copy(i, start, end, views)? {
+            return Ok(v);
+        }
+        self.read_owned(i, start, end)
+    }
+
+    /// The fast path: the first source is the memory tier, the chunks of `start..end` sit
+    /// raw and contiguous in one object, and each of their checksums holds.
+    fn try_zero_copy(&self, i: usize, start: u64, end: u64, views: &mut HashMap<String, Arc<View>>) -> Result<Option<(ItemData, String)>> {
         let (idx, m) = &self.sources[0];
         let slot = &self.store.slots[*idx];
         if slot.config.kind != TierKind::Memory {
             return Ok(None);
         }
         let it = &m.items[i];
-        let Some(first) = it.chunks.first() else {
+        let chunks = &it.chunks[overlapping(&it.chunks, start, end)];
+        let Some(first) = chunks.first() else {
             return Ok(Some((ItemData::Owned(vec![]), slot.config.name.clone())));
         };
-        let contiguous = it.chunks.iter().all(|c| {
-            c.codec == crate::codec::RAW && c.object == first.object && c.stored_offset == first.stored_offset + c.offset
-        });
+        // Where byte 0 of the item would lie if the item is stored contiguously.
+        let base = first.stored_offset.wrapping_sub(first.offset);
+        let contiguous = chunks
+            .iter()
+            .all(|c| c.codec == crate::codec::RAW && c.object == first.object && c.stored_offset == base.wrapping_add(c.offset));
         if !contiguous {
             return Ok(None);
         }
@@ -724,75 +749,53 @@ impl StepReader {
                 }
             },
         };
-        let start = first.stored_offset as usize;
-        let len = it.nbytes as usize;
-        if start + len > view.len() {
-            self.warnings.lock().push(format!("tier '{}': step {} rank {} object {obj} is shorter than its manifest", slot.config.name, m.step, m.rank));
+        let last = chunks.last().expect("not empty");
+        if last.stored_offset + last.len > view.len() as u64 {
+            self.warnings
+                .lock()
+                .push(format!("tier '{}': step {} rank {} object {obj} is shorter than its manifest", slot.config.name, m.step, m.rank));
             return Ok(None);
         }
-        let ok = it.chunks.par_iter().all(|c| {
+        let ok = chunks.par_iter().all(|c| {
             let s = c.stored_offset as usize;
             crc32c::crc32c(&view[s..s + c.len as usize]) == c.crc32c
         });
         if !ok {
             return Ok(None); // read_owned finds the bad chunks, says which, and falls back
         }
-        Ok(Some((ItemData::View { view, offset: start, len }, slot.config.name.clone())))
+        // The first overlapping chunk starts at or before `start` (chunks tile the item).
+        let (offset, len) = ((first.stored_offset + (start - first.offset)) as usize, (end - start) as usize);
+        Ok(Some((ItemData::View { view, offset, len }, slot.config.name.clone())))
     }
 
-    /// Reads every chunk from the first source that has a valid copy of it.
-    fn read_owned(&self, i: usize) -> Result<(ItemData, String)> {
+    /// Reads bytes `start..end` of item `i`: every overlapping chunk from the first source
+    /// that has a valid copy of it. A chunk the range covers only in part is read whole (its
+    /// checksum covers all of it) and cut.
+    fn read_owned(&self, i: usize, start: u64, end: u64) -> Result<(ItemData, String)> {
         let primary = &self.manifest().items[i];
-        let mut buf = vec![0u8; primary.nbytes as usize];
-        let mut dsts: Vec<&mut [u8]> = vec![];
+        let range = overlapping(&primary.chunks, start, end);
+        let mut buf = vec![0u8; (end - start) as usize];
+        let mut dsts: Vec<(usize, &mut [u8])> = vec![];
         let mut rest = &mut buf[..];
-        for c in &primary.chunks {
-            let (a, b) = rest.split_at_mut(c.len as usize);
-            dsts.push(a);
+        for c in range {
+            let ch = &primary.chunks[c];
+            let n = (ch.offset + ch.len).min(end) - ch.offset.max(start);
+            let (a, b) = rest.split_at_mut(n as usize);
+            dsts.push((c, a));
             rest = b;
         }
         let used: Vec<Result<usize>> = dsts
             .into_par_iter()
-            .enumerate()
             .map(|(c, dst)| {
-                let want = &primary.chunks[c];
-                let mut errs = vec![];
-                for (s, (idx, m)) in self.sources.iter().enumerate() {
-                    let tier = &*self.store.slots[*idx].tier;
-                    let found = m.items.iter().position(|x| x.name == primary.name).and_then(|j| {
-                        let ch = m.items[j].chunks.get(c)?;
-                        (ch.offset == want.offset && ch.len == want.len && ch.crc32c == want.crc32c).then_some(j)
-                    });
-                    let Some(j) = found else {
-                        errs.push(format!("tier '{}' has no matching copy of item '{}' chunk {c}", tier.name(), primary.name));
-                        continue;
-                    };
-                    match read_chunk(tier, m, j, c, dst) {
-                        Ok(()) => {
-                            if s > 0 {
-                                let msg = format!(
-                                    "step {} rank {} item '{}' chunk {c} read from tier '{}' after: {}",
-                                    self.step,
-                                    self.rank,
-                                    primary.name,
-                                    tier.name(),
-                                    errs.join("; ")
-                                );
-                                log::warn!("{msg}");
-                                self.warnings.lock().push(msg);
-                            }
-                            return Ok(s);
-                        }
-                        Err(e) => errs.push(e.message),
-                    }
+                let ch = &primary.chunks[c];
+                if dst.len() as u64 == ch.len {
+                    return self.read_chunk_anywhere(primary, c, dst);
                 }
-                Err(Error::integrity(format!(
-                    "step {} rank {} item '{}' chunk {c}: no tier has a valid copy: {}",
-                    self.step,
-                    self.rank,
-                    primary.name,
-                    errs.join("; ")
-                )))
+                let mut whole = vec![0u8; ch.len as usize];
+                let s = self.read_chunk_anywhere(primary, c, &mut whole)?;
+                let from = (ch.offset.max(start) - ch.offset) as usize;
+                dst.copy_from_slice(&whole[from..from + dst.len()]);
+                Ok(s)
             })
             .collect();
         let mut from: Vec<usize> = vec![];
@@ -807,6 +810,61 @@ impl StepReader {
         let label = if names.is_empty() { self.store.slots[self.sources[0].0].config.name.clone() } else { names.join("+") };
         Ok((ItemData::Owned(buf), label))
     }
+
+    /// Reads chunk `c` of `primary` (an item of the first source's manifest) into `dst` from
+    /// the first source with a matching copy that decodes and passes its checksum. Returns
+    /// the index of that source.
+    fn read_chunk_anywhere(&self, primary: &ItemMeta, c: usize, dst: &mut [u8]) -> Result<usize> {
+        let want = &primary.chunks[c];
+        let mut errs = vec![];
+        for (s, (idx, m)) in self.sources.iter().enumerate() {
+            let tier = &*self.store.slots[*idx].tier;
+            let found = m.items.iter().position(|x| x.name == primary.name).and_then(|j| {
+                let ch = m.items[j].chunks.get(c)?;
+                (ch.offset == want.offset && ch.len == want.len && ch.crc32c == want.crc32c).then_some(j)
+            });
+            let Some(j) = found else {
+                errs.push(format!("tier '{}' has no matching copy of item '{}' chunk {c}", tier.name(), primary.name));
+                continue;
+            };
+            match read_chunk(tier, m, j, c, dst) {
+                Ok(()) => {
+                    if s > 0 {
+                        let msg = format!(
+                            "step {} rank {} item '{}' chunk {c} read from tier '{}' after: {}",
+                            self.step,
+                            self.rank,
+                            primary.name,
+                            tier.name(),
+                            errs.join("; ")
+                        );
+                        log::warn!("{msg}");
+                        self.warnings.lock().push(msg);
+                    }
+                    return Ok(s);
+                }
+                Err(e) => errs.push(e.message),
+            }
+        }
+        Err(Error::integrity(format!(
+            "step {} rank {} item '{}' chunk {c}: no tier has a valid copy: {}",
+            self.step,
+            self.rank,
+            primary.name,
+            errs.join("; ")
+        )))
+    }
+}
+
+/// Indices of the chunks (in item order, each starting where the previous ended) that
+/// overlap bytes `start..end`; empty when the range is.
+fn overlapping(chunks: &[ChunkMeta], start: u64, end: u64) -> std::ops::Range<usize> {
+    if start >= end {
+        return 0..0;
+    }
+    let first = chunks.partition_point(|c| c.offset + c.len <= start);
+    let last = chunks.partition_point(|c| c.offset < end);
+    first..last.max(first)
 }
 
 /// Copies one committed step (every rank) from one tier to another and commits it there.

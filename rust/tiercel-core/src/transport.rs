@@ -293,8 +293,9 @@ impl Conn {
     pub fn response<R: for<'de> Deserialize<'de>>(&mut self) -> Result<R> {
         let (h, body) = self.recv()?;
         match h.kind {
-            Kind::Response => serde_json::from_slice(&body)
-                .map_err(|e| Error::unavailable(format!("peer {}: malformed response: {e}", self.peer))),
+            Kind::Response => {
+                serde_json::from_slice(&body).map_err(|e| Error::unavailable(format!("peer {}: malformed response: {e}", self.peer)))
+            }
             Kind::Error => Err(self.wire_error(&body)),
             k => Err(Error::unavailable(format!("peer {}: expected a response, got {k:?}", self.peer))),
         }

@@ -101,6 +101,7 @@ fn spec(it: &Item) -> ItemSpec {
         shape: vec![it.bytes.len() as u64 / size],
         nbytes: it.bytes.len() as u64,
         meta: json!({"framework": "test"}),
+        shard: None,
     }
 }
 
@@ -371,6 +372,82 @@ fn bandwidth_limits_persistence() {
     assert!(took < 10.0, "persisting 10 MB took {took:.3} s");
     assert_eq!(state(&h, "disk"), TierState::Done);
     restore_check(&store, 1, Some(&["disk".to_string()]), &puts);
+    store.close();
+}
+
+/// Byte ranges of one item: at chunk boundaries, inside one chunk, across chunks, the whole
+/// item, empty; zero-copy from ram, owned from disk; only the chunks the range touches are
+/// read (a corrupt chunk outside it goes unnoticed, one inside falls back to the next tier).
+#[test]
+fn read_range_reads_only_the_chunks_it_needs() {
+    let dirs = Dirs::new();
+    let policy = dirs.policy("keep = 2", Some("compression = \"zstd:3\""), "chunk_size = \"64KiB\"");
+    let store = Store::open(policy, 0, 1).unwrap();
+    let data = step_items(1);
+    save_wait(&store, 1, &data);
+    store.flush();
+    let want = &data[0][0].bytes; // model/w: 200012 bytes, chunks of 65536 (4, the last short)
+    const C: u64 = 64 << 10;
+    let n = want.len() as u64;
+    let ranges = [(C, C), (C + 100, 300), (C - 10, 2 * C + 20), (0, n), (3 * C, n - 3 * C), (n - 1, 1), (5, 0), (n, 0)];
+    let only = |t: &str| vec![t.to_string()];
+    let check = |tiers: Option<&[String]>, label: &str, view: bool| {
+        let reader = StepReader::open(&store, 1, 0, tiers).unwrap();
+        let w = reader.manifest().item_index("model/w").unwrap();
+        assert_eq!(reader.manifest().items[w].chunks.len(), 4);
+        for (start, len) in ranges {
+            let (d, from) = reader.read_range(w, start, len).unwrap_or_else(|e| panic!("{start}+{len}: {e}"));
+            assert!(d.bytes() == &want[start as usize..(start + len) as usize], "{start}+{len} from {from}");
+            assert_eq!(from, label, "{start}+{len}");
+            if len > 0 {
+                assert_eq!(matches!(d, ItemData::View { .. }), view, "{start}+{len}");
+            }
+        }
+        for (start, len) in [(n, 1), (0, n + 1), (u64::MAX, 2)] {
+            let e = reader.read_range(w, start, len).err().expect("out of range");
+            assert_eq!(e.kind, ErrorKind::InvalidArgument, "{}", e.message);
+            assert!(e.message.contains("model/w") && e.message.contains("outside"), "{}", e.message);
+        }
+        assert_eq!(reader.read_range(99, 0, 1).err().unwrap().kind, ErrorKind::InvalidArgument);
+        assert!(reader.warnings.lock().is_empty(), "{:?}", reader.warnings.lock());
+    };
+    check(None, "ram", true);
+    check(Some(&only("disk")), "disk", false);
+
+    // Damage the last chunk of model/w on both tiers' copies... first on disk alone.
+    let disk_m = store.slot("disk").unwrap().tier.read_manifest(1, 0).unwrap();
+    let w = disk_m.item_index("model/w").unwrap();
+    let c3 = &disk_m.items[w].chunks[3];
+    flip_byte(&dirs.disk().join(format::step_dir(1)).join(&disk_m.objects[0].name), c3.stored_offset + c3.stored_len / 2);
+    let reader = StepReader::open(&store, 1, 0, Some(&only("disk"))).unwrap();
+    let (d, _) = reader.read_range(w, 0, 3 * C).unwrap();
+    assert!(d.bytes() == &want[..3 * C as usize]);
+    assert!(reader.warnings.lock().is_empty(), "a chunk outside the range was read: {:?}", reader.warnings.lock());
+    let e = reader.read_range(w, 3 * C - 1, 2).err().expect("the damaged chunk is in range");
+    assert_eq!(e.kind, ErrorKind::Integrity, "{}", e.message);
+    assert!(e.message.contains("chunk 3") && e.message.contains("tier 'disk'"), "{}", e.message);
+    assert_eq!(reader.read_items(&[w]).err().expect("whole item").kind, ErrorKind::Integrity);
+
+    // Then on ram: outside the range it stays unread (still zero-copy); inside, that chunk
+    // comes from disk, whose copy of chunk 3 is damaged too: only chunk 1 is tested there.
+    let ram_m = store.memory().read_manifest(1, 0).unwrap();
+    let c1 = &ram_m.items[w].chunks[1];
+    flip_byte(&dirs.ram().join(format::step_dir(1)).join(&ram_m.objects[c1.object as usize].name), c1.stored_offset + 7);
+    let reader = StepReader::open(&store, 1, 0, None).unwrap();
+    let (d, from) = reader.read_range(w, 2 * C + 5, C).unwrap();
+    assert_eq!(from, "ram");
+    assert!(matches!(d, ItemData::View { .. }));
+    assert!(d.bytes() == &want[(2 * C + 5) as usize..(3 * C + 5) as usize]);
+    assert!(reader.warnings.lock().is_empty(), "{:?}", reader.warnings.lock());
+    let (d, from) = reader.read_range(w, C + 10, 20).unwrap();
+    assert_eq!(from, "disk");
+    assert!(d.bytes() == &want[(C + 10) as usize..(C + 30) as usize]);
+    let (d, from) = reader.read_range(w, C / 2, 2 * C).unwrap();
+    assert_eq!(from, "ram+disk");
+    assert!(!matches!(d, ItemData::View { .. }));
+    assert!(d.bytes() == &want[(C / 2) as usize..(C / 2 + 2 * C) as usize]);
+    let warnings = reader.warnings.lock().clone();
+    assert!(warnings.iter().all(|w| w.contains("chunk 1")) && !warnings.is_empty(), "{warnings:?}");
     store.close();
 }
 

@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use tiercel_core::error::{Error, ErrorKind};
+use tiercel_core::format::ShardInfo;
 use tiercel_core::policy::Policy;
 use tiercel_core::store::{self as core, ItemData, ItemSpec};
 use tiercel_core::tier::memory::{Segment, View};
@@ -66,6 +67,16 @@ impl Buffer {
             Backing::View(v, off, len) => (unsafe { v.as_ptr().add(*off) }, *len),
             Backing::Owned(v) => (v.as_ptr(), v.len()),
         }
+    }
+}
+
+impl From<ItemData> for Buffer {
+    fn from(d: ItemData) -> Buffer {
+        let backing = match d {
+            ItemData::View { view, offset, len } => Backing::View(view, offset, len),
+            ItemData::Owned(v) => Backing::Owned(v),
+        };
+        Buffer { backing }
     }
 }
 
@@ -187,9 +198,7 @@ impl Store {
     #[pyo3(signature = (step, rank=None, tiers=None))]
     fn reader(&self, py: Python<'_>, step: u64, rank: Option<u32>, tiers: Option<Vec<String>>) -> PyResult<StepReader> {
         let rank = rank.unwrap_or(self.inner.rank);
-        let r = py
-            .allow_threads(|| core::StepReader::open(&self.inner, step, rank, tiers.as_deref()))
-            .map_err(err)?;
+        let r = py.allow_threads(|| core::StepReader::open(&self.inner, step, rank, tiers.as_deref())).map_err(err)?;
         Ok(StepReader { inner: r })
     }
 
@@ -281,6 +290,14 @@ impl Store {
     }
 }
 
+/// One item of `StepWriter.add_part`: (name, kind, dtype, shape, nbytes, meta_json), with an
+/// optional 7th element, the shard as JSON (or None).
+#[derive(FromPyObject)]
+enum SpecTuple {
+    Seven((String, String, String, Vec<u64>, u64, String, Option<String>)),
+    Six((String, String, String, Vec<u64>, u64, String)),
+}
+
 #[pyclass(module = "tiercel._core", frozen)]
 pub struct StepWriter {
     inner: Mutex<Option<core::StepWriter>>,
@@ -301,19 +318,26 @@ impl StepWriter {
         self.with(|w| Ok(w.step()))
     }
 
-    /// Lays out one put: items are (name, kind, dtype, shape, nbytes, meta_json). Returns
-    /// (part, [(item index, offset in the part's segment)]).
-    fn add_part(
-        &self,
-        py: Python<'_>,
-        name: &str,
-        tree_json: &str,
-        items: Vec<(String, String, String, Vec<u64>, u64, String)>,
-    ) -> PyResult<(usize, Vec<(usize, u64)>)> {
+    /// Lays out one put: items are (name, kind, dtype, shape, nbytes, meta_json[,
+    /// shard_json]), shard_json being None or `{"global_shape", "offsets", "replica_id"}`.
+    /// Returns (part, [(item index, offset in the part's segment)]).
+    fn add_part(&self, py: Python<'_>, name: &str, tree_json: &str, items: Vec<SpecTuple>) -> PyResult<(usize, Vec<(usize, u64)>)> {
         let tree = parse_json(tree_json, "tree")?;
         let mut specs = vec![];
-        for (name, kind, dtype, shape, nbytes, meta) in items {
-            specs.push(ItemSpec { meta: parse_json(&meta, "item meta")?, name, kind, dtype, shape, nbytes });
+        for t in items {
+            let ((name, kind, dtype, shape, nbytes, meta), shard) = match t {
+                SpecTuple::Six(six) => (six, None),
+                SpecTuple::Seven((a, b, c, d, e, f, g)) => ((a, b, c, d, e, f), g),
+            };
+            let shard = match shard {
+                Some(s) => Some(serde_json::from_str::<ShardInfo>(&s).map_err(|e| {
+                    InvalidArgumentError::new_err(format!(
+                        "item '{name}': shard must be JSON {{\"global_shape\": [...], \"offsets\": [...], \"replica_id\": n}}: {e}"
+                    ))
+                })?),
+                None => None,
+            };
+            specs.push(ItemSpec { meta: parse_json(&meta, "item meta")?, name, kind, dtype, shape, nbytes, shard });
         }
         py.allow_threads(|| self.with(|w| w.add_part(name, tree, specs)))
     }
@@ -414,16 +438,14 @@ impl StepReader {
     /// Reads items by index (GIL released): [(Buffer, tier it came from)].
     fn read_items(&self, py: Python<'_>, items: Vec<usize>) -> PyResult<Vec<(Buffer, String)>> {
         let got = py.allow_threads(|| self.inner.read_items(&items)).map_err(err)?;
-        Ok(got
-            .into_iter()
-            .map(|(d, tier)| {
-                let backing = match d {
-                    ItemData::View { view, offset, len } => Backing::View(view, offset, len),
-                    ItemData::Owned(v) => Backing::Owned(v),
-                };
-                (Buffer { backing }, tier)
-            })
-            .collect())
+        Ok(got.into_iter().map(|(d, tier)| (Buffer::from(d), tier)).collect())
+    }
+
+    /// Reads bytes `start .. start + length` of one item (GIL released), reading only the
+    /// chunks that overlap them: (Buffer, tier it came from).
+    fn read_range(&self, py: Python<'_>, item: usize, start: u64, length: u64) -> PyResult<(Buffer, String)> {
+        let (d, tier) = py.allow_threads(|| self.inner.read_range(item, start, length)).map_err(err)?;
+        Ok((Buffer::from(d), tier))
     }
 }
 
@@ -462,9 +484,7 @@ fn placement(
     let p = pl::Placement::new(hosts, replicas, pl::Strategy::parse(strategy).map_err(err)?).map_err(err)?;
     let holders = (0..hosts).map(|h| p.holders(h)).collect();
     let exact = failures.map(|k| p.survival_probability(k)).transpose().map_err(err)?;
-    let closed = failures
-        .filter(|_| hosts % replicas == 0)
-        .map(|k| pl::gemini_closed_form(hosts, replicas, k));
+    let closed = failures.filter(|_| hosts % replicas == 0).map(|k| pl::gemini_closed_form(hosts, replicas, k));
     Ok((p.groups(), holders, exact, closed))
 }
 

@@ -192,7 +192,13 @@ fn logical(step: u64, rank: u32, world_size: u32) -> (Manifest, VecSource) {
             dtype: dtype.into(),
             shape: vec![bytes.len() as u64 / size],
             nbytes: bytes.len() as u64,
-            meta: serde_json::json!({"framework": "test", "global_shape": [bytes.len() as u64 / size], "offsets": [0]}),
+            meta: serde_json::json!({"framework": "test"}),
+            // Every item is the second of two shards of a global array, on replica 1.
+            shard: Some(format::ShardInfo {
+                global_shape: vec![2 * (bytes.len() as u64 / size)],
+                offsets: vec![bytes.len() as u64 / size],
+                replica_id: 1,
+            }),
             chunks,
         });
         data.push(bytes);
@@ -202,8 +208,7 @@ fn logical(step: u64, rank: u32, world_size: u32) -> (Manifest, VecSource) {
 
 fn write(tier: &dyn Tier, step: u64, rank: u32, world_size: u32) -> Manifest {
     let (m, src) = logical(step, rank, world_size);
-    tier.write_rank(&m, &src, &link())
-        .unwrap_or_else(|e| panic!("tier '{}': write_rank step {step} rank {rank}: {e}", tier.name()))
+    tier.write_rank(&m, &src, &link()).unwrap_or_else(|e| panic!("tier '{}': write_rank step {step} rank {rank}: {e}", tier.name()))
 }
 
 fn write_committed(tier: &dyn Tier, step: u64) -> Manifest {
@@ -272,8 +277,8 @@ pub fn write_and_read_back(make: &Make) {
     assert_eq!(m.items.len(), lm.items.len());
     for (i, (got, want)) in m.items.iter().zip(&lm.items).enumerate() {
         assert_eq!(
-            (&got.name, &got.kind, &got.dtype, &got.shape, got.nbytes, &got.meta),
-            (&want.name, &want.kind, &want.dtype, &want.shape, want.nbytes, &want.meta)
+            (&got.name, &got.kind, &got.dtype, &got.shape, got.nbytes, &got.meta, &got.shard),
+            (&want.name, &want.kind, &want.dtype, &want.shape, want.nbytes, &want.meta, &want.shard)
         );
         assert_eq!(got.chunks.len(), want.chunks.len(), "item {}", got.name);
         for (c, (g, w)) in got.chunks.iter().zip(&want.chunks).enumerate() {
@@ -559,9 +564,7 @@ fn compressed_kinds_use_their_codecs() {
     for (compression, want) in [(zstd3(), "zstd"), (bytegroup_zstd3(), "bytegroup4+zstd")] {
         let (tier, _guard) = fs_tier(compression);
         let m = write(&*tier, 1, 0, 1);
-        let codecs = |name: &str| -> Vec<String> {
-            m.items[m.item_index(name).unwrap()].chunks.iter().map(|c| c.codec.clone()).collect()
-        };
+        let codecs = |name: &str| -> Vec<String> { m.items[m.item_index(name).unwrap()].chunks.iter().map(|c| c.codec.clone()).collect() };
         assert!(codecs(TARGET).iter().any(|c| c == want), "{compression}: {TARGET} codecs {:?}", codecs(TARGET));
         // Noise does not shrink and is stored raw.
         assert!(codecs("optim/noise").iter().all(|c| c == "raw"), "{:?}", codecs("optim/noise"));

@@ -227,12 +227,7 @@ impl MemoryTier {
     /// Takes a pool segment of exactly `size` bytes (a larger one is cut down), or none.
     fn take_pooled(&self, size: u64) -> Result<Option<Arc<Segment>>> {
         let mut pool = self.pool.lock();
-        let pick = pool
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.len() as u64 >= size)
-            .min_by_key(|(_, s)| s.len())
-            .map(|(i, _)| i);
+        let pick = pool.iter().enumerate().filter(|(_, s)| s.len() as u64 >= size).min_by_key(|(_, s)| s.len()).map(|(i, _)| i);
         let Some(i) = pick else { return Ok(None) };
         let seg = pool.swap_remove(i);
         drop(pool);
@@ -252,11 +247,8 @@ impl MemoryTier {
     fn evictable(&self, step: u64) -> Result<Vec<u64>> {
         let committed = self.committed_steps()?;
         let newest = committed.last().copied();
-        let mut v: Vec<u64> = self
-            .all_steps()?
-            .into_iter()
-            .filter(|s| *s != step && !committed.contains(s) && newest.is_some_and(|n| *s < n))
-            .collect();
+        let mut v: Vec<u64> =
+            self.all_steps()?.into_iter().filter(|s| *s != step && !committed.contains(s) && newest.is_some_and(|n| *s < n)).collect();
         v.extend(committed.iter().copied().filter(|s| Some(*s) != newest && *s != step));
         Ok(v)
     }
@@ -356,12 +348,8 @@ impl MemoryTier {
         let meta = f.metadata().map_err(|e| Error::io(&self.name, &path, e))?;
         // Not MAP_POPULATE: on a private writable mapping it pre-faults for writing, which
         // copies every page. MADV_POPULATE_READ maps the shared pages without copying.
-        let view = if meta.len() == 0 {
-            MmapMut::map_anon(0)
-        } else {
-            unsafe { MmapOptions::new().map_copy(&f) }
-        }
-        .map_err(|e| Error::io(&self.name, &path, e))?;
+        let view = if meta.len() == 0 { MmapMut::map_anon(0) } else { unsafe { MmapOptions::new().map_copy(&f) } }
+            .map_err(|e| Error::io(&self.name, &path, e))?;
         if !view.is_empty() {
             // Mapping the pages costs about as much as checksumming them: do it on every
             // copy thread, in slices.

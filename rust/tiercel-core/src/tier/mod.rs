@@ -84,9 +84,7 @@ pub trait Tier: Send + Sync {
     fn read_manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
         let key = format!("{}/{}", format::step_dir(step), format::manifest_name(rank));
         let bytes = self.blobs().get(&key).map_err(|e| match e.kind {
-            ErrorKind::NotFound => {
-                Error::not_found(format!("tier '{}': step {step} has no manifest for rank {rank}", self.name()))
-            }
+            ErrorKind::NotFound => Error::not_found(format!("tier '{}': step {step} has no manifest for rank {rank}", self.name())),
             _ => e,
         })?;
         let m = Manifest::from_json(&bytes, &self.blobs().describe(&key))?;

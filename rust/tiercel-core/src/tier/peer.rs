@@ -164,9 +164,8 @@ impl PeerTier {
             )));
         }
         let (host_of, names) = crate::placement::host_of_ranks(hosts_by_rank);
-        let placement = Placement::new(names.len(), self.replicas_wanted, self.strategy).map_err(|e| {
-            e.context(format!("tier '{}': {} hosts ({})", self.name, names.len(), names.join(", ")))
-        })?;
+        let placement = Placement::new(names.len(), self.replicas_wanted, self.strategy)
+            .map_err(|e| e.context(format!("tier '{}': {} hosts ({})", self.name, names.len(), names.join(", "))))?;
         *self.cluster.write() = Some(Cluster { host_of, addrs: addrs.to_vec(), placement });
         self.idle.lock().clear();
         self.manifests.lock().clear();
@@ -457,7 +456,7 @@ impl Server {
         let mut views: HashMap<(u64, u32, String), Arc<View>> = HashMap::new();
         loop {
             let (h, body) = match tokio::time::timeout(IDLE_TIMEOUT, recv(&mut s)).await {
-                Err(_) => return Ok(()), // idle: the client reconnects when it needs to
+                Err(_) => return Ok(()),                                      // idle: the client reconnects when it needs to
                 Ok(Err(e)) if e.kind == ErrorKind::NotFound => return Ok(()), // clean close
                 Ok(r) => r?,
             };
@@ -479,8 +478,7 @@ impl Server {
                     match self.read(&mut views, step, rank, &object, offset, len) {
                         Ok((view, start)) => {
                             let d = DataHeader { object: 0, offset, crc32c };
-                            let mut head =
-                                transport::encode_header(Kind::Data, transport::DATA_SUBHEADER_LEN as u64 + len).to_vec();
+                            let mut head = transport::encode_header(Kind::Data, transport::DATA_SUBHEADER_LEN as u64 + len).to_vec();
                             head.extend_from_slice(&transport::encode_data_header(&d));
                             s.write_all(&head).await.map_err(io)?;
                             s.write_all(&view[start..start + len as usize]).await.map_err(io)?;
@@ -575,10 +573,9 @@ impl Server {
                 s.read_exact(&mut sub).await.map_err(io)?;
                 let d = transport::decode_data_header(&sub);
                 let len = h.len - transport::DATA_SUBHEADER_LEN as u64;
-                let slot = expect
-                    .get_mut(&(d.object, d.offset))
-                    .filter(|(l, crc, _)| *l == len && *crc == d.crc32c)
-                    .ok_or_else(|| Error::integrity(format!("data frame (object {}, offset {}, {len} bytes) matches no chunk", d.object, d.offset)))?;
+                let slot = expect.get_mut(&(d.object, d.offset)).filter(|(l, crc, _)| *l == len && *crc == d.crc32c).ok_or_else(|| {
+                    Error::integrity(format!("data frame (object {}, offset {}, {len} bytes) matches no chunk", d.object, d.offset))
+                })?;
                 let seg = &segs[d.object as usize];
                 // Safety: the chunk lies inside the segment (manifest checked by from_json),
                 // and this connection is the only writer of this fresh segment.
@@ -700,6 +697,7 @@ mod tests {
                 shape: vec![d.len() as u64],
                 nbytes: d.len() as u64,
                 meta: serde_json::Value::Null,
+                shard: None,
                 chunks,
             });
             pos = format::align_up(pos + d.len() as u64, 64);
@@ -823,7 +821,7 @@ mod tests {
         s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
         let mut rest = vec![];
         let _ = s.read_to_end(&mut rest); // the server closes the connection
-        // 2. A client with the wrong secret is told so and gets nothing.
+                                          // 2. A client with the wrong secret is told so and gets nothing.
         let e = Conn::connect(&addr, b"wrong", Duration::from_secs(5)).err().expect("refused");
         assert!(e.message.contains("secret") || e.message.contains("authentication"), "{}", e.message);
         // 3. A huge length prefix is refused before anything is allocated.

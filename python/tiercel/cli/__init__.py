@@ -1,0 +1,215 @@
+"""The `tiercel` command: look at, check, copy and clean up the checkpoints of a policy.
+
+    tiercel [--policy FILE] ls [--json]
+    tiercel [--policy FILE] inspect STEP [--tier T] [--rank R] [--json]
+    tiercel [--policy FILE] verify [STEP] [--tier T] [--json]
+    tiercel [--policy FILE] cp STEP --from TIER --to TIER
+    tiercel [--policy FILE] gc [--dry-run]
+    tiercel [--policy FILE] rm STEP --tier T
+    tiercel [--policy FILE] export STEP DIR --format deepspeed|orbax|dcp
+
+The policy comes from --policy, else $TIERCEL_POLICY, else ./tiercel.toml. The store is
+opened as rank 0 of a world of 1; every rank's manifest is still readable through it.
+Bytes are moved and checked by the core; this module only lists, formats and reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Sequence
+
+from .. import _core
+from .context import (
+    EXIT_CORRUPT,
+    EXIT_ERROR,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_USAGE,
+    Ctx,
+    UsageError,
+)
+from .copy import cmd_cp, cmd_rm
+from .export import FORMATS, cmd_export
+from .gc import DEFAULT_TMP_AGE, cmd_gc
+from .inspect import cmd_inspect
+from .ls import cmd_ls
+from .verify import cmd_verify
+
+EPILOG = """\
+policy:
+  --policy FILE, else $TIERCEL_POLICY, else ./tiercel.toml
+
+exit codes:
+  0  success (verify: every checksum holds)
+  1  corruption found (verify), or stored bytes fail their checksum
+  2  usage or configuration error (bad arguments, unknown tier, bad policy file)
+  3  step (or rank) not found
+  4  any other error (a tier cannot be read or written, a capacity limit, ...)
+"""
+
+
+
+def _step(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a step is a non-negative integer, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"a step is a non-negative integer, got {s!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    p = argparse.ArgumentParser(
+        prog="tiercel",
+        description="Look at, check, copy and clean up the checkpoints of a tiercel policy.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--policy", metavar="FILE", help="policy file (default: $TIERCEL_POLICY, else ./tiercel.toml)")
+    p.add_argument("--version", action="version", version=f"tiercel {__version__} (format {_core.FORMAT_VERSION})")
+    # --policy is taken before or after the command: `tiercel ls --policy p.toml` works too.
+    anywhere = argparse.ArgumentParser(add_help=False)
+    anywhere.add_argument("--policy", metavar="FILE", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    add = sub.add_parser
+
+    def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
+        return add(name, parents=[anywhere], **kw)
+
+    sub.add_parser = add_parser  # type: ignore[method-assign]
+
+    s = sub.add_parser("ls", help="steps per tier: state, ranks, size, commit time",
+                       description="Lists every step on every tier: committed steps and uncommitted leftovers, "
+                                   "with their size (stored bytes of all ranks), raw size, world size and commit time.")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=cmd_ls)
+
+    s = sub.add_parser("inspect", help="the manifests of a step: items, dtypes, shapes, chunks, compression",
+                       description="Shows the manifest of each rank of a step on one tier (default: the first tier "
+                                   "in restore order that has it).")
+    s.add_argument("step", type=_step, metavar="STEP")
+    s.add_argument("--tier", metavar="T", help="the tier to read the manifests from")
+    s.add_argument("--rank", type=int, metavar="R", help="only this rank")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=cmd_inspect)
+
+    s = sub.add_parser("verify", help="re-read every chunk and check every checksum",
+                       description="Reads every chunk of every rank of committed steps from each tier on its own "
+                                   "and checks every checksum. Exit code 0: all good; 1: corruption found; "
+                                   "3: the step is not committed on the tiers asked; 4: a tier could not be read.")
+    s.add_argument("step", type=_step, nargs="?", metavar="STEP", help="default: every committed step")
+    s.add_argument("--tier", metavar="T", help="default: every tier")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=cmd_verify)
+
+    s = sub.add_parser("cp", help="copy a committed step (every rank) between tiers",
+                       description="Copies a committed step, every rank, from one tier to another and commits it there.")
+    s.add_argument("step", type=_step, metavar="STEP")
+    s.add_argument("--from", dest="source", required=True, metavar="TIER")
+    s.add_argument("--to", dest="dest", required=True, metavar="TIER")
+    s.set_defaults(func=cmd_cp)
+
+    s = sub.add_parser("gc", help="apply `keep`, remove uncommitted leftovers and stale temporary files",
+                       description="On each tier: aborts multipart uploads that killed writers left (s3, gcs), "
+                                   "removes committed steps beyond `keep` and uncommitted steps older "
+                                   "than the newest committed one, then temporary files (\".tmp-\" in the name) in "
+                                   "step directories whose writer is gone.")
+    s.add_argument("--dry-run", action="store_true", help="only print what would be removed (uploads are not checked)")
+    s.add_argument("--tmp-age", type=float, default=DEFAULT_TMP_AGE, metavar="SECONDS",
+                   help=f"leave temporary files younger than this (default: {DEFAULT_TMP_AGE:.0f})")
+    s.set_defaults(func=cmd_gc)
+
+    s = sub.add_parser("rm", help="delete a step from a tier", description="Deletes a step from one tier (no question asked).")
+    s.add_argument("step", type=_step, metavar="STEP")
+    s.add_argument("--tier", required=True, metavar="T")
+    s.set_defaults(func=cmd_rm)
+
+    s = sub.add_parser("export", help="write a step in a framework's own format (DeepSpeed, Orbax, torch DCP)",
+                       description="Writes a committed step as a plain checkpoint of the framework that saved it, "
+                                   "loadable without tiercel: a DeepSpeed checkpoint directory, an Orbax checkpoint, "
+                                   "or a torch.distributed.checkpoint directory.")
+    s.add_argument("step", type=_step, metavar="STEP")
+    s.add_argument("dir", metavar="DIR", help="the directory to write (created)")
+    s.add_argument("--format", required=True, choices=sorted(FORMATS))
+    s.set_defaults(func=cmd_export)
+
+    s = sub.add_parser("placement", help="GEMINI replica placement and the chance of surviving k host failures",
+                       description="Prints the groups (and ring) that GEMINI's placement forms for N hosts with m "
+                                   "copies each, and the exact probability that no host loses every copy of its "
+                                   "shards when k hosts fail at once, for group, ring and mixed placement, beside "
+                                   "GEMINI's closed form. Needs no policy.")
+    s.add_argument("--hosts", type=int, required=True, metavar="N")
+    s.add_argument("--replicas", type=int, required=True, metavar="M")
+    s.add_argument("--failures", type=int, metavar="K")
+    s.set_defaults(func=cmd_placement, needs_store=False)
+    return p
+
+
+def cmd_placement(ctx: Ctx) -> int:
+    from ..placement import report
+
+    print(report(ctx.args.hosts, ctx.args.replicas, ctx.args.failures))
+    return EXIT_OK
+
+
+def _open_store(policy: str | None) -> Any:
+    from ..store import Store
+
+    origin = "--policy"
+    if policy is None:
+        env = os.environ.get("TIERCEL_POLICY")
+        policy, origin = (env, "$TIERCEL_POLICY") if env else ("tiercel.toml", "default")
+    if not os.path.isfile(policy):
+        hint = "" if origin != "default" else "; give --policy FILE or set $TIERCEL_POLICY"
+        raise UsageError(f"policy file {policy} (from {origin}) does not exist{hint}")
+    return Store(policy, rank=0, world_size=1)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"tiercel: error: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    store = None
+    try:
+        if getattr(args, "needs_store", True):
+            store = _open_store(args.policy)
+        return args.func(Ctx(store, args))
+    except UsageError as e:
+        return _fail(str(e), EXIT_USAGE)
+    except _core.ConfigError as e:
+        return _fail(str(e), EXIT_USAGE)
+    except _core.NotFoundError as e:
+        return _fail(str(e), EXIT_NOT_FOUND)
+    except _core.IntegrityError as e:
+        return _fail(str(e), EXIT_CORRUPT)
+    except _core.TiercelError as e:
+        return _fail(str(e), EXIT_ERROR)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    except BrokenPipeError:
+        # `tiercel ls | head`: the reader went away; stay quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+    finally:
+        if store is not None:
+            try:
+                store.close()
+            except Exception:
+                pass
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""What every `tiercel` command shares: exit codes, usage errors, and `Ctx`, the open store
+with the look-ups the commands make (steps per tier, commit records, manifests)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import _core
+
+EXIT_OK = 0
+EXIT_CORRUPT = 1
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 3
+EXIT_ERROR = 4
+
+class UsageError(Exception):
+    """A mistake on the command line (exit code 2)."""
+
+
+
+
+@dataclass
+class StepInfo:
+    step: int
+    #: "committed", "uncommitted" or "bad commit record".
+    state: str
+    record: dict | None = None
+    error: str | None = None
+
+    @property
+    def committed(self) -> bool:
+        return self.state != "uncommitted"
+
+
+@dataclass
+class RankSizes:
+    ranks: int = 0
+    stored: int = 0
+    raw: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class Ctx:
+    """The open store and what the commands share."""
+
+    def __init__(self, store: Any, args: argparse.Namespace):
+        self.store = store
+        self.core: Any = store._core if store is not None else None
+        self.args = args
+        self.tiers: list[dict] = store.tiers() if store is not None else []
+        self.names = [t["name"] for t in self.tiers]
+
+    def tier(self, name: str) -> dict:
+        for t in self.tiers:
+            if t["name"] == name:
+                return t
+        raise UsageError(f"no tier named '{name}' in {self.core.policy_source} (tiers: {', '.join(self.names)})")
+
+    def selected_tiers(self, name: str | None) -> list[str]:
+        return [self.tier(name)["name"]] if name else list(self.names)
+
+    def scan(self, tier: str) -> list[StepInfo]:
+        """Every step directory on a tier, oldest first, with its commit record if any."""
+        out = []
+        for s in self.core.all_steps(tier):
+            try:
+                out.append(StepInfo(s, "committed", json.loads(self.core.commit_record(tier, s))))
+            except _core.NotFoundError:
+                out.append(StepInfo(s, "uncommitted"))
+            except _core.IntegrityError as e:
+                out.append(StepInfo(s, "bad commit record", error=str(e)))
+        return out
+
+    def committed(self, tier: str) -> list[int]:
+        return [i.step for i in self.scan(tier) if i.state == "committed"]
+
+    def has(self, tier: str, step: int) -> bool:
+        """Whether `step` is committed on `tier` with a readable commit record (one read, not
+        a listing); `verify` and `ls` report unreadable records."""
+        try:
+            self.core.commit_record(tier, step)
+            return True
+        except (_core.NotFoundError, _core.IntegrityError):
+            return False
+
+    def manifest(self, tier: str, step: int, rank: int) -> dict:
+        return json.loads(self.core.reader(step, rank, [tier]).manifest_json())
+
+    def committed_sizes(self, tier: str, step: int, world_size: int) -> RankSizes:
+        sizes = RankSizes()
+        for r in range(world_size):
+            try:
+                m = self.manifest(tier, step, r)
+            except _core.TiercelError as e:
+                sizes.errors.append(f"rank {r}: {e}")
+                continue
+            sizes.ranks += 1
+            sizes.stored += sum(o["len"] for o in m["objects"])
+            sizes.raw += sum(i["nbytes"] for i in m["items"])
+        return sizes
+
+    def require_committed(self, step: int, tiers: list[str]) -> list[str]:
+        """The tiers among `tiers` that have `step` committed, or NotFoundError."""
+        have = [t for t in tiers if self.has(t, step)]
+        if not have:
+            listing = "; ".join(f"{t}: {self.committed(t) or 'none'}" for t in tiers)
+            raise _core.NotFoundError(f"step {step} is committed on no tier in {tiers} (committed steps: {listing})")
+        return have
+
+
+def local_dir(tier: dict) -> str | None:
+    """The directory a memory or fs tier lives in; None for kinds that are not directories."""
+    if tier["kind"] in ("memory", "fs") and tier["location"]:
+        return tier["location"]
+    return None
+
+
+def uncommitted_details(tier: dict, step: int) -> dict:
+    """What is in an uncommitted step's directory: bytes on disk and the ranks whose manifest
+    is there (these tiers are plain directories; the layout is in format.rs)."""
+    d = local_dir(tier)
+    out: dict[str, Any] = {"stored_bytes": None, "ranks": None, "world_size": None}
+    if d is None:
+        return out
+    path = os.path.join(d, f"step-{step:012d}")
+    total, ranks, world = 0, 0, None
+    try:
+        with os.scandir(path) as it:
+            for e in it:
+                if not e.is_file(follow_symlinks=False):
+                    continue
+                total += e.stat(follow_symlinks=False).st_size
+                if re.fullmatch(r"rank-\d{5}\.manifest\.json", e.name):
+                    ranks += 1
+                    try:
+                        with open(e.path, "rb") as f:
+                            world = json.load(f).get("world_size", world)
+                    except (OSError, ValueError):
+                        pass
+    except OSError:
+        return out
+    out.update(stored_bytes=total, ranks=ranks, world_size=world)
+    return out

@@ -1,0 +1,27 @@
+"""`tiercel export STEP DIR --format F`: write a committed step in a framework's own format,
+loadable without tiercel (no lock-in). Each adapter owns its format; this only dispatches."""
+
+from __future__ import annotations
+
+import importlib
+
+from .context import EXIT_OK, Ctx, UsageError
+
+#: --format -> the adapter module whose `export(store, step, out_dir)` writes it.
+FORMATS = {
+    "deepspeed": "tiercel.deepspeed",
+    "orbax": "tiercel.orbax",
+    "dcp": "tiercel.dcp",
+}
+
+
+def cmd_export(ctx: Ctx) -> int:
+    a = ctx.args
+    module_name = FORMATS[a.format]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UsageError(f"--format {a.format} needs {module_name}, which cannot be imported here: {e}") from None
+    out = module.export(ctx.store, a.step, a.dir)
+    print(f"exported step {a.step} as {a.format} to {out or a.dir}")
+    return EXIT_OK

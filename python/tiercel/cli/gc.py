@@ -1,0 +1,119 @@
+"""`tiercel gc [--dry-run]`: apply `keep`, remove uncommitted leftovers and stale temporary
+files, abort abandoned uploads."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import time
+from typing import Iterator
+
+from .context import EXIT_OK, Ctx, local_dir
+from .output import count, fmt_bytes
+
+#: gc removes a temporary file only when its writer is gone and it is at least this old.
+DEFAULT_TMP_AGE = 600.0
+
+
+
+_TMP_PID = re.compile(r"\.tmp-(\d+)-\d+$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, OSError):
+        return False
+    return True
+
+
+def _stale_tmp_files(tier: dict, skip_steps: set[int], min_age: float) -> Iterator[tuple[str, str, int]]:
+    """(step dir, file name, size) of temporary files (".tmp-" in the name) directly inside
+    the step directories of a directory tier whose writer process is gone and that were not
+    touched for `min_age` seconds. Only regular files are considered; symlinks are never
+    followed, so nothing outside the tier's directory is reached."""
+    root = local_dir(tier)
+    if root is None or not os.path.isdir(root):
+        return
+    now = time.time()
+    with os.scandir(root) as it:
+        dirs = sorted(e.name for e in it if re.fullmatch(r"step-\d{12}", e.name) and e.is_dir(follow_symlinks=False))
+    for d in dirs:
+        if int(d[5:]) in skip_steps:
+            continue
+        try:
+            fd = os.open(os.path.join(root, d), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            for name in sorted(os.listdir(fd)):
+                if ".tmp-" not in name:
+                    continue
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except OSError:
+                    continue
+                if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < min_age:
+                    continue
+                pid = _TMP_PID.search(name)
+                if pid and _pid_alive(int(pid.group(1))):
+                    continue
+                yield d, name, st.st_size
+        finally:
+            os.close(fd)
+
+
+def _remove_tmp(root: str, d: str, name: str) -> bool:
+    try:
+        fd = os.open(os.path.join(root, d), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        os.unlink(name, dir_fd=fd)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def cmd_gc(ctx: Ctx) -> int:
+    a = ctx.args
+    verb = "would remove" if a.dry_run else "removed"
+    n_steps = n_tmp = n_uploads = 0
+    for t in ctx.tiers:
+        name = t["name"]
+        infos = ctx.scan(name)
+        committed = [i.step for i in infos if i.committed]
+        newest = committed[-1] if committed else None
+        keep = t["keep"]
+        beyond = set(committed[:-keep] if keep is not None and len(committed) > keep else [])
+        leftovers = {i.step for i in infos if not i.committed and newest is not None and i.step < newest}
+        if a.dry_run:
+            removed = sorted(beyond | leftovers)
+        else:
+            # Abandoned multipart uploads (s3, gcs) first; retention would also do it, silently.
+            for line in ctx.core.sweep(name):
+                print(f"{name}: {line}")
+                n_uploads += 1
+            removed = list(ctx.core.retain(name))
+        for s in sorted(removed):
+            why = f"committed; beyond keep {keep}" if s in committed else "uncommitted leftover"
+            print(f"{name}: {verb} step {s} ({why})")
+        n_steps += len(removed)
+        root = local_dir(t) or ""
+        for d, fname, size in list(_stale_tmp_files(t, set(removed), a.tmp_age)):
+            if a.dry_run or _remove_tmp(root, d, fname):
+                n_tmp += 1
+                print(f"{name}: {verb} {d}/{fname} (stale temporary file, {fmt_bytes(size)})")
+    if n_steps or n_tmp or n_uploads:
+        uploads = f", aborted {count(n_uploads, 'abandoned upload')}" if n_uploads else ""
+        print(f"gc: {verb} {count(n_steps, 'step')} and {count(n_tmp, 'temporary file')}{uploads}")
+    else:
+        print("gc: nothing to remove")
+    return EXIT_OK

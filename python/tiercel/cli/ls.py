@@ -1,0 +1,75 @@
+"""`tiercel ls`: every step on every tier, committed or not, with sizes and commit times."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from .context import EXIT_OK, Ctx, uncommitted_details
+from .output import fmt_bytes, fmt_time, json_out, table
+
+
+def _tier_summary(t: dict) -> str:
+    bits = [t["kind"], t["location"]]
+    if t["every"] != 1:
+        bits.append(f"every {t['every']}")
+    bits.append(f"keep {t['keep']}" if t["keep"] is not None else "keep all")
+    if t["compression"] != "none":
+        bits.append(t["compression"])
+    return ", ".join(bits)
+
+
+def cmd_ls(ctx: Ctx) -> int:
+    doc: dict[str, Any] = {"policy": ctx.core.policy_source, "tiers": []}
+    for t in ctx.tiers:
+        steps = []
+        for info in ctx.scan(t["name"]):
+            entry: dict[str, Any] = {"step": info.step, "state": info.state}
+            if info.state == "committed":
+                assert info.record is not None
+                ws = info.record["world_size"]
+                sizes = ctx.committed_sizes(t["name"], info.step, ws)
+                entry.update(world_size=ws, ranks=sizes.ranks, stored_bytes=sizes.stored, raw_bytes=sizes.raw,
+                             time=info.record["time"], error="; ".join(sizes.errors) or None)
+            elif info.state == "uncommitted":
+                entry.update(uncommitted_details(t, info.step), raw_bytes=None, time=None, error=None)
+            else:
+                entry.update(world_size=None, ranks=None, stored_bytes=None, raw_bytes=None, time=None, error=info.error)
+            steps.append(entry)
+        doc["tiers"].append({k: t[k] for k in ("name", "kind", "location", "every", "keep", "compression")} | {"steps": steps})
+    if ctx.args.json:
+        json_out(doc)
+        return EXIT_OK
+
+    headers = ["STEP", "STATE", "RANKS", "SIZE", "RAW", "COMMITTED"]
+    rows: list[list[str]] = []
+    sections: list[tuple[dict, int, int]] = []  # (tier, first row, end row)
+    notes: list[str] = []
+    for t in doc["tiers"]:
+        start = len(rows)
+        for s in t["steps"]:
+            if s["state"] == "committed":
+                ranks = str(s["world_size"]) if s["ranks"] == s["world_size"] else f"{s['ranks']}/{s['world_size']}"
+            elif s["ranks"] is not None and s["world_size"] is not None:
+                ranks = f"{s['ranks']}/{s['world_size']}"
+            else:
+                ranks = "?" if s["ranks"] is None else str(s["ranks"])
+            rows.append([str(s["step"]), s["state"], ranks, fmt_bytes(s["stored_bytes"]), fmt_bytes(s["raw_bytes"]),
+                         fmt_time(s["time"])])
+            if s["error"]:
+                notes.append(f"tier '{t['name']}' step {s['step']}: {s['error']}")
+        sections.append((t, start, len(rows)))
+    lines = table(headers, rows, right={0, 2, 3, 4})
+    print(f"policy: {doc['policy']}")
+    for t, a, b in sections:
+        print()
+        print(f"{t['name']} ({_tier_summary(t)})")
+        if a == b:
+            print("  (no steps)")
+            continue
+        print("  " + lines[0])
+        for line in lines[1 + a:1 + b]:
+            print("  " + line)
+    for n in notes:
+        print(f"warning: {n}", file=sys.stderr)
+    return EXIT_OK

@@ -1,0 +1,233 @@
+"""One step, written put by put (`Writer`) and read item by item (`Reader`), and what a save
+has done where (`SaveHandle`).
+
+No bytes move in Python loops here: contiguous host arrays are copied by the core on its
+copy threads with the GIL released; device and non-contiguous tensors are copied once by
+their framework straight into the shared-memory segment (the leaf handler's `copy_into`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import _core
+from ._tree import flatten, tree_items, unflatten
+from .errors import InvalidArgumentError, NotFoundError, TierUnavailableError
+from .leaves import Leaf, rebuilder
+from .manifest import Item, Manifest
+
+if TYPE_CHECKING:
+    from .store import Store
+
+
+class SaveHandle:
+    """What a save has done where. `wait()` blocks until every tier is final."""
+
+    def __init__(self, core: _core.SaveHandle, blocking_seconds: float):
+        self._core = core
+        self.step: int = core.step
+        #: Seconds the save blocked the caller (the copy into the memory tier).
+        self.blocking_seconds = blocking_seconds
+
+    def states(self) -> dict[str, str]:
+        """{tier: state}: pending, running, written (this rank; others still going),
+        committed, not scheduled (`every`), "skipped: ...", "failed: ..."."""
+        return dict(self._core.states())
+
+    def done(self) -> bool:
+        return self._core.done()
+
+    def wait(self, timeout: float | None = None) -> dict[str, str]:
+        """Waits for the background tiers; raises TimeoutError, or the tier's error if one failed."""
+        if not self._core.wait(timeout):
+            raise TimeoutError(f"step {self.step}: background tiers not done after {timeout} s: {self.states()}")
+        states = self.states()
+        failed = {t: s for t, s in states.items() if s.startswith("failed")}
+        if failed:
+            raise TierUnavailableError(f"step {self.step}: " + "; ".join(f"tier '{t}' {s}" for t, s in failed.items()))
+        return states
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(step={self.step}, {self.states()})"
+
+
+class Writer:
+    """Writes one step, `put` by `put`; commits on a clean exit, discards on an exception."""
+
+    def __init__(self, store: Store, step: int):
+        self._store = store
+        self._core = store._core.begin(step)
+        self.step = step
+        self.handle: SaveHandle | None = None
+        self._t0 = time.perf_counter()
+
+    def put(self, name: str, value: Any) -> None:
+        """Copies `value` (a tree of arrays, tensors, bytes and scalars) into this step."""
+        if not isinstance(name, str) or not name or "/" in name:
+            raise InvalidArgumentError(f"put name must be a non-empty string without '/', got {name!r}")
+        try:
+            tree, leaves = flatten(name, value)
+        except TypeError as e:
+            raise InvalidArgumentError(f"step {self.step}: {e}") from None
+        except RecursionError:
+            raise InvalidArgumentError(f"step {self.step}: '{name}' is nested too deeply to store") from None
+        specs = [_spec(leaf) for leaf in leaves]
+        part, places = self._core.add_part(name, json.dumps(tree), specs)
+        direct: list[tuple[int, int]] = []  # (item index, source address): copied by the core
+        framework_copied: list[int] = []
+        keep_alive = []
+        segment = None
+        for leaf, (index, offset) in zip(leaves, places):
+            if leaf.nbytes == 0:
+                continue
+            assert leaf.handler is not None
+            src = leaf.handler.host_address(leaf)
+            if src is not None:
+                direct.append((index, src[0]))
+                keep_alive.append(src[1])
+                continue
+            if segment is None:
+                segment = self._core.segment(part)
+            leaf.handler.copy_into(leaf, segment, offset)
+            framework_copied.append(index)
+        if direct:
+            self._core.copy_items(direct)
+        if framework_copied:
+            self._core.mark_written(framework_copied)
+        del keep_alive
+
+    def commit(self) -> SaveHandle:
+        core_handle = self._core.commit()
+        self.handle = SaveHandle(core_handle, time.perf_counter() - self._t0)
+        return self.handle
+
+    def abort(self) -> None:
+        self._core.abort()
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+def _spec(leaf: Leaf) -> tuple:
+    """What the core lays out for a leaf: name, kind, dtype, shape, bytes, meta, and its
+    shard (JSON) when it is one piece of a global array."""
+    spec: tuple = (leaf.name, leaf.kind, leaf.dtype, list(leaf.shape), leaf.nbytes, json.dumps(leaf.meta))
+    if leaf.shard is not None:
+        spec += (json.dumps(leaf.shard.to_json()),)
+    return spec
+
+
+@dataclass
+class RestoreInfo:
+    """How the last restore went."""
+
+    step: int
+    seconds: float
+    #: Number of items read from each tier ("ram", "disk", "ram+disk" when chunks were mixed).
+    tiers: dict[str, int] = field(default_factory=dict)
+    nbytes: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def tier(self) -> str:
+        """The tier most items came from."""
+        return max(self.tiers, key=lambda t: self.tiers[t]) if self.tiers else "-"
+
+
+class Reader:
+    """One rank's view of a committed step; reads only the items (or byte ranges) asked for."""
+
+    def __init__(self, store: Store, step: int, rank: int | None = None, tiers: list[str] | None = None):
+        self._core = store._core.reader(step, rank, tiers)
+        self.step = step
+        self.rank: int = self._core.rank
+        #: The manifest of the first tier in restore order that has the step.
+        self.manifest = Manifest.from_json(self._core.manifest_json())
+        self.info = RestoreInfo(step=step, seconds=0.0)
+
+    def names(self) -> list[str]:
+        """The names that were put in this step."""
+        return self.manifest.puts()
+
+    def items(self, put: str | None = None) -> list[Item]:
+        """The items of one put (default: of every put)."""
+        return list(self.manifest.items) if put is None else self.manifest.items_of(self._put(put))
+
+    def get(self, name: str) -> Any:
+        """Rebuilds one put value (e.g. "optim") without reading the others."""
+        return self._read(self._put(name))
+
+    def get_all(self) -> dict[str, Any]:
+        return {name: self._read(name) for name in self.manifest.trees}
+
+    def read(self, item: Item | int | str, start: int = 0, length: int | None = None) -> np.ndarray:
+        """The raw bytes [start, start + length) of one item as a uint8 array (default: to the
+        end). Only the chunks that overlap the range are read, each verified before use, from
+        the first tier in restore order that has a valid copy."""
+        it = self._item(item)
+        if length is None:
+            length = it.nbytes - start
+        if start < 0 or length < 0 or start + length > it.nbytes:
+            raise InvalidArgumentError(f"step {self.step} item '{it.name}': bytes {start}..{start + length} "
+                                       f"are outside its {it.nbytes} bytes")
+        t0 = time.perf_counter()
+        buf, tier = self._core.read_range(it.index, start, length)
+        self._account(tier, length, t0)
+        return np.frombuffer(buf, dtype=np.uint8) if length else np.empty(0, dtype=np.uint8)
+
+    def value(self, item: Item | int | str) -> Any:
+        """One item rebuilt by the leaf handler that wrote it (an array, a tensor, bytes)."""
+        it = self._item(item)
+        t0 = time.perf_counter()
+        ((buf, tier),) = self._core.read_items([it.index])
+        self._account(tier, it.nbytes, t0)
+        return rebuilder(it).rebuild(it, buf)
+
+    def _item(self, item: Item | int | str) -> Item:
+        if isinstance(item, Item):
+            return item
+        if isinstance(item, int) and 0 <= item < len(self.manifest.items):
+            return self.manifest.items[item]
+        if isinstance(item, str):
+            try:
+                return self.manifest.item(item)
+            except KeyError:
+                pass
+        raise NotFoundError(f"step {self.step} rank {self.rank}: no item {item!r}")
+
+    def _put(self, name: str) -> str:
+        if name not in self.manifest.trees:
+            raise NotFoundError(f"step {self.step}: nothing was put under '{name}' (have: {', '.join(self.manifest.trees)})")
+        return name
+
+    def _account(self, tier: str, nbytes: int, t0: float) -> None:
+        self.info.tiers[tier] = self.info.tiers.get(tier, 0) + 1
+        self.info.nbytes += nbytes
+        self.info.seconds += time.perf_counter() - t0
+        self.info.warnings = self._core.warnings()
+
+    def _read(self, put: str) -> Any:
+        t0 = time.perf_counter()
+        tree = self.manifest.trees[put]
+        items = self.manifest.items_of(put)
+        buffers = self._core.read_items([it.index for it in items])
+        values: dict[int, Any] = {}
+        # Item references in a tree index the put's own items, in order.
+        for ref, it, (buf, tier) in zip(tree_items(tree), items, buffers):
+            values[ref] = rebuilder(it).rebuild(it, buf)
+            self.info.tiers[tier] = self.info.tiers.get(tier, 0) + 1
+            self.info.nbytes += it.nbytes
+        self.info.seconds += time.perf_counter() - t0
+        self.info.warnings = self._core.warnings()
+        return unflatten(tree, values)
