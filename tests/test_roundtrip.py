@@ -3,7 +3,6 @@ memory tier (zero-copy), from the fs tier alone, and from a new process."""
 
 from __future__ import annotations
 
-import collections
 import enum
 import json
 import math
@@ -325,39 +324,6 @@ def test_python_trees(store):
         for k in ("set", "frozenset", "point", "enum", "complex", "decimal"):
             assert_same(pickled[k], state["pickled"][k], f"pickled[{k}]")
         assert isinstance(got["blobs"]["bytearray"], bytearray)
-
-
-class Rank(int, enum.Enum):
-    """An int subclass (as DeepSpeed's ZeroStageEnum): stays an enum, not a plain int."""
-
-    ZERO = 0
-    THREE = 3
-
-
-Pair = collections.namedtuple("Pair", "a b")
-
-
-def test_container_subclasses_keep_their_class(store):
-    # torch's state_dict(): an OrderedDict with a _metadata attribute; DeepSpeed's
-    # param_shapes: torch.Size values, on which zero_to_fp32.py calls .numel().
-    sd = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)).state_dict()
-    state = {
-        "sd": sd,
-        "shapes": collections.OrderedDict(w=torch.Size([3, 2]), b=torch.Size([])),
-        "stage": Rank.THREE,
-        "pair": Pair(1, torch.arange(3)),
-        "counts": collections.defaultdict(int, {"x": 2}),
-    }
-    store.save(2, state).wait(60)
-    for got in (store.restore(), store.reader(2, tiers=["disk"]).get_all()):
-        assert type(got["sd"]) is collections.OrderedDict and list(got["sd"]) == list(sd)
-        assert got["sd"]._metadata == sd._metadata
-        assert_same(dict(got["sd"]), dict(sd))
-        assert type(got["shapes"]["w"]) is torch.Size and got["shapes"]["w"].numel() == 6
-        assert_same(got["shapes"], state["shapes"])
-        assert type(got["stage"]) is Rank and got["stage"] is Rank.THREE
-        assert type(got["pair"]).__name__ == "Pair" and got["pair"].a == 1 and torch.equal(got["pair"].b, torch.arange(3))
-        assert type(got["counts"]) is collections.defaultdict and got["counts"]["x"] == 2 and got["counts"]["new"] == 0
 
 
 def test_writer_puts_and_partial_reads(store):
