@@ -4,9 +4,10 @@
 
 Config keys: stage, bf16, steps (train up to this global step), mode ("plain": no tiercel,
 no saves; "tiercel": attach and save every step; "stock": stock DeepSpeed loads
-`load_dir` and saves it again to `save_dir`), policy, save_dir, load_dir, resume (load first),
-kill_after/victim (that rank SIGKILLs itself right after saving that step), out (a directory
-for this rank's report and state dumps).
+`load_dir` and saves it again to `save_dir`), policy ("{host}" in it becomes
+$TIERCEL_HOST), save_dir, load_dir, resume (load first), kill_after/victim (that rank
+SIGKILLs itself right after saving that step), model_file (save_16bit_model before the last
+checkpoint), out (a directory for this rank's report and state dumps).
 
 The model, the data of each step and every seed are functions of the step and rank only, so
 that any run that reaches a step in the same state computes the same losses bit for bit.
@@ -74,12 +75,15 @@ def main() -> None:
     if cfg["mode"] == "tiercel":
         import tiercel.deepspeed
 
-        assert tiercel.deepspeed.attach(engine, cfg["policy"]) is engine
+        # One memory root per simulated host: "{host}" in the policy is this rank's host.
+        policy = json.loads(json.dumps(cfg["policy"]).replace("{host}", os.environ.get("TIERCEL_HOST", "")))
+        assert tiercel.deepspeed.attach(engine, policy) is engine
     start = 0
     if cfg.get("resume") or cfg["mode"] == "stock":
         path, client = engine.load_checkpoint(cfg.get("load_dir") or cfg["save_dir"])
         start = engine.global_steps
-        report["loaded"] = {"path": path, "client_state": client, "global_steps": start}
+        client_state = {"data_step": client["data_step"], "keys": sorted(client)} if client else client
+        report["loaded"] = {"path": path, "client_state": client_state, "global_steps": start}
         ce = engine.checkpoint_engine
         if getattr(ce, "last_load", None) is not None:
             report["loaded"]["tiers"] = ce.last_load.tiers
@@ -87,12 +91,15 @@ def main() -> None:
     if cfg["mode"] == "stock":
         engine.save_checkpoint(cfg["save_dir"])
     for step in range(start + 1, cfg["steps"] + 1):
-        x, y = batch(step, rank, dtype)
+        x, y = (t.to(engine.device) for t in batch(step, rank, dtype))
         loss = ((engine(x).float() - y.float()) ** 2).mean()
         engine.backward(loss)
         engine.step()
         report["losses"][step] = loss.item().hex()
         if cfg["mode"] == "tiercel":
+            if cfg.get("model_file") and step == cfg["steps"]:
+                # As HF's Trainer does under ZeRO-3: the 16-bit model, then the checkpoint.
+                engine.save_16bit_model(cfg["save_dir"])
             engine.save_checkpoint(cfg["save_dir"], tag=f"global_step{step}", client_state={"data_step": step})
             if cfg.get("kill_after") == step and rank == cfg.get("victim"):
                 os.kill(os.getpid(), signal.SIGKILL)  # right after the save returned

@@ -5,6 +5,7 @@ one rank's copy of the newest step is gone."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import time
@@ -98,10 +99,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(script: str, args: list[str], tmp_path, world: int = WORLD, env_of=None, tag: str = "rank") -> None:
+def run_ranks(script: str, args: list[str], tmp_path, world: int = WORLD, env_of=None, tag: str = "rank",
+              killed: int | None = None) -> None:
     """Starts `world` ranks of `script` as a launcher would (torch.distributed env vars,
     one free port); `env_of(rank)` adds per-rank variables. Fails the test with every rank's
-    log when one fails or the job outlasts TIMEOUT."""
+    log when one fails or the job outlasts TIMEOUT.
+
+    `killed`: that rank is to SIGKILL itself; once it has, the others are killed too, as a
+    launcher tears a job down when one rank dies."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -112,13 +117,17 @@ def run_ranks(script: str, args: list[str], tmp_path, world: int = WORLD, env_of
     deadline = time.monotonic() + TIMEOUT
     failed = []
     try:
-        for rank, (p, out) in enumerate(procs):
+        order = list(range(world)) if killed is None else [killed]
+        for rank in order:
+            p = procs[rank][0]
             try:
                 p.wait(max(1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 failed.append(f"rank {rank} timed out after {TIMEOUT} s")
                 break
-            if p.returncode != 0:
+            if rank == killed and p.returncode != -signal.SIGKILL:
+                failed.append(f"rank {rank} was to kill itself but exited with {p.returncode}")
+            elif rank != killed and p.returncode != 0:
                 failed.append(f"rank {rank} exited with {p.returncode}")
     finally:
         for p, out in procs:
