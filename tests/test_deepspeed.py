@@ -22,15 +22,16 @@ from typing import Any
 
 import pytest
 import torch
+from test_multirank import run_ranks
+from test_peer import base  # noqa: F401 - the fixture: a run directory with per-host /dev/shm roots
 
-pytest.importorskip("deepspeed")
+import tiercel
+import tiercel.deepspeed
+from tiercel.deepspeed.layout import Layout, Save, step_for_tag
 
-import tiercel  # noqa: E402
-import tiercel.deepspeed  # noqa: E402
-from conftest import PYTHON, assert_same, child_env, make_policy  # noqa: E402
-from test_multirank import run_ranks  # noqa: E402
-from test_peer import base  # noqa: E402,F401 - the fixture: a run directory with per-host /dev/shm roots
-from tiercel.deepspeed.layout import Layout, Save, step_for_tag  # noqa: E402
+from conftest import PYTHON, assert_same, child_env, make_policy
+
+pytest.importorskip("deepspeed")  # the ranks run it; this process never imports it
 
 WORLD = 2
 STEPS = 4
@@ -39,11 +40,11 @@ RUN = "from ds_worker import main; main()"
 VENV_BIN = str(Path(sys.executable).parent)
 
 
-def ds_env(rank: int, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """DeepSpeed on the CPU; its JIT-built communication op is cached across runs, and ninja
-    (from the virtualenv) builds it the first time."""
+def ds_env(rank: int, extra: dict[str, str] | None = None, accelerator: str = "cpu") -> dict[str, str]:
+    """DeepSpeed on the CPU (or `accelerator`); its JIT-built communication op is cached across
+    runs, and ninja (from the virtualenv) builds it the first time."""
     return {
-        "DS_ACCELERATOR": "cpu",
+        "DS_ACCELERATOR": accelerator,
         "LOCAL_RANK": str(rank),
         "OMP_NUM_THREADS": "1",
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/tiercel/torch_extensions")),
@@ -52,17 +53,18 @@ def ds_env(rank: int, extra: dict[str, str] | None = None) -> dict[str, str]:
     }
 
 
-def run_job(tmp_path: Path, cfg: dict, tag: str, *, killed: int | None = None, hosts: list[str] | None = None) -> list[dict]:
-    """Runs the two ranks of tests/ds_worker.py; returns the reports of those that finished."""
+def run_job(tmp_path: Path, cfg: dict, tag: str, *, killed: int | None = None, hosts: list[str] | None = None,
+            world: int = WORLD, accelerator: str = "cpu") -> list[dict]:
+    """Runs the ranks of tests/ds_worker.py; returns the reports of those that finished."""
     out = tmp_path / tag
     cfg = {**cfg, "out": str(out)}
-    env_of = lambda r: ds_env(r, {"TIERCEL_HOST": hosts[r]} if hosts else None)  # noqa: E731
-    run_ranks(RUN, [json.dumps(cfg)], tmp_path, WORLD, env_of, tag=tag, killed=killed)
-    return [json.loads((out / f"report-{r}.json").read_text()) for r in range(WORLD) if (out / f"report-{r}.json").exists()]
+    env_of = lambda r: ds_env(r, {"TIERCEL_HOST": hosts[r]} if hosts else None, accelerator)  # noqa: E731
+    run_ranks(RUN, [json.dumps(cfg)], tmp_path, world, env_of, tag=tag, killed=killed)
+    return [json.loads((out / f"report-{r}.json").read_text()) for r in range(world) if (out / f"report-{r}.json").exists()]
 
 
 def dump(tmp_path: Path, tag: str, kind: str, rank: int) -> dict:
-    return torch.load(tmp_path / tag / f"{kind}-{rank}.pt", weights_only=False)
+    return torch.load(tmp_path / tag / f"{kind}-{rank}.pt", weights_only=False, map_location="cpu")
 
 
 def plain(x: Any) -> Any:
@@ -103,7 +105,7 @@ def assert_continues_like(reference_run: tuple[Path, list[dict]], tmp_path: Path
     steps = {r["loaded"]["global_steps"] for r in resumed}
     assert len(steps) == 1, f"the ranks resumed from different steps: {resumed}"
     step = steps.pop()
-    for r in range(WORLD):
+    for r in range(len(ref)):
         later = {s: v for s, v in ref[r]["losses"].items() if int(s) > step}
         assert resumed[r]["losses"] == later, f"rank {r}: losses after step {step} differ"
         assert resumed[r]["loaded"]["client_state"]["data_step"] == step
@@ -356,5 +358,16 @@ def test_a_later_save_at_a_step_keeps_the_files_it_does_not_rewrite(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_engine_saves_and_loads_bit_identical(tmp_path, shm_root, disk_root):
-    pytest.skip("written where CUDA runs")
+def test_a_cuda_rank_saves_and_resumes_bit_identical(tmp_path, shm_root, disk_root):
+    # One rank on the GPU (NCCL wants a device per rank): parameters and optimizer state are
+    # copied device-to-host once, into shared memory, and come back bit-identical.
+    policy = make_policy(shm_root, disk_root, ram={"keep": 3}, every=2)
+    cfg = {"stage": 2, "steps": STEPS, "policy": policy, "save_dir": str(tmp_path / "ckpt")}
+    cuda = {"world": 1, "accelerator": "cuda"}
+    ref = run_job(tmp_path, {**cfg, "mode": "plain"}, "ref", **cuda)
+    run_job(tmp_path, {**cfg, "mode": "tiercel", "steps": KILL_AFTER}, "first", **cuda)
+    resumed = run_job(tmp_path, {**cfg, "mode": "tiercel", "resume": True}, "resumed", **cuda)
+    assert assert_continues_like((tmp_path, ref), tmp_path, "resumed", resumed) == KILL_AFTER
+    with tiercel.Store(policy, rank=0, world_size=1) as store:
+        devices = {it.meta.get("device") for it in store.reader(STEPS).items() if it.framework == "torch"}
+    assert any(d and d.startswith("cuda") for d in devices), devices

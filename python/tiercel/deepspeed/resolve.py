@@ -73,7 +73,7 @@ def resolve(store: Store, load_dir: str, tag: str | None) -> tuple[Found | None,
     mine = [s for s in committed_steps(store) if fixed is None or s == fixed]
     everyone = gather(store, mine)
     common = sorted(set(everyone[0]).intersection(*map(set, everyone[1:])), reverse=True)
-    notes = []
+    notes: list[str] = []
     for step in common:
         index, why, layout = _pick(store, step, want, tag)
         picks = gather(store, (index, why))
