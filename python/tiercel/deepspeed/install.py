@@ -44,14 +44,14 @@ def attach(engine: Any, policy: PolicyLike | None = None, **store_kwargs: Any) -
     store = Store(policy, **store_kwargs)  # a bad policy raises here, before the engine is touched
     ce = TiercelCheckpointEngine(store, lambda: engine.global_steps)
     engine.checkpoint_engine = ce
-    engine.save_non_zero_checkpoint = _writes_model_states(engine, ce)
+    engine.save_non_zero_checkpoint = writes_model_states(engine, ce)
     engine.load_checkpoint = functools.update_wrapper(
         functools.partial(load_checkpoint, engine, engine.load_checkpoint), engine.load_checkpoint)
     engine._get_all_ckpt_names = functools.partial(_ckpt_names, engine, engine._get_all_ckpt_names)
     return engine
 
 
-def _writes_model_states(engine: Any, ce: TiercelCheckpointEngine) -> bool:
+def writes_model_states(engine: Any, ce: TiercelCheckpointEngine) -> bool:
     """DeepSpeedEngine._configure_checkpointing's rule, asked of the new checkpoint engine."""
     from deepspeed.utils import groups
 
