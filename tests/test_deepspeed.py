@@ -257,6 +257,8 @@ from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo
 
 cfg = json.loads(sys.argv[1])
 engine = make_engine(0, False)
+stock_dir = os.path.join(cfg["dir"], "stock")
+engine.save_checkpoint(stock_dir)  # before the job adopted tiercel: DeepSpeed's own files
 before = type(engine.checkpoint_engine)
 params = {k: v.clone() for k, v in engine.module.state_dict().items()}
 out = {}
@@ -287,6 +289,7 @@ ce.save({"w": torch.ones(3)}, os.path.join(save_dir, "global_step7", "mp_rank_00
 out["unknown"] = error(lambda: engine.load_checkpoint(save_dir, tag="nope"))
 out["uncommitted"] = error(lambda: engine.load_checkpoint(save_dir, tag="global_step7"))
 out["other_dir"] = error(lambda: engine.load_checkpoint(os.path.join(cfg["dir"], "elsewhere")))
+out["from_disk"] = engine.load_checkpoint(stock_dir)[0]  # tiercel does not hold it: DeepSpeed reads the disk
 out["params_kept"] = all(torch.equal(v, params[k]) for k, v in engine.module.state_dict().items())
 path, client = engine.load_checkpoint(save_dir, tag="best")
 out["best"] = [path, engine.global_steps]
@@ -317,6 +320,7 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(tmp_path, shm_root, disk
     kind, msg = out["other_dir"]
     assert kind == "NotFoundError" and "elsewhere" in msg and str(tmp_path / "ckpt") in msg, msg
     assert out["params_kept"]
+    assert out["from_disk"] == str(tmp_path / "stock" / "global_step0" / "mp_rank_00_model_states.pt")
     # "best" went to the engine's global step then, 0; loading it sets the engine back to 0.
     assert out["best"] == [str(tmp_path / "ckpt" / "best" / "mp_rank_00_model_states.pt"), 0]
 

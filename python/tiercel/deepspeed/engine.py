@@ -12,6 +12,7 @@ tiercel.deepspeed.attach), reading another rank's put when that rank wrote the f
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import os
@@ -214,6 +215,13 @@ class TiercelCheckpointEngine(CheckpointEngine):
         o, self._open = self._open, None
         if o is not None:
             o.writer.abort()
+
+    def settle(self) -> None:
+        """Waits for this process's last save to end on every tier (commits run in the
+        background), so that a load that follows it in the same job sees it."""
+        if self.last_handle is not None:
+            with contextlib.suppress(TiercelError):
+                self.last_handle.wait()
 
     def wait(self, timeout: float | None = None) -> dict[str, str]:
         """Waits until the last save is final on every tier; returns the tiers' states."""

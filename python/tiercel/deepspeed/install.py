@@ -8,7 +8,8 @@ outside the engine; `attach` covers each piece on the engine instance:
 - `engine.load_checkpoint` first agrees, with every rank, on the step to load (the newest
   one every rank can restore from some tier, not what `latest` on a local disk says), fetches
   from their writers the files a rank cannot read itself, then runs DeepSpeed's own
-  load_checkpoint with that step's tag.
+  load_checkpoint with that step's tag. A checkpoint tiercel does not hold but DeepSpeed
+  wrote on disk (before the job adopted tiercel) is loaded from disk, as DeepSpeed would.
 - `engine._get_all_ckpt_names` (DeepSpeed's glob over the tag folder, made before any file is
   loaded) answers from the step's layout while a load runs: the tag folder is not on disk.
 """
@@ -22,6 +23,8 @@ import io
 import logging
 import os
 from typing import Any, Callable, Iterator
+
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from ..errors import InvalidArgumentError, TierUnavailableError
 from ..store import PolicyLike, Store
@@ -78,8 +81,19 @@ def load_checkpoint(engine: Any, original: Callable[..., Any], load_dir: str, ta
                                    "files on disk: load with the optimizer states, or `tiercel export` the step and "
                                    "load that without tiercel")
     store = ce.store
+    ce.settle()
     found, notes = resolve(store, load_dir, tag)
     if found is None:
+        on_disk = _on_disk(engine, load_dir, tag)
+        if all(gather(store, on_disk is not None)):
+            # A checkpoint DeepSpeed wrote without tiercel (before the job adopted it): read
+            # by DeepSpeed's own engine, as it would have been.
+            log.warning("tiercel holds no checkpoint of %s: DeepSpeed loads '%s' from disk", load_dir, on_disk)
+            engine.checkpoint_engine = TorchCheckpointEngine(engine._config)
+            try:
+                return original(*bound.args, **bound.kwargs)
+            finally:
+                engine.checkpoint_engine = ce
         if tag is None and not any(gather(store, bool(committed_steps(store)))):
             log.warning("tiercel holds no checkpoint yet (tiers %s): nothing loaded from %s",
                         [t["name"] for t in store.tiers()], load_dir)
@@ -96,6 +110,18 @@ def load_checkpoint(engine: Any, original: Callable[..., Any], load_dir: str, ta
     finally:
         ce.loading = None
         ce.last_load = loading.info
+
+
+def _on_disk(engine: Any, load_dir: str, tag: str | None) -> str | None:
+    """The tag DeepSpeed itself would load from `load_dir` on disk (its `latest`, or `tag`)
+    when that tag folder holds model states, else None."""
+    if tag is None:
+        try:
+            with open(os.path.join(load_dir, "latest")) as f:
+                tag = f.read().strip()
+        except OSError:
+            return None
+    return tag if engine._get_all_ckpt_names(load_dir, tag) else None
 
 
 def _ckpt_names(engine: Any, original: Callable[[str, str], list[str]], checkpoints_path: str, tag: str) -> list[str]:
