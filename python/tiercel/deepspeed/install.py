@@ -22,6 +22,7 @@ import inspect
 import io
 import logging
 import os
+import time
 from typing import Any, Callable, Iterator
 
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
@@ -81,6 +82,7 @@ def load_checkpoint(engine: Any, original: Callable[..., Any], load_dir: str, ta
                                    "files on disk: load with the optimizer states, or `tiercel export` the step and "
                                    "load that without tiercel")
     store = ce.store
+    t0 = time.perf_counter()
     ce.settle()
     found, notes = resolve(store, load_dir, tag)
     if found is None:
@@ -109,6 +111,7 @@ def load_checkpoint(engine: Any, original: Callable[..., Any], load_dir: str, ta
             return original(*bound.args, **bound.kwargs)
     finally:
         ce.loading = None
+        loading.info.seconds = time.perf_counter() - t0
         ce.last_load = loading.info
 
 
