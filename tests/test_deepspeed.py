@@ -361,6 +361,28 @@ def test_a_later_save_at_a_step_keeps_the_files_it_does_not_rewrite(tmp_path):
     assert back == layout
 
 
+def test_a_load_merges_the_ranks_layouts(tmp_path):
+    # Each rank records every save of the step with its own files; rank 1 wrote nothing for
+    # save_16bit_model and only its optimizer states for the checkpoint.
+    d = str(tmp_path)
+    ranks = [Layout(3), Layout(3)]
+    ranks[0].add(Save(d, "global_step3", False, 3, {"pytorch_model.bin": [0, "pytorch_model.bin"]}))
+    ranks[1].add(Save(d, "global_step3", False, 3, {}))
+    for r in (0, 1):
+        files = {f"global_step3/zero_pp_rank_{r}_mp_rank_00_optim_states.pt": [r, "optim"]}
+        if r == 0:
+            files["global_step3/mp_rank_00_model_states.pt"] = [0, "model"]
+        ranks[r].add(Save(d, "global_step3", True, 3, files))
+    merged = Layout.merge(ranks, "step 3")
+    assert [len(s.files) for s in merged.saves] == [1, 3]
+    assert [s.is_checkpoint() for s in merged.saves] == [False, True]
+    assert merged.checkpoints(d, "global_step3") == [merged.saves[1]] and merged.checkpoints(d + "x") == []
+    assert merged.owner(os.path.join(d, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))[2:] == (1, "optim")
+    ranks[1].saves.pop(0)
+    with pytest.raises(tiercel.InvalidArgumentError, match="rank 1 recorded other DeepSpeed saves"):
+        Layout.merge(ranks, "step 3")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_a_cuda_rank_saves_and_resumes_bit_identical(tmp_path, shm_root, disk_root):
     # One rank on the GPU (NCCL wants a device per rank): parameters and optimizer state are

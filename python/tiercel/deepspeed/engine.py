@@ -2,9 +2,9 @@
 
 DeepSpeed drives a save as `create(info)`, `makedirs(...)`, `save(state_dict, path)` per
 file, `commit(info)`, on every rank. Here `create` opens a writer for the tag's step, each
-`save` is one put (named after the file), and `commit` exchanges the ranks' file lists and
-commits the step: the save blocks only for the copies into shared memory; checksums,
-replication and persistence run in the background.
+`save` is one put (named after the file), and `commit` records which files this rank wrote
+(the step's layout) and commits: the save blocks only for the copies into shared memory;
+checksums, replication and persistence run in the background.
 
 `load(path)` serves a file from the step the running `load_checkpoint` agreed on (see
 tiercel.deepspeed.attach), reading another rank's put when that rank wrote the file.
@@ -27,7 +27,7 @@ from ..leaves import PickleWarning
 from ..step import Reader, RestoreInfo, SaveHandle, Writer
 from ..store import Store
 from .layout import LAYOUT_PUT, Layout, Save, norm_dir, step_for_tag
-from .resolve import Found, find_local, gather
+from .resolve import Found, find_local
 
 ENGINE_NAME = "TiercelCheckpointEngine"
 
@@ -180,10 +180,17 @@ class TiercelCheckpointEngine(CheckpointEngine):
         if o is None or o.save.tag != str(info.tag):
             raise InvalidArgumentError(f"DeepSpeed committed tag '{info.tag}', which no create() opened")
         self._open = None
+        me = self.store.rank
         try:
-            layout = self._layout(o)
-            for rel, (rank, put) in ((r, w) for s in layout.saves if s is not o.save for r, w in s.files.items()):
-                if rank == self.store.rank:  # an earlier save's file that this save did not rewrite
+            # This rank's layout: the step's earlier saves with the files of this rank they
+            # keep, and this save's. No word with the other ranks: a load merges the layouts.
+            layout = o.before
+            for s in layout.saves:
+                s.files = {rel: w for rel, w in s.files.items() if w[1] not in o.lost}
+            o.save.files = {rel: [me, put] for rel, put in o.files.items()}
+            layout.add(o.save)
+            for s in layout.saves[:-1]:
+                for _, put in s.files.values():  # an earlier save's file this save did not rewrite
                     o.writer.put(put, o.carried[put])
             o.writer.put(LAYOUT_PUT, layout.to_tree())
             self.last_handle = o.writer.commit()
@@ -194,21 +201,6 @@ class TiercelCheckpointEngine(CheckpointEngine):
         for old in sorted(self._session)[:-_SESSION_STEPS]:
             del self._session[old]
         return True
-
-    def _layout(self, o: _OpenSave) -> Layout:
-        """The step's layout once this save is in: every rank's files (one all-gather), the
-        earlier saves' files it did not rewrite. The same on every rank."""
-        layout = o.before
-        for rank, (files, lost) in enumerate(gather(self.store, (o.files, o.lost))):
-            for rel, put in files.items():
-                if rel in o.save.files:
-                    raise InvalidArgumentError(f"DeepSpeed tag '{o.save.tag}': ranks {o.save.files[rel][0]} and {rank} "
-                                               f"both wrote {rel}")
-                o.save.files[rel] = [rank, put]
-            for s in layout.saves:
-                s.files = {rel: w for rel, w in s.files.items() if not (w[0] == rank and w[1] in lost)}
-        layout.add(o.save)
-        return layout
 
     def _discard_open(self) -> None:
         """Drops a save that never committed (DeepSpeed raised between create and commit)."""

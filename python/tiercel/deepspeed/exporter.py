@@ -19,7 +19,7 @@ from ..errors import InvalidArgumentError
 from ..step import Reader
 from ..store import PolicyLike, Store
 from .layout import Layout, Save
-from .resolve import find_local, read_layout
+from .resolve import find_local, merged_layout
 
 #: progress(files done, files, bytes done, bytes): called after each file.
 Progress = Callable[[int, int, int, int], None]
@@ -85,7 +85,7 @@ def _select(store: Store, step_or_tag: int | str) -> tuple[Layout, list[Save]]:
     if isinstance(step_or_tag, bool) or not isinstance(step_or_tag, (int, str)):
         raise InvalidArgumentError(f"export takes a step number or a DeepSpeed tag, got {step_or_tag!r}")
     if isinstance(step_or_tag, int) or step_or_tag.isdigit():
-        layout = read_layout(store, int(step_or_tag))
+        layout = merged_layout(store, int(step_or_tag))
         return layout, layout.saves
     found = find_local(store, step_or_tag, checkpoints_only=False)
     return found.layout, [s for s in found.layout.saves if s.tag == step_or_tag and s.dir == found.save.dir]

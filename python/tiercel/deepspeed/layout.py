@@ -3,9 +3,9 @@ directory tree kept in the step's `_deepspeed` put, and how a tag names a step.
 
 A DeepSpeed save is `(save_dir, tag)` plus the files its ranks wrote under it (paths
 relative to `save_dir`: `global_step7/mp_rank_00_model_states.pt`, or `pytorch_model.bin`
-for `save_16bit_model`). Each file is one put of the rank that wrote it. Every rank stores
-the same layout (the ranks exchange their file lists when the save commits), so any rank can
-find any file without asking the others.
+for `save_16bit_model`). Each file is one put of the rank that wrote it. Each rank's layout
+lists every save of the step, in order, with that rank's own files, so a save needs no word
+with the other ranks; a load merges the ranks' layouts (`merge`).
 
 Tag -> step: `global_stepN` is step N; any other tag is the engine's global step at the
 time of the save. Several saves at one step (`save_16bit_model` and `save_checkpoint` of
@@ -107,14 +107,11 @@ class Layout:
 
     def add(self, save: Save) -> None:
         """Adds a newer save. Files it rewrites (same directory and path) leave the older saves,
-        and an older save left without files goes, as if both had been written to disk."""
-        kept = []
+        as if both had been written to disk."""
         for old in self.saves:
             if old.dir == save.dir:
                 old.files = {rel: o for rel, o in old.files.items() if rel not in save.files}
-            if old.files:
-                kept.append(old)
-        self.saves = kept + [save]
+        self.saves.append(save)
 
     def put_names(self, rank: int) -> set[str]:
         return {o[1] for s in self.saves for o in s.files.values() if o[0] == rank}
@@ -148,6 +145,28 @@ class Layout:
         directory and/or tag."""
         return [s for s in self.saves if s.is_checkpoint() and (load_dir is None or s.dir == load_dir)
                 and (tag is None or s.tag == tag)]
+
+    @classmethod
+    def merge(cls, layouts: list[Layout], where: str) -> Layout:
+        """One view of a step from every rank's layout: each save with all ranks' files, a
+        later save's file replacing an earlier one at the same path, saves left without
+        files dropped."""
+        first = layouts[0]
+        for rank, other in enumerate(layouts):
+            if [(s.dir, s.tag) for s in other.saves] != [(s.dir, s.tag) for s in first.saves]:
+                raise InvalidArgumentError(f"{where}: rank {rank} recorded other DeepSpeed saves "
+                                           f"({other.describe()}) than rank 0 ({first.describe()})")
+        saves = []
+        for i, s in enumerate(first.saves):
+            files: dict[str, list] = {}
+            for other in layouts:
+                files.update(other.saves[i].files)
+            saves.append(Save(s.dir, s.tag, s.latest, s.global_steps, files))
+        merged = cls(first.step)
+        for save in saves:
+            merged.add(save)
+        merged.saves = [s for s in merged.saves if s.files]
+        return merged
 
     def describe(self) -> str:
         return ", ".join(f"'{s.tag}' in {s.dir}" for s in self.saves) or "nothing"

@@ -26,12 +26,19 @@ class Found:
 
 
 def read_layout(store: Store, step: int, rank: int | None = None) -> Layout:
-    """The DeepSpeed layout of a committed step, from `rank`'s manifest (default: this rank's)."""
+    """One rank's DeepSpeed layout of a committed step (default: this rank's)."""
     reader = Reader(store, step, rank)
     if LAYOUT_PUT not in reader.manifest.trees:
         raise NotFoundError(f"step {step} was not saved through tiercel's DeepSpeed engine "
                             f"(it holds {', '.join(reader.manifest.trees) or 'nothing'})")
-    return Layout.from_tree(reader.get(LAYOUT_PUT), f"step {step}")
+    return Layout.from_tree(reader.get(LAYOUT_PUT), f"step {step} rank {reader.rank}")
+
+
+def merged_layout(store: Store, step: int) -> Layout:
+    """The step's layout with every rank's files, read from every rank's manifest by this
+    process alone (export, and loads outside load_checkpoint)."""
+    world = Reader(store, step, 0).manifest.world_size
+    return Layout.merge([read_layout(store, step, r) for r in range(world)], f"step {step}")
 
 
 def committed_steps(store: Store) -> list[int]:
@@ -52,22 +59,18 @@ def gather(store: Store, value: Any) -> list[Any]:
     return store.coordinator.all_gather(value)
 
 
-def _pick(store: Store, step: int, load_dir: str, tag: str | None) -> tuple[int | None, str, Layout | None]:
-    """The index, in the step's layout, of the save this rank would load (or None and why
-    not), and the layout."""
+def _own_layout(store: Store, step: int) -> tuple[dict | None, str]:
+    """This rank's layout of a step (as a tree, to send), or None and why not."""
     try:
-        layout = read_layout(store, step)
+        return read_layout(store, step).to_tree(), ""
     except TiercelError as e:
-        return None, str(e), None
-    saves = layout.checkpoints(load_dir, tag)
-    if not saves:
-        return None, f"holds {layout.describe()}", layout
-    return layout.saves.index(saves[-1]), "", layout
+        return None, str(e)
 
 
 def resolve(store: Store, load_dir: str, tag: str | None) -> tuple[Found | None, list[str]]:
     """The checkpoint `load_checkpoint(load_dir, tag)` loads, agreed by every rank, or None
-    and, per step tried, why not. Collective."""
+    and, per step tried, why not. Collective: the ranks exchange the steps they can open,
+    then, newest first, their layouts of a candidate step (usually one round)."""
     want = norm_dir(load_dir)
     fixed = tag_step(tag) if tag is not None else None
     mine = [s for s in committed_steps(store) if fixed is None or s == fixed]
@@ -75,12 +78,20 @@ def resolve(store: Store, load_dir: str, tag: str | None) -> tuple[Found | None,
     common = sorted(set(everyone[0]).intersection(*map(set, everyone[1:])), reverse=True)
     notes: list[str] = []
     for step in common:
-        index, why, layout = _pick(store, step, want, tag)
-        picks = gather(store, (index, why))
-        choices = {c for c, _ in picks}
-        if len(choices) == 1 and index is not None and layout is not None:
-            return Found(step, layout, layout.saves[index]), notes
-        notes += [f"step {step}: rank {r}: {w}" for r, (c, w) in enumerate(picks) if c is None]
+        layouts = gather(store, _own_layout(store, step))
+        if any(tree is None for tree, _ in layouts):
+            notes += [f"step {step}: rank {r}: {why}" for r, (tree, why) in enumerate(layouts) if tree is None]
+            continue
+        try:
+            layout = Layout.merge([Layout.from_tree(tree, f"step {step} rank {r}") for r, (tree, _) in enumerate(layouts)],
+                                  f"step {step}")
+        except TiercelError as e:
+            notes.append(str(e))
+            continue
+        saves = layout.checkpoints(want, tag)
+        if saves:
+            return Found(step, layout, saves[-1]), notes
+        notes.append(f"step {step} holds {layout.describe()}")
     return None, notes
 
 
@@ -111,7 +122,7 @@ def find_local(store: Store, tag: str, load_dir: str | None = None, *, checkpoin
         if fixed is not None and step != fixed:
             continue
         try:
-            layout = read_layout(store, step)
+            layout = merged_layout(store, step)
         except TiercelError as e:
             seen.append(f"step {step}: {e}")
             continue
