@@ -88,8 +88,8 @@ class Loading:
 
 class TiercelCheckpointEngine(CheckpointEngine):
     """DeepSpeed's CheckpointEngine on a tiercel Store. Install it with
-    `tiercel.deepspeed.attach(engine, policy)`, which also answers DeepSpeed's own look-ups
-    around it (the tag folder's glob, `latest`)."""
+    `tiercel.deepspeed.attach(engine, policy)`, which also covers what DeepSpeed does around
+    the engine (its glob of the tag folder, its file-exists check, `latest`)."""
 
     def __init__(self, store: Store, global_steps: Callable[[], int]):
         super().__init__(None)
@@ -102,7 +102,7 @@ class TiercelCheckpointEngine(CheckpointEngine):
         self.last_handle: SaveHandle | None = None
         #: Set by load_checkpoint while DeepSpeed reads a checkpoint.
         self.loading: Loading | None = None
-        #: How the last load_checkpoint went: step, tag, and items read per tier.
+        #: How the last load_checkpoint went: step, seconds, items read per tier.
         self.last_load: RestoreInfo | None = None
 
     # -- save -------------------------------------------------------------------------------
@@ -149,11 +149,7 @@ class TiercelCheckpointEngine(CheckpointEngine):
             raise InvalidArgumentError(f"DeepSpeed file {path} is outside the save directory {o.save.dir}")
         put = self._put_name(o, path, rel)
         try:
-            with warnings.catch_warnings():
-                # DeepSpeed's states hold a few small objects (ZeroStageEnum, LossScaler,
-                # the config) that only pickle keeps: expected, not worth a warning per save.
-                warnings.simplefilter("ignore", PickleWarning)
-                o.writer.put(put, state_dict)
+            _put(o.writer, put, state_dict)
         except BaseException as e:
             self._discard_open()
             if isinstance(e, TiercelError):
@@ -191,7 +187,7 @@ class TiercelCheckpointEngine(CheckpointEngine):
             layout.add(o.save)
             for s in layout.saves[:-1]:
                 for _, put in s.files.values():  # an earlier save's file this save did not rewrite
-                    o.writer.put(put, o.carried[put])
+                    _put(o.writer, put, o.carried[put])
             o.writer.put(LAYOUT_PUT, layout.to_tree())
             self.last_handle = o.writer.commit()
         except BaseException:
@@ -249,6 +245,14 @@ class TiercelCheckpointEngine(CheckpointEngine):
     def close(self) -> None:
         self._discard_open()
         self.store.close()
+
+
+def _put(writer: Writer, name: str, value: Any) -> None:
+    with warnings.catch_warnings():
+        # DeepSpeed's states hold a few small objects (ZeroStageEnum, LossScaler, the config)
+        # that only pickle keeps: expected, not worth a warning per save.
+        warnings.simplefilter("ignore", PickleWarning)
+        writer.put(name, value)
 
 
 def _to_location(value: Any, map_location: Any) -> Any:

@@ -55,7 +55,7 @@ def attach(engine: Any, policy: PolicyLike | None = None, **store_kwargs: Any) -
     return engine
 
 
-def writes_model_states(engine: Any, ce: TiercelCheckpointEngine) -> bool:
+def writes_model_states(engine: Any, ce: Any) -> bool:
     """DeepSpeedEngine._configure_checkpointing's rule, asked of the new checkpoint engine."""
     from deepspeed.utils import groups
 
