@@ -16,6 +16,7 @@ import contextlib
 import copy
 import io
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -30,6 +31,9 @@ from .layout import LAYOUT_PUT, Layout, Save, norm_dir, step_for_tag
 from .resolve import Found, find_local
 
 ENGINE_NAME = "TiercelCheckpointEngine"
+
+#: How long a read of a step this process just saved waits for the other ranks' parts.
+COMMIT_WAIT_S = 60.0
 
 #: Steps whose layout this process remembers, to keep their files when a later save goes to
 #: the same step (save_16bit_model, then save_checkpoint of that step).
@@ -123,7 +127,7 @@ class TiercelCheckpointEngine(CheckpointEngine):
             return {}, []
         carried: dict[str, Any] = {}
         try:
-            reader = Reader(self.store, before.step)
+            reader = self._committed_reader(before.step)
             for put in mine:
                 carried[put] = reader.get(put)
         except TiercelError as e:
@@ -204,12 +208,26 @@ class TiercelCheckpointEngine(CheckpointEngine):
         if o is not None:
             o.writer.abort()
 
+    def _committed_reader(self, step: int) -> Reader:
+        """A reader of a step this process saved, once the step is committed: the memory tier
+        commits it in the background once every rank of this host has written its part (a
+        few milliseconds after the save on the slowest of them), up to COMMIT_WAIT_S."""
+        deadline = time.monotonic() + COMMIT_WAIT_S
+        while True:
+            try:
+                return Reader(self.store, step)
+            except NotFoundError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.005)
+
     def settle(self) -> None:
-        """Waits for this process's last save to end on every tier (commits run in the
-        background), so that a load that follows it in the same job sees it."""
+        """Waits for this process's last save to be committed and final on every tier, so
+        that a load that follows it in the same job sees it."""
         if self.last_handle is not None:
             with contextlib.suppress(TiercelError):
                 self.last_handle.wait()
+                self._committed_reader(self.last_handle.step)
 
     def wait(self, timeout: float | None = None) -> dict[str, str]:
         """Waits until the last save is final on every tier; returns the tiers' states."""

@@ -176,13 +176,20 @@ def _placeholders(store: Store, paths: list[str]) -> Iterator[None]:
                 pass  # a real file, or another rank's placeholder
         yield
         gather(store, None)  # no placeholder goes while another rank of this host may check it
+        _remove(files, [])
+        gather(store, None)  # ... nor a folder that another rank's placeholder is still in
     finally:
-        for path in files:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        for d in reversed(dirs):
-            with contextlib.suppress(OSError):
-                os.rmdir(d)  # only if empty: another rank's placeholder may still be there
+        _remove(files, dirs)
+
+
+def _remove(files: list[str], dirs: list[str]) -> None:
+    for path in files:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    files.clear()
+    for d in reversed(dirs):
+        with contextlib.suppress(OSError):
+            os.rmdir(d)  # only if empty
 
 
 def _fetch_unreadable(loading: Loading, wanted: list[str]) -> None:
