@@ -53,13 +53,13 @@ def ds_env(rank: int, extra: dict[str, str] | None = None, accelerator: str = "c
     }
 
 
-def run_job(tmp_path: Path, cfg: dict, tag: str, *, killed: int | None = None, hosts: list[str] | None = None,
+def run_job(tmp_path: Path, cfg: dict, tag: str, *, victim: int | None = None, hosts: list[str] | None = None,
             world: int = WORLD, accelerator: str = "cpu") -> list[dict]:
     """Runs the ranks of tests/ds_worker.py; returns the reports of those that finished."""
     out = tmp_path / tag
     cfg = {**cfg, "out": str(out)}
     env_of = lambda r: ds_env(r, {"TIERCEL_HOST": hosts[r]} if hosts else None, accelerator)  # noqa: E731
-    run_ranks(RUN, [json.dumps(cfg)], tmp_path, world, env_of, tag=tag, killed=killed)
+    run_ranks(RUN, [json.dumps(cfg)], tmp_path, world, env_of, tag=tag, victim=victim)
     return [json.loads((out / f"report-{r}.json").read_text()) for r in range(world) if (out / f"report-{r}.json").exists()]
 
 
@@ -121,7 +121,7 @@ def test_kill_a_rank_after_a_save_then_resume_bit_identical(stage, tmp_path, shm
     policy = make_policy(shm_root, disk_root, ram={"keep": 3}, every=2)
     cfg = {"stage": stage, "steps": STEPS, "mode": "tiercel", "policy": policy, "save_dir": str(tmp_path / "ckpt")}
     victim = stage % 2
-    killed = run_job(tmp_path, {**cfg, "kill_after": KILL_AFTER, "victim": victim}, "killed", killed=victim)
+    killed = run_job(tmp_path, {**cfg, "kill_after": KILL_AFTER, "victim": victim}, "killed", victim=victim)
     assert killed == [], "a rank finished although its peer was killed"
     # The save directory holds only what DeepSpeed writes itself (`latest`, the recovery
     # scripts); the checkpoint is in tiercel.

@@ -100,12 +100,12 @@ def free_port() -> int:
 
 
 def run_ranks(script: str, args: list[str], tmp_path, world: int = WORLD, env_of=None, tag: str = "rank",
-              killed: int | None = None) -> None:
+              victim: int | None = None) -> None:
     """Starts `world` ranks of `script` as a launcher would (torch.distributed env vars,
     one free port); `env_of(rank)` adds per-rank variables. Fails the test with every rank's
     log when one fails or the job outlasts TIMEOUT.
 
-    `killed`: that rank is to SIGKILL itself; once it has, the others are killed too, as a
+    `victim`: that rank is to SIGKILL itself; once it has, the others are killed too, as a
     launcher tears a job down when one rank dies."""
     port = free_port()
     procs = []
@@ -117,7 +117,7 @@ def run_ranks(script: str, args: list[str], tmp_path, world: int = WORLD, env_of
     deadline = time.monotonic() + TIMEOUT
     failed = []
     try:
-        order = list(range(world)) if killed is None else [killed]
+        order = list(range(world)) if victim is None else [victim]
         for rank in order:
             p = procs[rank][0]
             try:
@@ -125,9 +125,9 @@ def run_ranks(script: str, args: list[str], tmp_path, world: int = WORLD, env_of
             except subprocess.TimeoutExpired:
                 failed.append(f"rank {rank} timed out after {TIMEOUT} s")
                 break
-            if rank == killed and p.returncode != -signal.SIGKILL:
+            if rank == victim and p.returncode != -signal.SIGKILL:
                 failed.append(f"rank {rank} was to kill itself but exited with {p.returncode}")
-            elif rank != killed and p.returncode != 0:
+            elif rank != victim and p.returncode != 0:
                 failed.append(f"rank {rank} exited with {p.returncode}")
     finally:
         for p, out in procs:
