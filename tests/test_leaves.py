@@ -134,6 +134,17 @@ def test_container_types_are_kept(store):
     assert [it.name for it in m.items if it.framework == "pickle"] == ["state/color"]
 
 
+def test_a_state_dict_keeps_its_module_versions(store):
+    # torch's state_dict() carries `_metadata` (module versions), which load_state_dict reads
+    # and torch.save keeps: DeepSpeed's exported checkpoints must have it too.
+    sd = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)).state_dict()
+    store.save(2, {"sd": sd}).wait(60)
+    for back in (store.restore()["sd"], store.reader(2, tiers=["disk"]).get("sd")):
+        assert type(back) is collections.OrderedDict and list(back) == list(sd)
+        assert back._metadata == sd._metadata and back._metadata["1"]["version"] == 2
+        assert all(torch.equal(back[k], sd[k]) for k in sd)
+
+
 def test_bad_values_are_invalid_arguments_naming_the_path(store):
     loop: dict = {"a": 1}
     loop["self"] = loop

@@ -100,10 +100,13 @@ def free_port() -> int:
 
 
 def run_ranks(script: str, args: list[str], tmp_path, world: int = WORLD, env_of=None, tag: str = "rank",
-              killed: bool = False) -> None:
+              victim: int | None = None, killed: bool = False) -> None:
     """Starts `world` ranks of `script` as a launcher would (torch.distributed env vars,
     one free port); `env_of(rank)` adds per-rank variables. Fails the test with every rank's
-    log when one fails or the job outlasts TIMEOUT. `killed`: every rank is meant to end by
+    log when one fails or the job outlasts TIMEOUT.
+
+    `victim`: that rank is to SIGKILL itself; once it has, the others are killed too, as a
+    launcher tears a job down when one rank dies. `killed`: every rank is meant to end by
     SIGKILL (a crash the test stages); a rank that exits otherwise fails the test."""
     port = free_port()
     procs = []
@@ -115,15 +118,18 @@ def run_ranks(script: str, args: list[str], tmp_path, world: int = WORLD, env_of
     deadline = time.monotonic() + TIMEOUT
     failed = []
     try:
-        for rank, (p, out) in enumerate(procs):
+        order = list(range(world)) if victim is None else [victim]
+        for rank in order:
+            p = procs[rank][0]
             try:
                 p.wait(max(1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 failed.append(f"rank {rank} timed out after {TIMEOUT} s")
                 break
-            want = -signal.SIGKILL if killed else 0
-            if p.returncode != want:
-                failed.append(f"rank {rank} exited with {p.returncode}, not {want}")
+            if rank == victim and p.returncode != -signal.SIGKILL:
+                failed.append(f"rank {rank} was to kill itself but exited with {p.returncode}")
+            elif rank != victim and p.returncode != (-signal.SIGKILL if killed else 0):
+                failed.append(f"rank {rank} exited with {p.returncode}, not {-signal.SIGKILL if killed else 0}")
     finally:
         for p, out in procs:
             if p.poll() is None:

@@ -10,8 +10,9 @@ import os
 import shutil
 
 import pytest
-
 from test_multirank import run_ranks
+
+from conftest import new_shm_root
 
 WORKER = r"""
 import json, os, sys
@@ -76,9 +77,9 @@ def base(tmp_path):
     (b / "disk").mkdir(parents=True)
     shm = b / "shm"
     shm.parent.mkdir(exist_ok=True)
-    # Memory roots must be on tmpfs: link <base>/shm to a fresh /dev/shm directory.
-    target = f"/dev/shm/tiercel-peer-test-{tmp_path.name}"
-    shutil.rmtree(target, ignore_errors=True)
+    # Memory roots must be on tmpfs: link <base>/shm to a fresh /dev/shm directory, named
+    # for this process (pytest's tmp_path names repeat across concurrent sessions).
+    target = new_shm_root("peer-")
     os.makedirs(target)
     shm.symlink_to(target)
     yield b

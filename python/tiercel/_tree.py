@@ -110,6 +110,9 @@ class Flattener:
             node: dict[str, Any] = {"t": "dict", "v": keys}
             if type(v) is OrderedDict:
                 node["c"] = "OrderedDict"  # torch state_dict()s are OrderedDicts
+                attrs = getattr(v, "__dict__", None)
+                if attrs:  # ... with a `_metadata` attribute (module versions, read by load_state_dict)
+                    node["a"] = self.node(dict(attrs), [*path, "@attrs"])
             return node
         kind = "list" if isinstance(v, list) else "tuple"
         node = {"t": kind, "v": [self.node(x, [*path, str(i)]) for i, x in enumerate(v)]}
@@ -149,7 +152,12 @@ def unflatten(node: dict, items: Mapping[int, Any] | Sequence[Any]) -> Any:
         return items[node["i"]]
     if t == "dict":
         d = {_unscalar(k): unflatten(v, items) for k, v in node["v"]}
-        return OrderedDict(d) if node.get("c") == "OrderedDict" else d
+        if node.get("c") != "OrderedDict":
+            return d
+        od = OrderedDict(d)
+        for name, value in unflatten(node["a"], items).items() if "a" in node else ():
+            setattr(od, name, value)
+        return od
     if t == "list":
         return [unflatten(v, items) for v in node["v"]]
     if t == "tuple":
@@ -167,7 +175,8 @@ def tree_items(node: dict) -> list[int]:
     if t == "item":
         return [node["i"]]
     if t == "dict":
-        return [i for _, v in node["v"] for i in tree_items(v)]
+        # An OrderedDict's attributes ("a") are flattened after its entries.
+        return [i for _, v in node["v"] for i in tree_items(v)] + (tree_items(node["a"]) if "a" in node else [])
     if t in ("list", "tuple"):
         return [i for v in node["v"] for i in tree_items(v)]
     return []

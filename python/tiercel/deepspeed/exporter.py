@@ -1,0 +1,112 @@
+"""Export: a step as the directory DeepSpeed's own TorchCheckpointEngine would have written
+(`latest`, the tag folder with the same file names, zero_to_fp32.py), which stock DeepSpeed
+loads and zero_to_fp32.py converts without tiercel.
+
+Needs torch (each file is written with torch.save), not deepspeed: zero_to_fp32.py is copied
+from an installed deepspeed when there is one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import stat
+from pathlib import Path
+from typing import Callable
+
+from ..errors import InvalidArgumentError
+from ..step import Reader
+from ..store import PolicyLike, Store
+from .layout import Layout, Save
+from .resolve import find_local, merged_layout
+
+#: progress(files done, files, bytes done, bytes): called after each file.
+Progress = Callable[[int, int, int, int], None]
+
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
+def export(store: Store | PolicyLike, step_or_tag: int | str, out_dir: str | os.PathLike, *,
+           progress: Progress | None = None) -> str:
+    """Writes step `step_or_tag` (a step number, or a DeepSpeed tag such as "global_step40"
+    or "best") as a plain DeepSpeed checkpoint directory under `out_dir`; returns its path.
+
+    `store` is an open tiercel.Store, or a policy (opened here as a single process, as the
+    CLI does). Each file is written to a temporary name and renamed, and `latest` last: an
+    interrupted export never looks complete."""
+    if isinstance(store, Store):
+        return _export(store, step_or_tag, Path(out_dir), progress)
+    with Store(store, rank=0, world_size=1) as opened:
+        return _export(opened, step_or_tag, Path(out_dir), progress)
+
+
+def _export(store: Store, step_or_tag: int | str, out: Path, progress: Progress | None) -> str:
+    layout, saves = _select(store, step_or_tag)
+    # Later saves win where two wrote the same path (as they would have on disk).
+    files: dict[str, tuple[int, str]] = {}
+    for s in saves:
+        for rel, (rank, put) in s.files.items():
+            files[rel] = (rank, put)
+    readers: dict[int, Reader] = {}
+
+    def reader(rank: int) -> Reader:
+        if rank not in readers:
+            readers[rank] = Reader(store, layout.step, rank)
+        return readers[rank]
+
+    sizes = {rel: sum(it.nbytes for it in reader(rank).items(put)) for rel, (rank, put) in files.items()}
+    total = sum(sizes.values())
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    done = 0
+    for i, rel in enumerate(sorted(files)):
+        rank, put = files[rel]
+        dest = out / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".tmp-{dest.name}")
+        torch.save(reader(rank).get(put), tmp)
+        os.replace(tmp, dest)
+        done += sizes[rel]
+        if progress is not None:
+            progress(i + 1, len(files), done, total)
+    checkpoints = [s for s in saves if s.is_checkpoint()]
+    if any("optim_states" in rel for s in checkpoints for rel in s.files):
+        _copy_recovery_scripts(out)
+    latest = [s for s in checkpoints if s.latest] or checkpoints
+    if latest:
+        _write(out / "latest", latest[-1].tag)
+    return str(out)
+
+
+def _select(store: Store, step_or_tag: int | str) -> tuple[Layout, list[Save]]:
+    """The layout and the saves to export: every save of a step, or the newest of a tag."""
+    if isinstance(step_or_tag, bool) or not isinstance(step_or_tag, (int, str)):
+        raise InvalidArgumentError(f"export takes a step number or a DeepSpeed tag, got {step_or_tag!r}")
+    if isinstance(step_or_tag, int) or step_or_tag.isdigit():
+        layout = merged_layout(store, int(step_or_tag))
+        return layout, layout.saves
+    found = find_local(store, step_or_tag, checkpoints_only=False)
+    return found.layout, [s for s in found.layout.saves if s.tag == step_or_tag and s.dir == found.save.dir]
+
+
+def _copy_recovery_scripts(out: Path) -> None:
+    """DeepSpeed copies zero_to_fp32.py next to every ZeRO checkpoint; so does export, from
+    the installed deepspeed (found without importing it), when there is one."""
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or spec.origin is None:
+        return
+    utils = Path(spec.origin).parent / "utils"
+    for name in RECOVERY_SCRIPTS:
+        src = utils / name
+        if src.is_file():
+            dest = out / name
+            shutil.copyfile(src, dest)
+            dest.chmod(dest.stat().st_mode | stat.S_IEXEC)
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

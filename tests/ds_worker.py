@@ -1,0 +1,114 @@
+"""One rank of a small DeepSpeed job on the CPU (gloo), for tests/test_deepspeed.py.
+
+    python ds_worker.py '<json config>'
+
+Config keys: stage, bf16, steps (train up to this global step), mode ("plain": no tiercel,
+no saves; "tiercel": attach and save every step; "stock": stock DeepSpeed loads
+`load_dir` and saves it again to `save_dir`), policy ("{host}" in it becomes
+$TIERCEL_HOST), save_dir, load_dir, resume (load first), kill_after/victim (that rank
+SIGKILLs itself right after saving that step), model_file (save_16bit_model before the last
+checkpoint), out (a directory for this rank's report and state dumps).
+
+The model, the data of each step and every seed are functions of the step and rank only, so
+that any run that reaches a step in the same state computes the same losses bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import torch
+
+MODEL = (16, 64, 4)  # a few KB of parameters
+
+
+def ds_config(stage: int, bf16: bool) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": bf16},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 3}},
+        "steps_per_print": 10**6,
+    }
+
+
+def make_engine(stage: int, bf16: bool):
+    import deepspeed
+
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(torch.nn.Linear(MODEL[0], MODEL[1]), torch.nn.LayerNorm(MODEL[1]), torch.nn.ReLU(),
+                                torch.nn.Linear(MODEL[1], MODEL[2]))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, bf16))
+    return engine
+
+
+def batch(step: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    return torch.randn(4, MODEL[0], generator=g).to(dtype), torch.randn(4, MODEL[2], generator=g).to(dtype)
+
+
+def live_state(engine) -> dict:
+    """What must come back bit for bit: parameters, optimizer and scheduler state, counters."""
+    return {
+        "module": engine.module.state_dict(),
+        "optimizer": engine.optimizer.state_dict(),
+        "lr_scheduler": engine.lr_scheduler.state_dict(),
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+    }
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    rank = int(os.environ["RANK"])
+    out = cfg["out"]
+    os.makedirs(out, exist_ok=True)
+    engine = make_engine(cfg["stage"], cfg.get("bf16", False))
+    dtype = torch.bfloat16 if cfg.get("bf16") else torch.float32
+    report: dict = {"rank": rank, "losses": {}}
+    if cfg["mode"] == "tiercel":
+        import tiercel.deepspeed
+
+        # One memory root per simulated host: "{host}" in the policy is this rank's host.
+        policy = json.loads(json.dumps(cfg["policy"]).replace("{host}", os.environ.get("TIERCEL_HOST", "")))
+        assert tiercel.deepspeed.attach(engine, policy) is engine
+    start = 0
+    if cfg.get("resume") or cfg["mode"] == "stock":
+        path, client = engine.load_checkpoint(cfg.get("load_dir") or cfg["save_dir"])
+        start = engine.global_steps
+        client_state = {"data_step": client["data_step"], "keys": sorted(client)} if client else client
+        report["loaded"] = {"path": path, "client_state": client_state, "global_steps": start}
+        ce = engine.checkpoint_engine
+        if getattr(ce, "last_load", None) is not None:
+            report["loaded"]["tiers"] = ce.last_load.tiers
+        torch.save(live_state(engine), os.path.join(out, f"loaded-{rank}.pt"))
+    if cfg["mode"] == "stock":
+        engine.save_checkpoint(cfg["save_dir"])
+    for step in range(start + 1, cfg["steps"] + 1):
+        x, y = (t.to(engine.device) for t in batch(step, rank, dtype))
+        loss = ((engine(x).float() - y.float()) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        report["losses"][step] = loss.item().hex()
+        if cfg["mode"] == "tiercel":
+            if cfg.get("model_file") and step == cfg["steps"]:
+                # As HF's Trainer does under ZeRO-3: the 16-bit model, then the checkpoint.
+                engine.save_16bit_model(cfg["save_dir"])
+            engine.save_checkpoint(cfg["save_dir"], tag=f"global_step{step}", client_state={"data_step": step})
+            if cfg.get("kill_after") == step and rank == cfg.get("victim"):
+                os.kill(os.getpid(), signal.SIGKILL)  # right after the save returned
+    if cfg["mode"] == "tiercel":
+        report["states"] = engine.checkpoint_engine.wait(60)
+    torch.save(live_state(engine), os.path.join(out, f"final-{rank}.pt"))
+    with open(os.path.join(out, f"report-{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()
