@@ -68,6 +68,23 @@ impl SaveHandle {
         self.states.lock().clone()
     }
 
+    /// The state of one tier (None: no such tier).
+    pub fn state(&self, tier: &str) -> Option<TierState> {
+        self.states.lock().iter().find(|(n, _)| n == tier).map(|(_, s)| s.clone())
+    }
+
+    /// Waits until `tier`'s state is final and returns it.
+    pub fn wait_tier(&self, tier: &str) -> TierState {
+        let mut v = self.states.lock();
+        loop {
+            match v.iter().find(|(n, _)| n == tier) {
+                Some((_, s)) if !s.is_final() => self.changed.wait(&mut v),
+                Some((_, s)) => return s.clone(),
+                None => return TierState::NotScheduled,
+            }
+        }
+    }
+
     pub fn done(&self) -> bool {
         self.states.lock().iter().all(|(_, s)| s.is_final())
     }
