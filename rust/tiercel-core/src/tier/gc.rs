@@ -15,13 +15,15 @@
 use std::time::Duration;
 
 /// What a gc run considers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GcOptions {
     /// Committed steps kept (the tier's `keep`); None keeps all.
     pub keep: Option<usize>,
     /// Temporary files of dead writers are removed once this old; None leaves them alone
     /// (the retention run after a save does).
     pub temp_age: Option<Duration>,
+    /// Committed steps of other jobs: not counted towards `keep`, never removed.
+    pub foreign: Vec<u64>,
 }
 
 /// Something gc removes.
