@@ -297,3 +297,30 @@ def test_a_step_removed_while_it_is_read_is_not_found(shm_root):
         assert "removed (retention)" in msg and "step 1" in msg, msg
     finally:
         s.close()
+
+
+UNRESOLVABLE = r"""
+import json, sys
+import torch.distributed as td
+import tiercel
+from tiercel.coordinator import KVStoreCoordinator
+policy = json.loads(sys.argv[1])
+try:
+    tiercel.Store(policy, coordinator=KVStoreCoordinator(td.HashStore(), rank=0, world_size=2))
+except tiercel.ConfigError as e:
+    print("ConfigError:", e)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for a host name of its own")
+def test_an_unresolvable_host_name_says_what_to_set(shm_root):
+    """Repro (issue 13.5): on a host whose name does not resolve, a peer tier listening on
+    0.0.0.0 gave a bare `socket.gaierror`. The process runs in a UTS namespace of its own
+    with a host name nothing resolves."""
+    policy = make_policy(shm_root, None)
+    policy["tier"].append({"name": "peer", "kind": "peer", "listen": "0.0.0.0:0", "replicas": 2})
+    script = f"hostname tiercel-nowhere-{os.getpid()} && exec {PYTHON} -c \"$0\" \"$1\""
+    p = subprocess.run(["unshare", "-u", "sh", "-c", script, UNRESOLVABLE, json.dumps(policy)], capture_output=True, text=True,
+                       timeout=120, env=child_env({"TIERCEL_PEER_SECRET": "x" * 32}), cwd=str(TESTS_DIR))
+    assert p.returncode == 0, p.stderr
+    assert "ConfigError:" in p.stdout and "TIERCEL_ADVERTISE" in p.stdout and "TIERCEL_HOST" in p.stdout, p.stdout + p.stderr

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from . import _core
 from .coordinator import Coordinator, default_coordinator
-from .errors import InvalidArgumentError, NotFoundError, TiercelError
+from .errors import ConfigError, InvalidArgumentError, NotFoundError, TiercelError
 from .step import Reader, RestoreInfo, SaveHandle, Writer
 
 PolicyLike = str | os.PathLike | Mapping[str, Any]
@@ -95,7 +95,7 @@ class Store:
             assert listen is not None  # the policy has a peer tier
             ip, port = listen.rsplit(":", 1)
             if ip in ("0.0.0.0", "[::]"):
-                ip = os.environ.get("TIERCEL_ADVERTISE") or socket.gethostbyname(socket.gethostname())
+                ip = os.environ.get("TIERCEL_ADVERTISE") or _own_address()
             addr = f"{ip}:{port}"
             if not self._core.peer_has_secret() and self.rank == 0:
                 secret = secrets.token_hex(32)
@@ -271,6 +271,20 @@ class Store:
         except Exception:
             pass
 
+
+
+def _own_address() -> str:
+    """This host's address for peers, from its name; a name that does not resolve is an error
+    that says what to set."""
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(
+            f"this host's name {name!r} does not resolve ({e}), so the peer tier cannot tell other hosts where to "
+            "reach it: set $TIERCEL_ADVERTISE to this host's IP address as the other hosts reach it (and "
+            "$TIERCEL_HOST to a name for this host, the failure domain), or fix the name in /etc/hosts or DNS"
+        ) from None
 
 
 def _no_job_without_step(job: str | None) -> None:
