@@ -324,3 +324,21 @@ def test_an_unresolvable_host_name_says_what_to_set(shm_root):
                        timeout=120, env=child_env({"TIERCEL_PEER_SECRET": "x" * 32}), cwd=str(TESTS_DIR))
     assert p.returncode == 0, p.stderr
     assert "ConfigError:" in p.stdout and "TIERCEL_ADVERTISE" in p.stdout and "TIERCEL_HOST" in p.stdout, p.stdout + p.stderr
+
+
+def test_a_handle_left_written_learns_of_the_commit_by_another_rank(shm_root):
+    """Repro (issue 13.5): `handle.wait()` returned `ram: written` for good when two ranks
+    share a host: the rank that finished last committed the step, the other's handle never
+    learned of it. It reports `committed` once the step is committed there."""
+    policy = make_policy(shm_root, None)
+    r0 = tiercel.Store(policy, rank=0, world_size=2)
+    r1 = tiercel.Store(policy, rank=1, world_size=2)
+    try:
+        h0 = r0.save(1, ones(1.0))
+        assert h0.wait(60) == {"ram": "written"}  # rank 1 has not saved yet
+        assert r1.save(1, ones(2.0)).wait(60) == {"ram": "committed"}
+        assert h0.states() == {"ram": "committed"}
+        assert h0.wait(60) == {"ram": "committed"}
+    finally:
+        r0.close()
+        r1.close()

@@ -267,7 +267,14 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
     // Published (a leftover of ours no more) or failed: retention may have the step now.
     drop(lease);
     match res {
-        Ok(committed) => handle.set(&mem_name, if committed { TierState::Done } else { TierState::Written }),
+        Ok(committed) => {
+            if !committed {
+                // Another rank of this host commits it when it finishes: let the handle see.
+                let memory = Arc::downgrade(&store.memory);
+                handle.set_probe(&mem_name, Box::new(move || memory.upgrade().is_some_and(|m| m.commit_record(step).is_ok())));
+            }
+            handle.set(&mem_name, if committed { TierState::Done } else { TierState::Written })
+        }
         Err(e) => {
             let e = e.context(format!("step {step} rank {}", store.rank));
             log::error!("{e}");
