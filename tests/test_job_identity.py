@@ -107,20 +107,24 @@ def test_run_id_comes_from_policy_then_environment(shm_root, monkeypatch):
     assert run_id(with_run(base, "policy")) == "policy"
 
 
-def test_a_job_of_another_world_size_is_another_job(shm_root, disk_root):
+def test_another_world_size_is_another_job_by_run_id_and_said_without(shm_root, disk_root):
     """Repro (issue 13.2): a new 2-rank job in a directory holding a committed step of an
     earlier 3-rank job restored the old job's step (100 MB states instead of 5 MB), with no
-    word about world size 3 vs 2. Without run ids, world size and policy tell jobs apart."""
+    word about world size 3 vs 2. With run ids the old job's step is refused; without, the
+    two cannot be told from one job resuming resharded (DCP does), and the restore says so."""
     base = make_policy(shm_root, disk_root, every=1)
-    stores = [tiercel.Store(base, rank=r, world_size=3) for r in range(3)]
+    stores = [tiercel.Store(with_run(base, "three"), rank=r, world_size=3) for r in range(3)]
     for r, s in enumerate(stores):
         s.save(9, state(9 + r)).wait(60)
     for s in stores:
         s.close()
-    with tiercel.Store(base, rank=0, world_size=2) as s:
+    with tiercel.Store(with_run(base, "two"), rank=0, world_size=2) as s:
         assert s._core.restorable_steps() == []
         msg = error_of(lambda: s.restore(9), tiercel.NotFoundError)
-        assert "world size 3" in msg, msg
+        assert "run 'three' (world size 3)" in msg, msg
+    with tiercel.Store(base, rank=0, world_size=2) as s:
+        s.restore(9, job="three")
+        assert any("saved by 3 ranks, this job has 2" in w for w in s.last_restore.warnings), s.last_restore.warnings
 
 
 TWO_HOSTS = r"""

@@ -253,7 +253,7 @@ pub struct CommitRecord {
 
 /// Which job saved a step: its run id when it has one (policy `[store] run`, else
 /// `$TIERCEL_RUN_ID`, `$TORCHELASTIC_RUN_ID`, `$SLURM_JOB_ID`), its world size, and a
-/// fingerprint of its policy's tiers (kind and location of each, in order).
+/// fingerprint of where its policy persists steps (kind and location of each fs, s3, gcs tier).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct JobId {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -264,11 +264,12 @@ pub struct JobId {
 
 impl JobId {
     /// Whether a step saved by `other` belongs to this job: the same run id; or, when
-    /// neither has one, the same world size and policy fingerprint.
+    /// neither has one, the same policy fingerprint. The world size is not compared: a job
+    /// may resume resharded on another number of ranks (readers say so in their warnings).
     pub fn same_job(&self, other: &JobId) -> bool {
         match (&self.run, &other.run) {
             (Some(a), Some(b)) => a == b,
-            (None, None) => self.world_size == other.world_size && self.policy == other.policy,
+            (None, None) => self.policy == other.policy,
             _ => false,
         }
     }

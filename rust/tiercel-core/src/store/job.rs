@@ -24,11 +24,12 @@ pub fn job_of(policy: &Policy, world_size: u32, env: impl Fn(&str) -> Option<Str
     JobId { run, world_size, policy: fingerprint(policy) }
 }
 
-/// A fingerprint of where a policy keeps steps: kind and location of each tier, in order.
-/// Retention, schedules and compression may change between restarts of one job; these not.
+/// A fingerprint of where a policy persists steps: kind and location of each fs, s3 and gcs
+/// tier, in order. Retention, schedules and compression may change between restarts of one
+/// job, and so may the memory root (a replaced host); these not.
 fn fingerprint(policy: &Policy) -> String {
     let mut text = String::new();
-    for t in policy.tiers.iter().filter(|t| t.kind() != TierKind::Peer) {
+    for t in policy.tiers.iter().filter(|t| !matches!(t.kind(), TierKind::Peer | TierKind::Memory)) {
         text.push_str(&format!("{}:{}\n", t.kind().as_str(), t.spec.location()));
     }
     format!("{:08x}", crc32c::crc32c(text.as_bytes()))

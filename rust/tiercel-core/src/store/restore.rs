@@ -77,6 +77,12 @@ impl StepReader {
                 ));
                 continue;
             }
+            if let Some(job) = record.job.as_ref().filter(|j| j.world_size != store.world_size && !store.tool) {
+                warnings.push(format!(
+                    "tier '{name}': step {step} was saved by {} ranks, this job has {}: a resharded restore",
+                    job.world_size, store.world_size
+                ));
+            }
             seen.push(name.clone());
             if rank >= record.world_size {
                 return Err(Error::invalid(format!(
