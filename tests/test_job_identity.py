@@ -122,7 +122,7 @@ def test_another_world_size_is_another_job_by_run_id_and_said_without(shm_root, 
         assert s._core.restorable_steps() == []
         msg = error_of(lambda: s.restore(9), tiercel.NotFoundError)
         assert "run 'three' (world size 3)" in msg, msg
-    with tiercel.Store(base, rank=0, world_size=2) as s:
+    with tiercel.Store(with_run(base, "two"), rank=0, world_size=2) as s:
         s.restore(9, job="three")
         assert any("saved by 3 ranks, this job has 2" in w for w in s.last_restore.warnings), s.last_restore.warnings
 

@@ -263,15 +263,12 @@ pub struct JobId {
 }
 
 impl JobId {
-    /// Whether a step saved by `other` belongs to this job: the same run id; or, when
-    /// neither has one, the same policy fingerprint. The world size is not compared: a job
-    /// may resume resharded on another number of ranks (readers say so in their warnings).
+    /// Whether a step saved by `other` belongs to this job: the same run id, or neither has
+    /// one. Without run ids, world size and policy are recorded but not compared: a job may
+    /// resume resharded on another number of ranks (DCP does; readers say so in their
+    /// warnings), or from a checkpoint copied to another directory or bucket.
     pub fn same_job(&self, other: &JobId) -> bool {
-        match (&self.run, &other.run) {
-            (Some(a), Some(b)) => a == b,
-            (None, None) => self.policy == other.policy,
-            _ => false,
-        }
+        self.run == other.run
     }
 
     /// For messages: "run 'abc' (world size 3)" or "a job without a run id (world size 3, policy 1a2b3c4d)".
