@@ -177,6 +177,10 @@ impl Manifest {
 
     /// Decodes and checks a manifest read from `where_` (a path or key, for the message).
     pub fn from_json(bytes: &[u8], where_: &str) -> Result<Self> {
+        Self::parse(bytes, where_).map_err(|e| e.with_path(where_))
+    }
+
+    fn parse(bytes: &[u8], where_: &str) -> Result<Self> {
         let bytes = unseal(bytes, where_)?;
         check_depth(bytes, where_)?;
         let m: Manifest =
@@ -301,6 +305,10 @@ impl CommitRecord {
     }
 
     pub fn from_json(bytes: &[u8], where_: &str) -> Result<Self> {
+        Self::parse(bytes, where_).map_err(|e| e.with_path(where_))
+    }
+
+    fn parse(bytes: &[u8], where_: &str) -> Result<Self> {
         let bytes = unseal(bytes, where_)?;
         let c: CommitRecord =
             serde_json::from_slice(bytes).map_err(|e| Error::integrity(format!("{where_}: not a valid commit record: {e}")))?;
