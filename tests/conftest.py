@@ -108,7 +108,8 @@ def store(make_store):
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
     """No test depends on how the shell that started pytest was set up."""
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TIERCEL_POLICY", "MASTER_ADDR", "MASTER_PORT"):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TIERCEL_POLICY", "MASTER_ADDR", "MASTER_PORT",
+                "TIERCEL_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
         monkeypatch.delenv(var, raising=False)
 
 

@@ -47,8 +47,9 @@ def _unscalar(node: dict) -> Any:
     raise ValueError(f"not a scalar node: {t}")
 
 
-#: How deep a value may nest (dicts, lists, tuples): each level is two JSON levels of the
-#: tree, which sits inside the manifest, and the core's JSON reader stops at 128.
+#: How deep a value may nest (dicts, lists, tuples), so that flattening never meets Python's
+#: recursion limit. The core's own limit is on the tree's JSON (format::MAX_TREE_DEPTH, 100
+#: levels; a list is two of them, a dict three) and is checked at save as at read.
 MAX_DEPTH = 48
 
 #: Exact types that are tree scalars. Subclasses (IntEnum, np.float64) are leaves: a handler

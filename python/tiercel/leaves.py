@@ -108,6 +108,8 @@ class NumpyHandler(LeafHandler):
     def describe(self, value: Any, name: str) -> Leaf:
         if isinstance(value, np.ma.MaskedArray):
             raise TypeError(f"'{name}' is a numpy masked array; save its .data and .mask separately")
+        if isinstance(value, np.matrix):
+            raise TypeError(f"'{name}' is a numpy matrix, which would come back a plain array; save np.asarray(it)")
         arr = np.asarray(value)
         dtype = _dtypes.numpy_name(arr.dtype)
         assert dtype is not None
@@ -148,6 +150,11 @@ class TorchHandler(LeafHandler):
             raise TypeError(f"item '{name}' is a tensor on device 'meta', which holds no data to save")
         if t.is_quantized:
             raise TypeError(f"item '{name}': quantized tensors are not supported; dequantize first")
+        dtype = _dtypes.torch_name(t.dtype)
+        if dtype not in _dtypes.ITEMSIZE:
+            # Not in the format (docs/format.md, Dtypes): sub-byte, packed or bit types.
+            raise TypeError(f"item '{name}': torch dtype {dtype} cannot be stored; store t.view(torch.uint8) "
+                            "and its dtype name beside it")
         meta: dict[str, Any] = {"framework": "torch", "device": str(t.device)}
         if t.requires_grad:
             meta["requires_grad"] = True
@@ -159,7 +166,7 @@ class TorchHandler(LeafHandler):
         if data.is_neg():
             data = data.resolve_neg()
         nbytes = t.numel() * t.element_size()
-        return Leaf(name, "array", _dtypes.torch_name(t.dtype), tuple(t.shape), nbytes, meta, data, handler=self)
+        return Leaf(name, "array", dtype, tuple(t.shape), nbytes, meta, data, handler=self)
 
     def host_address(self, leaf: Leaf) -> tuple[int, Any] | None:
         t = leaf.obj

@@ -154,8 +154,9 @@ class RestoreInfo:
 class Reader:
     """One rank's view of a committed step; reads only the items (or byte ranges) asked for."""
 
-    def __init__(self, store: Store, step: int, rank: int | None = None, tiers: list[str] | None = None):
-        self._core = store._core.reader(step, rank, tiers)
+    def __init__(self, store: Store, step: int, rank: int | None = None, tiers: list[str] | None = None,
+                 job: str | None = None):
+        self._core = store._core.reader(step, rank, tiers, job)
         self.step = step
         self.rank: int = self._core.rank
         #: The manifest of the first tier in restore order that has the step.

@@ -5,6 +5,7 @@ readers of steps (tiercel.step)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import socket
@@ -14,10 +15,12 @@ from typing import Any, Mapping
 
 from . import _core
 from .coordinator import Coordinator, default_coordinator
-from .errors import InvalidArgumentError, NotFoundError, TiercelError
+from .errors import ConfigError, InvalidArgumentError, NotFoundError, TiercelError
 from .step import Reader, RestoreInfo, SaveHandle, Writer
 
 PolicyLike = str | os.PathLike | Mapping[str, Any]
+
+log = logging.getLogger("tiercel")
 
 
 def _policy_path(policy: PolicyLike | None) -> PolicyLike:
@@ -31,7 +34,8 @@ class Store:
     them from the fastest tier that still has them.
 
     `policy` is a TOML file path or a dict of the same shape. rank/world_size default to
-    torch.distributed's, else $RANK/$WORLD_SIZE, else a single process.
+    torch.distributed's, else $RANK/$WORLD_SIZE, else a single process. `tool=True` opens it
+    for tools that look at the tiers as they are (every job's steps count; the CLI does).
     """
 
     def __init__(
@@ -41,6 +45,7 @@ class Store:
         rank: int | None = None,
         world_size: int | None = None,
         coordinator: Coordinator | None = None,
+        tool: bool = False,
     ):
         if coordinator is not None:
             rank, world_size = coordinator.rank, coordinator.world_size
@@ -49,9 +54,9 @@ class Store:
         self.coordinator = coordinator
         policy = _policy_path(policy)
         if isinstance(policy, Mapping):
-            self._core = _core.Store(rank, world_size, policy_json=json.dumps(policy))
+            self._core = _core.Store(rank, world_size, policy_json=json.dumps(policy), tool=tool)
         else:
-            self._core = _core.Store(rank, world_size, path=str(Path(policy)))
+            self._core = _core.Store(rank, world_size, path=str(Path(policy)), tool=tool)
         self.rank: int = rank
         self.world_size: int = world_size
         #: This process's host, the failure domain: $TIERCEL_HOST, else the machine's name.
@@ -90,7 +95,7 @@ class Store:
             assert listen is not None  # the policy has a peer tier
             ip, port = listen.rsplit(":", 1)
             if ip in ("0.0.0.0", "[::]"):
-                ip = os.environ.get("TIERCEL_ADVERTISE") or socket.gethostbyname(socket.gethostname())
+                ip = os.environ.get("TIERCEL_ADVERTISE") or _own_address()
             addr = f"{ip}:{port}"
             if not self._core.peer_has_secret() and self.rank == 0:
                 secret = secrets.token_hex(32)
@@ -100,6 +105,12 @@ class Store:
         if has_peer:
             shared = everyone[0][2]
             self._core.connect_peers(hosts, [e[1] for e in everyone], shared.encode() if shared else None)
+
+    @property
+    def run_id(self) -> str | None:
+        """This job's run id: policy `[store] run`, else $TIERCEL_RUN_ID, $TORCHELASTIC_RUN_ID or
+        $SLURM_JOB_ID; None without one (the job is then known by its world size and policy)."""
+        return self._core.run_id
 
     @classmethod
     def open(cls, policy: PolicyLike | None = None, **kwargs: Any) -> Store:
@@ -159,13 +170,22 @@ class Store:
         common = sorted(set(everyone[0]).intersection(*map(set, everyone[1:])), reverse=True)
         # Every rank walks the same list in the same order: one all-gather per candidate,
         # usually just the first.
+        chosen = None
         for step in common:
             oks = self.coordinator.all_gather(self._can_open(step))
             if all(oks):
-                return step
+                chosen = step
+                break
             bad = [r for r, ok in enumerate(oks) if not ok]
-            self._skipped.append(f"step {step}: rank(s) {bad} cannot restore it")
-        return None
+            self._skipped.append(f"step {step} passed over: rank(s) {bad} cannot restore it")
+        # Newer steps that some ranks have and others not: every rank says which and why.
+        for step in sorted(set().union(*map(set, everyone)) - set(common), reverse=True):
+            if chosen is None or step > chosen:
+                missing = [r for r, steps in enumerate(everyone) if step not in steps]
+                self._skipped.append(
+                    f"step {step} passed over: rank(s) {missing} have it committed on none of the tiers "
+                    f"{self._core.restore_order} (lost with their host, or never saved there)")
+        return chosen
 
     def _can_open(self, step: int) -> bool:
         try:
@@ -175,24 +195,35 @@ class Store:
             self._skipped.append(f"step {step} skipped on rank {self.rank}: {e}")
             return False
 
-    def reader(self, step: int | None = None, *, rank: int | None = None, tiers: list[str] | None = None) -> Reader:
-        """A reader of `step` (default: the newest step restorable by every rank)."""
+    def reader(self, step: int | None = None, *, rank: int | None = None, tiers: list[str] | None = None,
+               job: str | None = None) -> Reader:
+        """A reader of `step` (default: the newest step restorable by every rank). `job`: see
+        `restore`."""
         if step is None:
+            _no_job_without_step(job)
             step = self._require_latest()
-        return Reader(self, _check_step(step), rank, tiers)
+        return Reader(self, _check_step(step), rank, tiers, job)
 
-    def restore(self, step: int | None = None) -> dict[str, Any]:
+    def restore(self, step: int | None = None, *, job: str | None = None) -> dict[str, Any]:
         """Restores a step (default: the newest one every rank can restore) as the dict that
         was saved. Arrays from the memory tier are zero-copy views over shared memory;
-        writing to them never changes the checkpoint."""
+        writing to them never changes the checkpoint.
+
+        Only this job's steps are restored (and those of `[restore] resume_from`): a step
+        another job saved into the same tiers is passed over. `job="<run id>"` (with `step`)
+        restores a step of that run, `job="*"` of any job. `last_restore.warnings` names the
+        newer steps passed over and why (also logged)."""
         skipped: list[str] = []
         if step is not None:
             _check_step(step)
         if step is None:
+            _no_job_without_step(job)
             step = self._require_latest()
             skipped = list(self._skipped)
+        for w in skipped:
+            log.warning("rank %d restores step %d: %s", self.rank, step, w)
         t0 = time.perf_counter()
-        r = Reader(self, step)
+        r = Reader(self, step, job=job)
         state = r.get_all()
         r.info.seconds = time.perf_counter() - t0
         r.info.warnings = skipped + r.info.warnings
@@ -240,6 +271,25 @@ class Store:
         except Exception:
             pass
 
+
+
+def _own_address() -> str:
+    """This host's address for peers, from its name; a name that does not resolve is an error
+    that says what to set."""
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(
+            f"this host's name {name!r} does not resolve ({e}), so the peer tier cannot tell other hosts where to "
+            "reach it: set $TIERCEL_ADVERTISE to this host's IP address as the other hosts reach it (and "
+            "$TIERCEL_HOST to a name for this host, the failure domain), or fix the name in /etc/hosts or DNS"
+        ) from None
+
+
+def _no_job_without_step(job: str | None) -> None:
+    if job is not None:
+        raise InvalidArgumentError(f"job={job!r} needs a step: restore(step=N, job=...) reads step N of that job")
 
 
 def _check_step(step: Any) -> int:

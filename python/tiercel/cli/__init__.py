@@ -167,7 +167,8 @@ def _open_store(policy: str | None) -> Any:
     if not os.path.isfile(policy):
         hint = "" if origin != "default" else "; give --policy FILE or set $TIERCEL_POLICY"
         raise UsageError(f"policy file {policy} (from {origin}) does not exist{hint}")
-    return Store(policy, rank=0, world_size=1)
+    # The tools look at tiers as they are: every job's steps.
+    return Store(policy, rank=0, world_size=1, tool=True)
 
 
 def _fail(message: str, code: int) -> int:

@@ -24,6 +24,10 @@ pub const COMMIT_NAME: &str = "COMMIT";
 /// dtype are aligned (and cache-line aligned for the copy).
 pub const ITEM_ALIGN: u64 = 64;
 
+/// The largest step: a step's name holds exactly 12 digits, so readers of every version
+/// list it. `Store::begin` refuses larger steps (a millisecond timestamp is one).
+pub const MAX_STEP: u64 = 999_999_999_999;
+
 pub fn step_dir(step: u64) -> String {
     format!("step-{step:012}")
 }
@@ -166,8 +170,9 @@ impl Manifest {
         }
     }
 
+    /// The manifest's bytes as stored: JSON with its checksum field last (see `seal`).
     pub fn to_json(&self) -> Vec<u8> {
-        serde_json::to_vec(self).expect("manifest serializes")
+        seal(serde_json::to_vec(self).expect("manifest serializes"))
     }
 
     /// Decodes and checks a manifest read from `where_` (a path or key, for the message).
@@ -176,6 +181,8 @@ impl Manifest {
     }
 
     fn parse(bytes: &[u8], where_: &str) -> Result<Self> {
+        let bytes = unseal(bytes, where_)?;
+        check_depth(bytes, where_)?;
         let m: Manifest =
             serde_json::from_slice(bytes).map_err(|e| Error::integrity(format!("{where_}: not a valid tiercel manifest: {e}")))?;
         if m.format != MANIFEST_FORMAT {
@@ -243,12 +250,58 @@ pub struct CommitRecord {
     /// job spread over several hosts); absent: every rank of `world_size`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ranks: Option<Vec<u32>>,
+    /// The job that saved the step; absent in records written before jobs were recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<JobId>,
+}
+
+/// Which job saved a step: its run id when it has one (policy `[store] run`, else
+/// `$TIERCEL_RUN_ID`, `$TORCHELASTIC_RUN_ID`, `$SLURM_JOB_ID`), its world size, and a
+/// fingerprint of where its policy persists steps (kind and location of each fs, s3, gcs tier).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct JobId {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<String>,
+    pub world_size: u32,
+    pub policy: String,
+}
+
+impl JobId {
+    /// Whether a step saved by `other` belongs to this job: the same run id, or neither has
+    /// one. Without run ids, world size and policy are recorded but not compared: a job may
+    /// resume resharded on another number of ranks (DCP does; readers say so in their
+    /// warnings), or from a checkpoint copied to another directory or bucket.
+    pub fn same_job(&self, other: &JobId) -> bool {
+        self.run == other.run
+    }
+
+    /// For messages: "run 'abc' (world size 3)" or "a job without a run id (world size 3, policy 1a2b3c4d)".
+    pub fn describe(&self) -> String {
+        match &self.run {
+            Some(r) => format!("run '{r}' (world size {})", self.world_size),
+            None => format!("a job without a run id (world size {}, policy {})", self.world_size, self.policy),
+        }
+    }
 }
 
 impl CommitRecord {
     pub fn new(step: u64, world_size: u32, tier: &str) -> Self {
         let time = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
-        CommitRecord { format: COMMIT_FORMAT.into(), version: FORMAT_VERSION, step, world_size, tier: tier.into(), time, ranks: None }
+        CommitRecord {
+            format: COMMIT_FORMAT.into(),
+            version: FORMAT_VERSION,
+            step,
+            world_size,
+            tier: tier.into(),
+            time,
+            ranks: None,
+            job: None,
+        }
+    }
+
+    /// The record's bytes as stored: JSON with its checksum field last (see `seal`).
+    pub fn to_json(&self) -> Vec<u8> {
+        seal(serde_json::to_vec(self).expect("commit record serializes"))
     }
 
     pub fn from_json(bytes: &[u8], where_: &str) -> Result<Self> {
@@ -256,6 +309,7 @@ impl CommitRecord {
     }
 
     fn parse(bytes: &[u8], where_: &str) -> Result<Self> {
+        let bytes = unseal(bytes, where_)?;
         let c: CommitRecord =
             serde_json::from_slice(bytes).map_err(|e| Error::integrity(format!("{where_}: not a valid commit record: {e}")))?;
         if c.format != COMMIT_FORMAT || c.version > FORMAT_VERSION {
@@ -263,6 +317,113 @@ impl CommitRecord {
         }
         Ok(c)
     }
+}
+
+/// What ends every metadata object (manifest, commit record) this tiercel writes:
+/// `,"checksum":"crc32c:XXXXXXXX"}`, XXXXXXXX being the CRC32C (8 lowercase hex digits) of
+/// every byte before it. A field old readers ignore, so the format stays version 1; it is
+/// checked on the stored bytes, so no re-serialization has to agree with the writer's.
+const SEAL_PREFIX: &[u8] = b",\"checksum\":\"crc32c:";
+const SEAL_LEN: usize = SEAL_PREFIX.len() + 8 + 2;
+
+/// Appends the checksum field to a serialized JSON object.
+fn seal(mut json: Vec<u8>) -> Vec<u8> {
+    assert_eq!(json.pop(), Some(b'}'), "metadata serializes to a JSON object");
+    let crc = crc32c::crc32c(&json);
+    json.extend_from_slice(SEAL_PREFIX);
+    json.extend_from_slice(format!("{crc:08x}\"}}").as_bytes());
+    json
+}
+
+/// Verifies a metadata object's checksum field and returns the bytes to parse. An object
+/// without the field (written before checksums existed) is taken as is; one whose field
+/// does not match its bytes is an integrity error, and the reader falls back to the next
+/// tier's copy.
+pub fn unseal<'a>(bytes: &'a [u8], where_: &str) -> Result<&'a [u8]> {
+    let Some(cut) = bytes.len().checked_sub(SEAL_LEN) else { return Ok(bytes) };
+    let (body, tail) = bytes.split_at(cut);
+    let Some(hex) = tail.strip_prefix(SEAL_PREFIX).and_then(|t| t.strip_suffix(b"\"}")) else {
+        let has = |pat: &[u8]| tail.windows(pat.len()).any(|w| w == pat);
+        if has(b"checksum") || has(b"crc32c:") {
+            // The field is there, but not exactly as the writer puts it: a damaged object,
+            // not one written before checksums existed.
+            return Err(Error::integrity(format!("{where_}: its checksum field is damaged; the metadata cannot be trusted")));
+        }
+        return Ok(bytes);
+    };
+    let want = std::str::from_utf8(hex).ok().filter(|h| h.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
+    let want = want.and_then(|h| u32::from_str_radix(h, 16).ok());
+    let got = crc32c::crc32c(body);
+    match want {
+        // The field is valid JSON: the object parses with it in place.
+        Some(w) if w == got => Ok(bytes),
+        Some(w) => Err(Error::integrity(format!(
+            "{where_}: metadata checksum mismatch (stored crc32c {w:08x}, computed {got:08x}); the object is damaged"
+        ))),
+        None => Err(Error::integrity(format!("{where_}: its checksum field is damaged; the metadata cannot be trusted"))),
+    }
+}
+
+/// The deepest nesting of JSON arrays and objects a manifest may have: serde_json refuses
+/// more than 128 levels, so a tree deeper than this could be saved but never read back.
+/// The core refuses such trees at save (`check_tree_depth`) and reads with the same limit.
+pub const MAX_TREE_DEPTH: usize = 100;
+
+/// How deep `v` nests arrays and objects (a scalar is 0).
+pub fn json_depth(v: &serde_json::Value) -> usize {
+    // Iterative: a hostile value must not overflow the stack here either.
+    let mut max = 0;
+    let mut stack = vec![(v, 1usize)];
+    while let Some((v, d)) = stack.pop() {
+        match v {
+            serde_json::Value::Array(a) => {
+                max = max.max(d);
+                stack.extend(a.iter().map(|x| (x, d + 1)));
+            }
+            serde_json::Value::Object(o) => {
+                max = max.max(d);
+                stack.extend(o.values().map(|x| (x, d + 1)));
+            }
+            _ => {}
+        }
+    }
+    max
+}
+
+/// Refuses metadata whose bytes nest deeper than a manifest holding a tree of
+/// `MAX_TREE_DEPTH` levels can (brackets outside strings counted), with a clear error rather
+/// than the parser's.
+fn check_depth(bytes: &[u8], where_: &str) -> Result<()> {
+    // manifest object > trees list > [name, tree] pair > the tree.
+    const OUTER: usize = 3;
+    let (mut depth, mut max, mut in_str, mut esc) = (0usize, 0usize, false, false);
+    for &b in bytes {
+        if in_str {
+            match (esc, b) {
+                (true, _) => esc = false,
+                (false, b'\\') => esc = true,
+                (false, b'"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_str = true,
+            b'[' | b'{' => {
+                depth += 1;
+                max = max.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    if max > MAX_TREE_DEPTH + OUTER {
+        return Err(Error::integrity(format!(
+            "{where_}: nests {} levels deep; tiercel reads trees of at most {MAX_TREE_DEPTH} levels",
+            max - OUTER
+        )));
+    }
+    Ok(())
 }
 
 /// Splits an item of `nbytes` into chunk (offset, len) pairs. Chunk lengths are multiples of
@@ -342,8 +503,69 @@ mod tests {
         assert!(text.contains(r#""shard":{"global_shape":[4,8],"offsets":[2,4],"replica_id":1}"#), "{text}");
         assert_eq!(Manifest::from_json(text.as_bytes(), "x").unwrap().items[0].shard, Some(shard));
         // replica_id may be left out (0).
-        let text = text.replace(r#","replica_id":1"#, "");
+        // (A hand-edited manifest has no valid checksum: edit one without the field, as
+        // manifests written before checksums existed are.)
+        let text = serde_json::to_string(&sharded).unwrap().replace(r#","replica_id":1"#, "");
         assert_eq!(Manifest::from_json(text.as_bytes(), "x").unwrap().items[0].shard.as_ref().unwrap().replica_id, 0);
+    }
+
+    /// Repro (issue 14.2): flipping one bit at a time over a manifest gave other keys, one
+    /// tensor's bytes under another's name, or a wrong `step`, with no error. Now every flip
+    /// either leaves the manifest it decodes to equal to the original or is an integrity error.
+    #[test]
+    fn every_bit_flip_of_metadata_is_caught_or_harmless() {
+        let mut m = one_item(None);
+        m.trees.push(("w".into(), serde_json::json!({"t": "dict", "v": [["step", {"t": "int", "v": "7"}]]})));
+        let good = m.to_json();
+        assert_eq!(Manifest::from_json(&good, "m").unwrap(), m);
+        assert!(good.ends_with(b"\"}") && String::from_utf8_lossy(&good).contains(",\"checksum\":\"crc32c:"));
+        let (mut caught, mut harmless) = (0, 0);
+        for i in 0..good.len() * 8 {
+            let mut bad = good.clone();
+            bad[i / 8] ^= 1 << (i % 8);
+            match Manifest::from_json(&bad, "m") {
+                Ok(got) => {
+                    assert_eq!(got, m, "flip of bit {i} decoded to a different manifest");
+                    harmless += 1;
+                }
+                Err(e) => {
+                    assert_eq!(e.kind, crate::error::ErrorKind::Integrity, "{e}");
+                    caught += 1;
+                }
+            }
+        }
+        assert!(caught > good.len() * 7, "{caught} caught, {harmless} harmless");
+        let mut rec = CommitRecord::new(7, 2, "ram");
+        rec.time = 1.5; // serde_json may not round-trip every float to the last bit
+        let good = rec.to_json();
+        assert_eq!(CommitRecord::from_json(&good, "c").unwrap(), rec);
+        for i in 0..good.len() * 8 {
+            let mut bad = good.clone();
+            bad[i / 8] ^= 1 << (i % 8);
+            if let Ok(got) = CommitRecord::from_json(&bad, "c") {
+                assert_eq!(got, rec, "flip of bit {i}");
+            }
+        }
+        // Written before checksums existed: read as is.
+        assert_eq!(Manifest::from_json(serde_json::to_string(&m).unwrap().as_bytes(), "m").unwrap(), m);
+        let e = Manifest::from_json(&[&good[..good.len() - 3], b"0\"}"].concat(), "dir/COMMIT").unwrap_err();
+        assert!(e.message.contains("dir/COMMIT") && e.message.contains("checksum"), "{}", e.message);
+    }
+
+    /// Repro (issue 14.8): a tree nested ~62 lists deep saved and committed, then could not be
+    /// read (the JSON reader's depth limit), and restore() quietly took the previous step.
+    /// Readers now refuse deeper trees with a clear message (and `begin`/`add_part` refuse
+    /// them at save, with the same limit).
+    #[test]
+    fn tree_depth_limit_is_the_same_at_save_and_read() {
+        let nest = |n: usize| (0..n).fold(serde_json::json!(1), |v, _| serde_json::json!([v]));
+        assert_eq!(json_depth(&nest(MAX_TREE_DEPTH)), MAX_TREE_DEPTH);
+        let mut m = one_item(None);
+        m.trees.push(("w".into(), nest(MAX_TREE_DEPTH)));
+        assert_eq!(Manifest::from_json(&m.to_json(), "m").unwrap(), m);
+        m.trees[0].1 = nest(MAX_TREE_DEPTH + 1);
+        let e = Manifest::from_json(&m.to_json(), "m").unwrap_err();
+        assert!(e.message.contains("at most 100 levels"), "{}", e.message);
     }
 
     #[test]

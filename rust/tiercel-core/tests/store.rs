@@ -11,7 +11,7 @@ use serde_json::json;
 use tempfile::TempDir;
 use tiercel_core::format;
 use tiercel_core::policy::Policy;
-use tiercel_core::store::{ItemData, ItemSpec, SaveHandle, StepReader, Store, TierState};
+use tiercel_core::store::{ItemData, ItemSpec, JobFilter, SaveHandle, StepReader, Store, TierState};
 use tiercel_core::tier::Tier;
 use tiercel_core::{ErrorKind, Result};
 
@@ -107,7 +107,7 @@ fn spec(it: &Item) -> ItemSpec {
 
 /// Saves `puts` as `step`: one part per put, copied from the items' memory.
 fn save(store: &Arc<Store>, step: u64, puts: &[Vec<Item>]) -> Result<Arc<SaveHandle>> {
-    let mut w = store.begin(step);
+    let mut w = store.begin(step).unwrap();
     for (p, items) in puts.iter().enumerate() {
         let tree = json!(items.iter().map(|i| i.name.clone()).collect::<Vec<_>>());
         let (_, placed) = w.add_part(&format!("put{p}"), tree, items.iter().map(spec).collect())?;
@@ -132,7 +132,7 @@ fn state(h: &SaveHandle, tier: &str) -> TierState {
 /// Restores every item of `step` (rank 0) and checks it against `puts`. Returns, per item
 /// name, the tier label and whether it came back as a zero-copy view.
 fn restore_check(store: &Arc<Store>, step: u64, tiers: Option<&[String]>, puts: &[Vec<Item>]) -> Vec<(String, String, bool)> {
-    let reader = StepReader::open(store, step, 0, tiers).unwrap_or_else(|e| panic!("open step {step}: {e}"));
+    let reader = StepReader::open(store, step, 0, tiers, &JobFilter::Mine).unwrap_or_else(|e| panic!("open step {step}: {e}"));
     let m = reader.manifest().clone();
     let want: Vec<&Item> = puts.iter().flatten().collect();
     assert_eq!(m.items.len(), want.len());
@@ -216,7 +216,7 @@ fn keep_and_every_then_restore_each_step() {
         assert_eq!(label, "disk");
     }
     for step in [1, 3, 6] {
-        let e = StepReader::open(&store, step, 0, None).err().expect("step should not be restorable");
+        let e = StepReader::open(&store, step, 0, None, &JobFilter::Mine).err().expect("step should not be restorable");
         assert_eq!(e.kind, ErrorKind::NotFound, "{}", e.message);
         assert!(e.message.contains(&format!("step {step}")), "{}", e.message);
     }
@@ -242,7 +242,7 @@ fn corrupt_ram_copy_falls_back_to_disk() {
     assert_eq!(path.file_name().unwrap(), "rank-00000.part-000.data");
     flip_byte(&path, c.stored_offset + 1000);
 
-    let reader = StepReader::open(&store, 4, 0, None).unwrap();
+    let reader = StepReader::open(&store, 4, 0, None, &JobFilter::Mine).unwrap();
     assert_eq!(reader.tiers(), vec!["ram", "disk"]);
     let w = reader.manifest().item_index("model/w").unwrap();
     let got = restore_check(&store, 4, None, &data[3]);
@@ -261,7 +261,7 @@ fn corrupt_ram_copy_falls_back_to_disk() {
 
     // With ram alone there is nothing to fall back to.
     let only_ram = ["ram".to_string()];
-    let reader = StepReader::open(&store, 4, 0, Some(&only_ram)).unwrap();
+    let reader = StepReader::open(&store, 4, 0, Some(&only_ram), &JobFilter::Mine).unwrap();
     let e = reader.read_items(&[w]).err().expect("corrupt chunk must not restore");
     assert_eq!(e.kind, ErrorKind::Integrity, "{}", e.message);
     for want in ["tier 'ram'", "step 4", "rank 0", "'model/w'", "chunk 1"] {
@@ -332,7 +332,7 @@ fn dropped_writer_leaves_nothing() {
 
     {
         let puts = &data[2];
-        let mut w = store.begin(3);
+        let mut w = store.begin(3).unwrap();
         let (_, placed) = w.add_part("put0", json!([]), puts[0].iter().map(spec).collect()).unwrap();
         let srcs: Vec<(usize, usize)> = placed.iter().zip(&puts[0]).map(|(&(i, _), it)| (i, it.bytes.as_ptr() as usize)).collect();
         unsafe { w.copy_items(&srcs).unwrap() };
@@ -347,7 +347,7 @@ fn dropped_writer_leaves_nothing() {
     assert_eq!(steps_of(&store), before);
     restore_check(&store, 1, None, &data[0]);
     restore_check(&store, 2, None, &data[1]);
-    assert!(StepReader::open(&store, 3, 0, None).is_err());
+    assert!(StepReader::open(&store, 3, 0, None, &JobFilter::Mine).is_err());
 
     // The same step can be saved again afterwards.
     let h = save_wait(&store, 3, &data[2]);
@@ -392,7 +392,7 @@ fn read_range_reads_only_the_chunks_it_needs() {
     let ranges = [(C, C), (C + 100, 300), (C - 10, 2 * C + 20), (0, n), (3 * C, n - 3 * C), (n - 1, 1), (5, 0), (n, 0)];
     let only = |t: &str| vec![t.to_string()];
     let check = |tiers: Option<&[String]>, label: &str, view: bool| {
-        let reader = StepReader::open(&store, 1, 0, tiers).unwrap();
+        let reader = StepReader::open(&store, 1, 0, tiers, &JobFilter::Mine).unwrap();
         let w = reader.manifest().item_index("model/w").unwrap();
         assert_eq!(reader.manifest().items[w].chunks.len(), 4);
         for (start, len) in ranges {
@@ -419,7 +419,7 @@ fn read_range_reads_only_the_chunks_it_needs() {
     let w = disk_m.item_index("model/w").unwrap();
     let c3 = &disk_m.items[w].chunks[3];
     flip_byte(&dirs.disk().join(format::step_dir(1)).join(&disk_m.objects[0].name), c3.stored_offset + c3.stored_len / 2);
-    let reader = StepReader::open(&store, 1, 0, Some(&only("disk"))).unwrap();
+    let reader = StepReader::open(&store, 1, 0, Some(&only("disk")), &JobFilter::Mine).unwrap();
     let (d, _) = reader.read_range(w, 0, 3 * C).unwrap();
     assert!(d.bytes() == &want[..3 * C as usize]);
     assert!(reader.warnings.lock().is_empty(), "a chunk outside the range was read: {:?}", reader.warnings.lock());
@@ -433,7 +433,7 @@ fn read_range_reads_only_the_chunks_it_needs() {
     let ram_m = store.memory().read_manifest(1, 0).unwrap();
     let c1 = &ram_m.items[w].chunks[1];
     flip_byte(&dirs.ram().join(format::step_dir(1)).join(&ram_m.objects[c1.object as usize].name), c1.stored_offset + 7);
-    let reader = StepReader::open(&store, 1, 0, None).unwrap();
+    let reader = StepReader::open(&store, 1, 0, None, &JobFilter::Mine).unwrap();
     let (d, from) = reader.read_range(w, 2 * C + 5, C).unwrap();
     assert_eq!(from, "ram");
     assert!(matches!(d, ItemData::View { .. }));
@@ -502,7 +502,7 @@ fn dropped_writer_removes_its_step_dir() {
     let store = Store::open(dirs.policy("", None, "chunk_size = \"64KiB\""), 0, 1).unwrap();
     let puts = step_items(1);
     {
-        let mut w = store.begin(1);
+        let mut w = store.begin(1).unwrap();
         w.add_part("put0", json!([]), puts[0].iter().map(spec).collect()).unwrap();
     }
     assert!(!dirs.ram().join(format::step_dir(1)).exists());

@@ -22,16 +22,17 @@ pub struct Store {
 
 #[pymethods]
 impl Store {
-    /// Opens a store from a policy file (`path`) or a JSON policy (`policy_json`).
+    /// Opens a store from a policy file (`path`) or a JSON policy (`policy_json`). `tool`:
+    /// for tools that look at tiers as they are (every job's steps; see `core::Store::open_as`).
     #[new]
-    #[pyo3(signature = (rank, world_size, path=None, policy_json=None))]
-    fn new(py: Python<'_>, rank: u32, world_size: u32, path: Option<String>, policy_json: Option<String>) -> TcResult<Self> {
+    #[pyo3(signature = (rank, world_size, path=None, policy_json=None, tool=false))]
+    fn new(py: Python<'_>, rank: u32, world_size: u32, path: Option<String>, policy_json: Option<String>, tool: bool) -> TcResult<Self> {
         let policy = match (path, policy_json) {
             (Some(p), None) => Policy::load(Path::new(&p))?,
             (None, Some(j)) => Policy::from_json(&j, "<dict>")?,
             _ => return Err(invalid("give exactly one of path= and policy_json=").into()),
         };
-        let inner = py.allow_threads(|| core::Store::open(policy, rank, world_size))?;
+        let inner = py.allow_threads(|| core::Store::open_as(policy, rank, world_size, tool))?;
         Ok(Store { inner })
     }
 
@@ -43,6 +44,19 @@ impl Store {
     #[getter]
     fn world_size(&self) -> u32 {
         self.inner.world_size
+    }
+
+    /// This job's run id (policy `[store] run`, else $TIERCEL_RUN_ID, $TORCHELASTIC_RUN_ID,
+    /// $SLURM_JOB_ID), or None.
+    #[getter]
+    fn run_id(&self) -> Option<String> {
+        self.inner.run_id().map(str::to_string)
+    }
+
+    /// This job's identity as recorded in commit records: {"run", "world_size", "policy"}.
+    #[getter]
+    fn job(&self) -> String {
+        serde_json::to_string(self.inner.job()).expect("serializes")
     }
 
     #[getter]
@@ -96,14 +110,23 @@ impl Store {
         py.allow_threads(|| self.inner.restorable_steps())
     }
 
-    fn begin(&self, step: u64) -> StepWriter {
-        StepWriter { inner: Mutex::new(Some(self.inner.begin(step))) }
+    fn begin(&self, step: u64) -> TcResult<StepWriter> {
+        Ok(StepWriter { inner: Mutex::new(Some(self.inner.begin(step)?)) })
     }
 
-    #[pyo3(signature = (step, rank=None, tiers=None))]
-    fn reader(&self, py: Python<'_>, step: u64, rank: Option<u32>, tiers: Option<Vec<String>>) -> TcResult<StepReader> {
+    /// `job`: None for this job's steps, "*" for any job's, else a run id.
+    #[pyo3(signature = (step, rank=None, tiers=None, job=None))]
+    fn reader(
+        &self,
+        py: Python<'_>,
+        step: u64,
+        rank: Option<u32>,
+        tiers: Option<Vec<String>>,
+        job: Option<String>,
+    ) -> TcResult<StepReader> {
         let rank = rank.unwrap_or(self.inner.rank);
-        let r = py.allow_threads(|| core::StepReader::open(&self.inner, step, rank, tiers.as_deref()))?;
+        let filter = core::JobFilter::parse(job.as_deref());
+        let r = py.allow_threads(|| core::StepReader::open(&self.inner, step, rank, tiers.as_deref(), &filter))?;
         Ok(StepReader { inner: r })
     }
 

@@ -38,8 +38,12 @@ pub(super) const TIER_KEYS: &[&str] = &[
 const OBJECT_KEYS: &[&str] = &["endpoint", "region", "allow_http", "part_size", "concurrency", "timeout", "retries"];
 /// Keys that only a peer tier takes.
 const PEER_KEYS: &[&str] = &["replicas", "placement", "listen", "secret"];
-const RESTORE_KEYS: &[&str] = &["order"];
-pub(super) const STORE_KEYS: &[&str] = &["chunk_size", "threads", "io_threads"];
+const RESTORE_KEYS: &[&str] = &["order", "resume_from"];
+/// Upper bounds of `[store] threads` (copy threads) and `io_threads` (background workers).
+const MAX_THREADS: usize = 1024;
+const MAX_IO_THREADS: usize = 256;
+
+pub(super) const STORE_KEYS: &[&str] = &["chunk_size", "threads", "io_threads", "run", "other_jobs"];
 /// Where each key belongs, to point a key written in the wrong table to the right one.
 const SECTIONS: &[(&str, &[&str])] =
     &[("the top level", TOP_KEYS), ("[[tier]]", TIER_KEYS), ("[restore]", RESTORE_KEYS), ("[store]", STORE_KEYS)];
@@ -143,6 +147,24 @@ impl Checker<'_> {
         usize::try_from(n).map_err(|_| self.expected(node, path, "a smaller integer"))
     }
 
+    /// A run id: 1 to 128 printable characters.
+    fn run_id(&self, node: &Node, path: &str) -> Result<String> {
+        let s = self.string(node, path)?;
+        if s.is_empty() || s.len() > 128 || s.chars().any(|c| c.is_control()) {
+            return Err(self.expected(node, path, "a run id of 1 to 128 printable characters"));
+        }
+        Ok(s.to_string())
+    }
+
+    /// A count from 1 to `max` (threads: more would exhaust the host, not speed anything up).
+    fn bounded(&self, node: &Node, path: &str, max: usize) -> Result<usize> {
+        let n = self.count(node, path)?;
+        if n > max {
+            return Err(self.expected(node, path, &format!("at most {max} (got {n})")));
+        }
+        Ok(n)
+    }
+
     /// A positive number of bytes: an integer, or a string read by `parse`, which reads `what`.
     fn bytes(&self, node: &Node, path: &str, parse: fn(&str) -> std::result::Result<u64, String>, what: &str) -> Result<u64> {
         let n = match &node.value {
@@ -183,6 +205,10 @@ impl Checker<'_> {
             Some(node) => self.restore_order(node, &tiers)?,
             None => None,
         };
+        let resume_from = match get("restore").and_then(|n| self.table(n, "restore").ok()?.iter().find(|(k, _)| k == "resume_from")) {
+            Some((_, n)) => Some(self.run_id(n, "restore.resume_from")?),
+            None => None,
+        };
         let mut policy = Policy {
             source: self.source.to_string(),
             restore_order: restore_order.unwrap_or_else(|| tiers.iter().map(|t| t.name.clone()).collect()),
@@ -190,6 +216,9 @@ impl Checker<'_> {
             chunk_size: DEFAULT_CHUNK_SIZE,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_DEFAULT_THREADS),
             io_threads: DEFAULT_IO_THREADS,
+            run: None,
+            refuse_other_jobs: false,
+            resume_from,
         };
         if let Some(node) = get("store") {
             self.store(node, &mut policy)?;
@@ -254,11 +283,34 @@ impl Checker<'_> {
         let spec = match kind {
             TierKind::Peer => TierSpec::Peer(self.peer(&t)?),
             TierKind::Memory => {
-                TierSpec::Memory { root: self.location(&t, kind_name, "the shared-memory directory, e.g. \"/dev/shm/tiercel\"")?.1.into() }
+                let (n, root) = self.location(&t, kind_name, "the shared-memory directory, e.g. \"/dev/shm/tiercel\"")?;
+                // The tier writes `.lock`, `.pool/` and step directories into its root.
+                if std::path::Path::new(root)
+                    .components()
+                    .all(|c| matches!(c, std::path::Component::RootDir | std::path::Component::CurDir))
+                {
+                    return Err(self.at(
+                        n,
+                        &t.key_path("root"),
+                        format!("{root:?} cannot be a memory tier's root: give it a directory of its own, e.g. \"/dev/shm/tiercel\""),
+                    ));
+                }
+                TierSpec::Memory { root: root.into() }
             }
             TierKind::Fs => {
                 let (n, url) = self.location(&t, kind_name, "a directory path or file:// URL")?;
-                TierSpec::Fs { path: fs_path(url).map_err(|m| self.at(n, &t.key_path("url"), m))? }
+                let path = fs_path(url).map_err(|m| self.at(n, &t.key_path("url"), m))?;
+                for e in earlier {
+                    if let TierSpec::Memory { root } = &e.spec {
+                        if std::path::Path::new(&path).starts_with(root) {
+                            return Err(self.at(n, &t.key_path("url"), format!(
+                                "{url:?} lies in the memory tier '{}' root {root:?}: the two tiers would see each other's steps; give the fs tier a directory of its own",
+                                e.name
+                            )));
+                        }
+                    }
+                }
+                TierSpec::Fs { path }
             }
             TierKind::S3 | TierKind::Gcs => {
                 let scheme = if kind == TierKind::S3 { "s3" } else { "gs" };
@@ -469,8 +521,14 @@ impl Checker<'_> {
                     }
                     policy.chunk_size = size;
                 }
-                "threads" => policy.threads = self.count(value, &path)?,
-                "io_threads" => policy.io_threads = self.count(value, &path)?,
+                "threads" => policy.threads = self.bounded(value, &path, MAX_THREADS)?,
+                "io_threads" => policy.io_threads = self.bounded(value, &path, MAX_IO_THREADS)?,
+                "run" => policy.run = Some(self.run_id(value, &path)?),
+                "other_jobs" => match self.string(value, &path)? {
+                    "ignore" => policy.refuse_other_jobs = false,
+                    "refuse" => policy.refuse_other_jobs = true,
+                    _ => return Err(self.expected(value, &path, "\"ignore\" or \"refuse\"")),
+                },
                 _ => unreachable!("check_keys admits only STORE_KEYS"),
             }
         }

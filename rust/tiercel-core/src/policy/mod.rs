@@ -49,6 +49,14 @@ pub struct Policy {
     pub threads: usize,
     /// Background scheduler workers.
     pub io_threads: usize,
+    /// `[store] run`: this job's run id (else taken from the environment, see `store::job`).
+    pub run: Option<String>,
+    /// `[store] other_jobs = "refuse"`: a store refuses to open on tiers holding another
+    /// job's committed steps (default: it ignores them, and says so once).
+    pub refuse_other_jobs: bool,
+    /// `[restore] resume_from`: the run id of another job whose steps this job may restore
+    /// (and then saves on from).
+    pub resume_from: Option<String>,
 }
 
 impl Policy {

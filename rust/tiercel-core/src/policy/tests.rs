@@ -281,10 +281,29 @@ fn store_rules() {
         ("chunk_size = \"4MB\"", "multiple of 4096"),
         ("threads = 0", "store.threads: expected a positive integer, got 0"),
         ("io_threads = \"2\"", "store.io_threads: expected a positive integer, got \"2\""),
+        // Repro (issue 14.14): io_threads = 100000 was a Rust panic; threads = 100000 exhausted
+        // the machine's threads.
+        ("io_threads = 100000", "store.io_threads: expected at most 256 (got 100000)"),
+        ("threads = 100000", "store.threads: expected at most 1024 (got 100000)"),
     ] {
         let msg = toml_err(&format!("{MINIMAL}\n[store]\n{value}\n"));
         assert_at(&msg, 7, &[part]);
     }
+}
+
+/// Repro (issue 14.14): memory `root = "/"` was accepted (`/.lock`, `/.pool` and step
+/// directories in `/`), and so was an fs `url` equal to the memory root.
+#[test]
+fn roots_that_would_mix_tiers_are_refused() {
+    for root in ["/", "/.", "//"] {
+        let msg = toml_err(&MINIMAL.replace("/dev/shm/t", root));
+        assert_at(&msg, 4, &["tier[0] (\"ram\").root", "cannot be a memory tier's root"]);
+    }
+    for url in ["/dev/shm/t", "/dev/shm/t/", "file:///dev/shm/t", "/dev/shm/t/disk"] {
+        let msg = toml_err(&with_disk("").replace("/mnt/c", url));
+        assert_at(&msg, 8, &["tier[1] (\"disk\").url", "lies in the memory tier 'ram' root \"/dev/shm/t\""]);
+    }
+    assert!(Policy::from_toml(&with_disk("").replace("/mnt/c", "/dev/shm/t2"), "x").is_ok());
 }
 
 #[test]

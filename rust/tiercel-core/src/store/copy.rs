@@ -12,7 +12,7 @@ pub fn copy_step(store: &Arc<Store>, step: u64, from: &str, to: &str, progress: 
     let dst_slot = store.slot(to)?;
     let record = src_slot.tier.commit_record(step)?;
     for rank in 0..record.world_size {
-        let reader = StepReader::open(store, step, rank, Some(&[from.to_string()]))?;
+        let reader = StepReader::open(store, step, rank, Some(&[from.to_string()]), &super::JobFilter::Any)?;
         let m = reader.manifest().clone();
         struct ReaderSource<'a>(&'a StepReader);
         impl ChunkSource for ReaderSource<'_> {

@@ -46,7 +46,13 @@ pub struct SaveHandle {
     states: Mutex<Vec<(String, TierState)>>,
     changed: Condvar,
     started: Instant,
+    /// For a tier left `Written` (this rank done, others of its host not yet): tells whether
+    /// the step has committed there since, by another rank's hand.
+    probe: Mutex<Option<(String, Probe)>>,
 }
+
+/// Whether a step is committed on a tier now.
+pub type Probe = Box<dyn Fn() -> bool + Send + Sync>;
 
 impl SaveHandle {
     pub(super) fn new(step: u64, slots: &[TierSlot]) -> Arc<SaveHandle> {
@@ -55,6 +61,7 @@ impl SaveHandle {
             states: Mutex::new(slots.iter().map(|s| (s.config.name.clone(), TierState::Pending)).collect()),
             changed: Condvar::new(),
             started: Instant::now(),
+            probe: Mutex::new(None),
         })
     }
 
@@ -66,8 +73,42 @@ impl SaveHandle {
         self.changed.notify_all();
     }
 
+    /// Sets how to learn that `tier`, left `Written`, has committed since.
+    pub(super) fn set_probe(&self, tier: &str, probe: Probe) {
+        *self.probe.lock() = Some((tier.to_string(), probe));
+    }
+
+    /// A `Written` tier whose commit another rank has written since becomes `Done`: the
+    /// rank that commits a step on a host's memory tier is whichever finishes last, and the
+    /// others' handles learn it here rather than staying `written` for ever.
+    fn refresh(&self) {
+        let probe = self.probe.lock();
+        let Some((tier, check)) = probe.as_ref() else { return };
+        if self.state(tier) == Some(TierState::Written) && check() {
+            self.set(tier, TierState::Done);
+        }
+    }
+
     pub fn states(&self) -> Vec<(String, TierState)> {
+        self.refresh();
         self.states.lock().clone()
+    }
+
+    /// The state of one tier (None: no such tier).
+    pub fn state(&self, tier: &str) -> Option<TierState> {
+        self.states.lock().iter().find(|(n, _)| n == tier).map(|(_, s)| s.clone())
+    }
+
+    /// Waits until `tier`'s state is final and returns it.
+    pub fn wait_tier(&self, tier: &str) -> TierState {
+        let mut v = self.states.lock();
+        loop {
+            match v.iter().find(|(n, _)| n == tier) {
+                Some((_, s)) if !s.is_final() => self.changed.wait(&mut v),
+                Some((_, s)) => return s.clone(),
+                None => return TierState::NotScheduled,
+            }
+        }
     }
 
     pub fn done(&self) -> bool {
@@ -76,18 +117,24 @@ impl SaveHandle {
 
     /// Waits until every tier is final or `timeout` passes; true when all are final.
     pub fn wait(&self, timeout: Option<Duration>) -> bool {
+        self.refresh();
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut v = self.states.lock();
         while !v.iter().all(|(_, s)| s.is_final()) {
             match deadline {
                 Some(d) => {
                     if self.changed.wait_until(&mut v, d).timed_out() {
-                        return v.iter().all(|(_, s)| s.is_final());
+                        let done = v.iter().all(|(_, s)| s.is_final());
+                        drop(v);
+                        self.refresh();
+                        return done;
                     }
                 }
                 None => self.changed.wait(&mut v),
             }
         }
+        drop(v);
+        self.refresh();
         true
     }
 

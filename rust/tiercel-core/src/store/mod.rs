@@ -7,6 +7,7 @@
 
 mod copy;
 mod handle;
+mod job;
 mod restore;
 mod save;
 
@@ -24,6 +25,7 @@ use crate::tier::{run_gc, Tier};
 
 pub use copy::copy_step;
 pub use handle::{SaveHandle, TierState};
+pub use job::{job_of, JobFilter, RUN_ID_VARS};
 pub use restore::{ItemData, StepReader};
 pub use save::{ItemSpec, StepWriter};
 
@@ -42,6 +44,14 @@ pub struct Store {
     scheduler: Arc<Scheduler>,
     copy_pool: rayon::ThreadPool,
     peer: Option<Arc<PeerTier>>,
+    /// This process's saves whose memory-tier flush may not have finished, by step: a read
+    /// of such a step waits for it (read-your-writes).
+    recent: parking_lot::Mutex<std::collections::BTreeMap<u64, Arc<SaveHandle>>>,
+    /// This job's identity, written into every commit record.
+    job: crate::format::JobId,
+    foreign: job::Foreign,
+    /// Opened for tools (`open_as`): every job's steps count as this job's.
+    tool: bool,
 }
 
 /// The slot of the memory tier, into which every save copies first: policy validation puts
@@ -50,11 +60,17 @@ const MEMORY_SLOT: usize = 0;
 
 impl Store {
     pub fn open(policy: Policy, rank: u32, world_size: u32) -> Result<Arc<Store>> {
+        Self::open_as(policy, rank, world_size, false)
+    }
+
+    /// `tool`: a store for tools that look at tiers as they are (the CLI): it reads every
+    /// job's steps and does not check for other jobs' steps at open.
+    pub fn open_as(policy: Policy, rank: u32, world_size: u32, tool: bool) -> Result<Arc<Store>> {
         if world_size == 0 || rank >= world_size {
             return Err(Error::invalid(format!("rank {rank} is not in a world of size {world_size}")));
         }
         let Tiers { all, memory, peer } = open_tiers(&policy, rank)?;
-        let slots = policy
+        let slots: Vec<TierSlot> = policy
             .tiers
             .iter()
             .zip(all)
@@ -66,7 +82,28 @@ impl Store {
             .build()
             .map_err(|e| Error::invalid(format!("cannot start copy threads: {e}")))?;
         let scheduler = Scheduler::new(policy.io_threads);
-        Ok(Arc::new(Store { policy, rank, world_size, memory, slots, scheduler, copy_pool, peer }))
+        let job = job_of(&policy, world_size, |v| std::env::var(v).ok());
+        for s in &slots {
+            s.tier.set_job(&job);
+        }
+        let store = Store {
+            policy,
+            rank,
+            world_size,
+            memory,
+            slots,
+            scheduler,
+            copy_pool,
+            peer,
+            recent: Default::default(),
+            job,
+            foreign: Default::default(),
+            tool,
+        };
+        if !tool {
+            store.check_other_jobs()?;
+        }
+        Ok(Arc::new(store))
     }
 
     pub fn slots(&self) -> &[TierSlot] {
@@ -95,6 +132,30 @@ impl Store {
         self.slots.iter().enumerate().filter(|(i, _)| *i != MEMORY_SLOT)
     }
 
+    /// Remembers a save until its memory flush is over (see `await_own_save`).
+    fn track(&self, handle: &Arc<SaveHandle>) {
+        let mem = self.memory_slot().config.name.clone();
+        let mut recent = self.recent.lock();
+        recent.retain(|_, h| !h.state(&mem).is_some_and(|s| s.is_final()));
+        recent.insert(handle.step, handle.clone());
+    }
+
+    /// Read-your-writes: when this process saved `step` and its memory flush still runs,
+    /// waits for it. Returns why the step may not be readable from memory (this process's
+    /// save of it failed or is still waiting for other ranks), for the caller's error.
+    pub fn await_own_save(&self, step: u64) -> Option<String> {
+        let h = self.recent.lock().get(&step).cloned()?;
+        let mem = &self.memory_slot().config.name;
+        let st = h.wait_tier(mem);
+        match st {
+            TierState::Done => None,
+            TierState::Written => {
+                Some(format!("this process saved step {step}; on tier '{mem}' it waits for the other ranks of this host to save it too"))
+            }
+            other => Some(format!("this process's save of step {step} on tier '{mem}': {}", other.describe())),
+        }
+    }
+
     /// The peer tier, when the policy has one.
     pub fn peer(&self) -> Option<&Arc<PeerTier>> {
         self.peer.as_ref()
@@ -112,7 +173,10 @@ impl Store {
         for name in &self.policy.restore_order {
             let Ok(slot) = self.slot(name) else { continue };
             match slot.tier.committed_steps() {
-                Ok(v) => all.extend(v),
+                Ok(v) => {
+                    let foreign = self.foreign_steps(slot);
+                    all.extend(v.into_iter().filter(|s| !foreign.contains(s)));
+                }
                 Err(e) => log::warn!("tier '{name}' cannot be listed, skipped: {e}"),
             }
         }
@@ -141,7 +205,7 @@ impl Store {
     /// Retention on one tier, as after every save: `keep`, uncommitted leftovers, abandoned
     /// uploads (see `tier::gc`). Returns the removed steps.
     pub fn retain(&self, slot: &TierSlot) -> Result<Vec<u64>> {
-        let done = run_gc(&*slot.tier, &GcOptions { keep: slot.config.keep, temp_age: None })?;
+        let done = run_gc(&*slot.tier, &GcOptions { keep: slot.config.keep, temp_age: None, foreign: self.foreign_steps(slot) })?;
         for r in done.iter().filter(|r| r.step().is_none()) {
             log::info!("tier '{}': removed {}", slot.config.name, r.reason);
         }
@@ -152,19 +216,15 @@ impl Store {
     /// writers at least `temp_age` old.
     pub fn gc_plan(&self, name: &str, temp_age: Duration) -> Result<Vec<Removal>> {
         let slot = self.slot(name)?;
-        slot.tier.gc_plan(&GcOptions { keep: slot.config.keep, temp_age: Some(temp_age) })
+        slot.tier.gc_plan(&GcOptions { keep: slot.config.keep, temp_age: Some(temp_age), ..Default::default() })
     }
 
     /// Aborts the abandoned uploads of tier `name` (object stores) and nothing else; one line
     /// per upload, as `tiercel gc` prints them.
     pub fn sweep_uploads(&self, name: &str) -> Result<Vec<String>> {
         let slot = self.slot(name)?;
-        let plan: Vec<Removal> = slot
-            .tier
-            .gc_plan(&GcOptions { keep: None, temp_age: None })?
-            .into_iter()
-            .filter(|r| matches!(r.target, Target::Upload { .. }))
-            .collect();
+        let plan: Vec<Removal> =
+            slot.tier.gc_plan(&GcOptions::default())?.into_iter().filter(|r| matches!(r.target, Target::Upload { .. })).collect();
         let done = slot.tier.gc_apply(plan)?;
         Ok(done
             .iter()
@@ -178,6 +238,6 @@ impl Store {
     /// Removes what `gc_plan` lists; returns what was removed.
     pub fn gc(&self, name: &str, temp_age: Duration) -> Result<Vec<Removal>> {
         let slot = self.slot(name)?;
-        run_gc(&*slot.tier, &GcOptions { keep: slot.config.keep, temp_age: Some(temp_age) })
+        run_gc(&*slot.tier, &GcOptions { keep: slot.config.keep, temp_age: Some(temp_age), ..Default::default() })
     }
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use rayon::prelude::*;
 
-use super::Store;
+use super::{JobFilter, Store};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{ChunkMeta, ItemMeta, Manifest};
 use crate::tier::memory::View;
@@ -47,12 +47,16 @@ pub struct StepReader {
 
 impl StepReader {
     /// `tiers`: restrict to these tiers (in this order); default: the policy's restore order.
-    pub fn open(store: &Arc<Store>, step: u64, rank: u32, tiers: Option<&[String]>) -> Result<StepReader> {
+    /// `job`: whose step it may be (a step of another job is passed over, and said why).
+    pub fn open(store: &Arc<Store>, step: u64, rank: u32, tiers: Option<&[String]>, job: &JobFilter) -> Result<StepReader> {
         let order: Vec<String> = tiers.map(|t| t.to_vec()).unwrap_or_else(|| store.policy.restore_order.clone());
         let mut sources = vec![];
         let mut warnings = vec![];
+        // A step this process saved is read once its memory commit is there (or we know why not).
+        let own = store.await_own_save(step);
         let mut seen = vec![];
         let mut broken = false;
+        let mut other_jobs: Vec<String> = vec![];
         for name in &order {
             let idx = store.slots.iter().position(|s| &s.config.name == name).ok_or_else(|| store.slot(name).err().unwrap())?;
             let tier = &store.slots[idx].tier;
@@ -67,6 +71,21 @@ impl StepReader {
             };
             if record.ranks.as_ref().is_some_and(|rs| !rs.contains(&rank)) {
                 continue; // a host-local commit of other ranks
+            }
+            if !store.admits(&record, job) {
+                let whose = record.job.as_ref().map(|j| j.describe()).unwrap_or_default();
+                other_jobs.push(format!(
+                    "tier '{name}': step {step} was saved by {whose}, not by this job ({}); restore(step, job=\"<run id>\") \
+                     or `[restore] resume_from` reads it",
+                    store.job().describe()
+                ));
+                continue;
+            }
+            if let Some(job) = record.job.as_ref().filter(|j| j.world_size != store.world_size && !store.tool) {
+                warnings.push(format!(
+                    "tier '{name}': step {step} was saved by {} ranks, this job has {}: a resharded restore",
+                    job.world_size, store.world_size
+                ));
             }
             seen.push(name.clone());
             if rank >= record.world_size {
@@ -90,6 +109,8 @@ impl StepReader {
                     have.push(format!("{name}: {steps:?}"));
                 }
             }
+            warnings.extend(own);
+            warnings.extend(other_jobs);
             let why = if warnings.is_empty() { String::new() } else { format!(" ({})", warnings.join("; ")) };
             let kind = if seen.is_empty() && !broken { ErrorKind::NotFound } else { ErrorKind::Integrity };
             return Err(Error::new(
@@ -299,6 +320,18 @@ impl StepReader {
                 }
                 Err(e) => errs.push(e.message),
             }
+        }
+        // Retention (of this or another process) may have removed the step meanwhile: that
+        // is a step that is gone, not damaged data.
+        if self
+            .sources
+            .iter()
+            .all(|(idx, _)| self.store.slots[*idx].tier.commit_record(self.step).is_err_and(|e| e.kind == ErrorKind::NotFound))
+        {
+            return Err(Error::not_found(format!(
+                "step {} rank {} item '{}': the step was removed (retention) from every tier while it was read; restore a newer step",
+                self.step, self.rank, primary.name
+            )));
         }
         Err(Error::integrity(format!(
             "step {} rank {} item '{}' chunk {c}: no tier has a valid copy: {}",

@@ -10,6 +10,7 @@ use super::{SaveHandle, Store, TierState};
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkMeta, ItemMeta, Manifest, ObjectMeta, ShardInfo};
 use crate::scheduler::{Job, Priority, Start};
+use crate::tier::lease::Lease;
 use crate::tier::memory::Segment;
 use crate::tier::{ChunkSource, Tier};
 
@@ -27,15 +28,25 @@ pub struct ItemSpec {
 }
 
 impl Store {
-    /// Starts saving `step` of this rank.
-    pub fn begin(self: &Arc<Self>, step: u64) -> StepWriter {
-        StepWriter {
+    /// Starts saving `step` of this rank. Takes the step's write lease on the memory tier,
+    /// held until the background flush has committed (no retention removes it meanwhile).
+    pub fn begin(self: &Arc<Self>, step: u64) -> Result<StepWriter> {
+        if step > format::MAX_STEP {
+            return Err(Error::invalid(format!(
+                "step {step} is too large: steps go up to {} (12 digits in the step's name); \
+                 number steps by training iteration, not by timestamp",
+                format::MAX_STEP
+            )));
+        }
+        let lease = self.memory.lease_step(step)?;
+        Ok(StepWriter {
             store: self.clone(),
             manifest: Manifest::new(step, self.rank, self.world_size, &self.memory_slot().config.name, self.policy.chunk_size),
             parts: vec![],
             filled: vec![],
             finished: false,
-        }
+            lease: Some(lease),
+        })
     }
 }
 
@@ -46,6 +57,8 @@ pub struct StepWriter {
     parts: Vec<Arc<Segment>>,
     filled: Vec<bool>,
     finished: bool,
+    /// The step's write lease, handed to the flush.
+    lease: Option<Lease>,
 }
 
 /// Raw bytes of chunks stored raw in memory-tier segments.
@@ -92,6 +105,15 @@ impl StepWriter {
         let step = self.manifest.step;
         if self.manifest.trees.iter().any(|(n, _)| n == name) {
             return Err(Error::invalid(format!("step {step}: '{name}' was already put in this step")).with_step(step));
+        }
+        // The limit every reader applies (format::MAX_TREE_DEPTH): a deeper tree would save,
+        // commit, and never restore.
+        let depth = format::json_depth(&tree);
+        if depth > format::MAX_TREE_DEPTH {
+            return Err(Error::invalid(format!(
+                "step {step}: the tree of '{name}' nests {depth} JSON levels deep; tiercel stores at most {}: flatten it",
+                format::MAX_TREE_DEPTH
+            )));
         }
         for it in &items {
             if let Some(shard) = &it.shard {
@@ -208,6 +230,8 @@ impl StepWriter {
         let manifest = std::mem::take(&mut self.manifest);
         let parts = std::mem::take(&mut self.parts);
         let handle = SaveHandle::new(manifest.step, &store.slots);
+        store.track(&handle);
+        let lease = self.lease.take();
         let (store2, handle2) = (store.clone(), handle.clone());
         store.scheduler.submit(Job {
             link: store.memory_slot().link.clone(),
@@ -215,14 +239,14 @@ impl StepWriter {
             size: manifest.total_bytes(),
             label: format!("step {}", manifest.step),
             supersede_key: None,
-            run: Box::new(move |_| flush_step(store2, handle2, manifest, parts)),
+            run: Box::new(move |_| flush_step(store2, handle2, manifest, parts, lease)),
         });
         Ok(handle)
     }
 }
 
 /// The background half of a save (see `StepWriter::commit`).
-fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest, parts: Vec<Arc<Segment>>) {
+fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest, parts: Vec<Arc<Segment>>, lease: Option<Lease>) {
     let step = manifest.step;
     let mem = store.memory_slot();
     let mem_name = mem.config.name.clone();
@@ -241,8 +265,17 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
         manifest.items[i].chunks[c].crc32c = crc;
     }
     let res = store.memory.publish(&manifest).and_then(|_| store.memory.try_commit(step, store.world_size));
+    // Published (a leftover of ours no more) or failed: retention may have the step now.
+    drop(lease);
     match res {
-        Ok(committed) => handle.set(&mem_name, if committed { TierState::Done } else { TierState::Written }),
+        Ok(committed) => {
+            if !committed {
+                // Another rank of this host commits it when it finishes: let the handle see.
+                let memory = Arc::downgrade(&store.memory);
+                handle.set_probe(&mem_name, Box::new(move || memory.upgrade().is_some_and(|m| m.commit_record(step).is_ok())));
+            }
+            handle.set(&mem_name, if committed { TierState::Done } else { TierState::Written })
+        }
         Err(e) => {
             let e = e.context(format!("step {step} rank {}", store.rank)).with_tier(&mem_name).at(step, store.rank);
             log::error!("{e}");
@@ -310,6 +343,11 @@ impl Drop for StepWriter {
     /// A writer dropped without commit (an exception in the `with` block) leaves nothing
     /// behind: its segments are deleted, so no half-written step takes memory.
     fn drop(&mut self) {
+        self.lease = None;
+        if !self.finished && self.parts.is_empty() {
+            // Only the leased directory was made; remove it if nothing else is in it.
+            let _ = std::fs::remove_dir(self.store.memory.root().join(format::step_dir(self.manifest.step)));
+        }
         if !self.finished && !self.parts.is_empty() {
             let step = self.manifest.step;
             let rank = self.store.rank;

@@ -55,6 +55,10 @@ impl Tier for BlobTier {
         self.layout.read_stored(m, c, dst)
     }
 
+    fn set_job(&self, job: &crate::format::JobId) {
+        self.layout.set_job(job);
+    }
+
     fn try_commit(&self, step: u64, world_size: u32) -> Result<bool> {
         self.layout.try_commit(step, world_size, None)
     }

@@ -15,13 +15,15 @@
 use std::time::Duration;
 
 /// What a gc run considers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GcOptions {
     /// Committed steps kept (the tier's `keep`); None keeps all.
     pub keep: Option<usize>,
     /// Temporary files of dead writers are removed once this old; None leaves them alone
     /// (the retention run after a save does).
     pub temp_age: Option<Duration>,
+    /// Committed steps of other jobs: not counted towards `keep`, never removed.
+    pub foreign: Vec<u64>,
 }
 
 /// Something gc removes.
@@ -230,7 +232,7 @@ mod tests {
             touch(&step_dir(2).join("rank-00003.data.tmp-999999999-0")); // in a step that goes anyway
             symlink(&outside, step_dir(4).join("link.tmp-999999999-2")).unwrap();
 
-            let opts = GcOptions { keep: Some(2), temp_age: Some(Duration::from_secs(600)) };
+            let opts = GcOptions { keep: Some(2), temp_age: Some(Duration::from_secs(600)), ..Default::default() };
             let plan = tier.gc_plan(&opts).unwrap();
             let shown: Vec<(String, Option<u64>, Option<String>)> =
                 plan.iter().map(|r| (r.what().to_string(), r.step(), r.key().map(String::from))).collect();
@@ -243,7 +245,7 @@ mod tests {
             );
             assert!(plan[2].reason.contains("pid 999999999") && plan[2].bytes() == Some(3), "{:?}", plan[2]);
             // Without temp_age (the retention run after a save) files are left alone.
-            assert_eq!(steps_of(&tier.gc_plan(&GcOptions { temp_age: None, ..opts }).unwrap()), vec![1, 2]);
+            assert_eq!(steps_of(&tier.gc_plan(&GcOptions { temp_age: None, ..opts.clone() }).unwrap()), vec![1, 2]);
             let done = run_gc(tier, &opts).unwrap();
             assert_eq!(done.len(), 3);
             assert_eq!(tier.all_steps().unwrap(), vec![3, 4, 5, 6], "{}", tier.name());
@@ -256,11 +258,11 @@ mod tests {
         // A spare segment of a process that is gone (a killed trainer's pool).
         let dead = ram_root.path().join(".pool").join("999999999-0.seg");
         std::fs::write(&dead, vec![0u8; 8192]).unwrap();
-        let plan = ram.gc_plan(&GcOptions { keep: None, temp_age: None }).unwrap();
+        let plan = ram.gc_plan(&GcOptions::default()).unwrap();
         assert_eq!(plan.len(), 1);
         assert_eq!((plan[0].what(), plan[0].key()), ("segment", Some(".pool/999999999-0.seg")));
         assert!(plan[0].reason.contains("pid 999999999"), "{}", plan[0].reason);
-        run_gc(&*ram, &GcOptions { keep: None, temp_age: None }).unwrap();
+        run_gc(&*ram, &GcOptions::default()).unwrap();
         assert!(!dead.exists());
     }
 

@@ -8,11 +8,13 @@ use std::sync::Arc;
 use super::gc::{self, GcOptions, Removal, Target};
 use crate::blobs::Blobs;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{self, ChunkMeta, CommitRecord, Manifest};
+use crate::format::{self, ChunkMeta, CommitRecord, JobId, Manifest};
 
 pub struct StepLayout {
     tier: String,
     blobs: Arc<dyn Blobs>,
+    /// The job written into commit records (`set_job`); none until a Store sets it.
+    job: parking_lot::RwLock<Option<JobId>>,
 }
 
 /// The key of object `name` of `step`.
@@ -22,7 +24,12 @@ pub fn key(step: u64, name: &str) -> String {
 
 impl StepLayout {
     pub fn new(tier: &str, blobs: Arc<dyn Blobs>) -> StepLayout {
-        StepLayout { tier: tier.into(), blobs }
+        StepLayout { tier: tier.into(), blobs, job: Default::default() }
+    }
+
+    /// The job that commits here from now on (recorded in each commit record).
+    pub fn set_job(&self, job: &JobId) {
+        *self.job.write() = Some(job.clone());
     }
 
     /// The objects underneath (manifests, commit records, data objects).
@@ -119,7 +126,8 @@ impl StepLayout {
         }
         let mut record = CommitRecord::new(step, world_size, &self.tier);
         record.ranks = ranks;
-        self.blobs.put_if_absent(&key(step, format::COMMIT_NAME), &serde_json::to_vec(&record).expect("record serializes"))?;
+        record.job = self.job.read().clone();
+        self.blobs.put_if_absent(&key(step, format::COMMIT_NAME), &record.to_json())?;
         Ok(true)
     }
 
@@ -138,7 +146,11 @@ impl StepLayout {
     /// left in the objects underneath (temporary files, abandoned uploads), except inside
     /// steps the plan removes anyway.
     pub fn gc_plan(&self, opts: &GcOptions) -> Result<Vec<Removal>> {
-        let mut plan = gc::step_removals(&self.committed_steps()?, &self.all_steps()?, opts.keep);
+        // Another job's steps are neither counted towards `keep` nor removed.
+        let mine = |s: &u64| !opts.foreign.contains(s);
+        let committed: Vec<u64> = self.committed_steps()?.into_iter().filter(mine).collect();
+        let all: Vec<u64> = self.all_steps()?.into_iter().filter(mine).collect();
+        let mut plan = gc::step_removals(&committed, &all, opts.keep);
         let gone = gc::steps_of(&plan);
         // A temporary file inside a step that goes anyway is not listed twice; an upload is:
         // it must be aborted, whatever happens to its step.

@@ -6,13 +6,13 @@
 //! per-process pool, and new ones are allocated and pre-faulted off the critical path
 //! (`prefault`), as GEMINI keeps two CPU buffers per copy for the same reason.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 use memmap2::{MmapMut, MmapOptions};
 use parking_lot::Mutex;
@@ -23,6 +23,7 @@ use crate::format::{self, ChunkMeta, CommitRecord, Manifest, ObjectMeta};
 use crate::scheduler::Link;
 use crate::tier::gc::{self, GcOptions, Removal, Target};
 use crate::tier::layout::StepLayout;
+use crate::tier::lease::{self, Lease};
 use crate::tier::{ChunkSource, Tier};
 
 const POOL_DIR: &str = ".pool";
@@ -31,7 +32,6 @@ const LOCK_FILE: &str = ".lock";
 /// A writable shared mapping of one shared-memory file.
 pub struct Segment {
     path: Mutex<PathBuf>,
-    ino: u64,
     map: MmapMut,
 }
 
@@ -55,8 +55,19 @@ impl Segment {
 }
 
 /// A read view of a stored object, private (copy-on-write): a user writing into a restored
-/// array never changes the checkpoint.
-pub type View = MmapMut;
+/// array never changes the checkpoint. It holds a read lease on the file (`tier::lease`), so
+/// no writer in any process recycles the file under it.
+pub struct View {
+    map: MmapMut,
+    _lease: Option<Lease>,
+}
+
+impl std::ops::Deref for View {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.map
+    }
+}
 
 pub struct MemoryTier {
     name: String,
@@ -68,8 +79,6 @@ pub struct MemoryTier {
     pool: Mutex<Vec<Arc<Segment>>>,
     /// This process's segments of steps it wrote, until they are evicted.
     owned: Mutex<BTreeMap<u64, Vec<Arc<Segment>>>>,
-    /// Files mapped as restore views, by inode: never recycled while a view is alive.
-    views: Mutex<HashMap<u64, Weak<View>>>,
     /// The ranks that share this host's root, once known; a step commits here when all of
     /// them have written it. Unknown: every rank of the job (one host).
     local_ranks: parking_lot::RwLock<Option<Vec<u32>>>,
@@ -139,6 +148,7 @@ fn dir_bytes(p: &Path, tier: &str) -> Result<u64> {
 
 impl MemoryTier {
     pub fn open(name: &str, root: &Path, capacity: Option<u64>) -> Result<Arc<MemoryTier>> {
+        crate::tier::shm::check_root(name, root)?;
         fs::DirBuilder::new().recursive(true).mode(0o700).create(root.join(POOL_DIR)).map_err(|e| Error::io(name, root, e))?;
         let t = MemoryTier {
             name: name.into(),
@@ -147,7 +157,6 @@ impl MemoryTier {
             capacity,
             pool: Mutex::new(vec![]),
             owned: Mutex::new(BTreeMap::new()),
-            views: Mutex::new(HashMap::new()),
             local_ranks: parking_lot::RwLock::new(None),
         };
         let dead = t.dead_pool_segments()?;
@@ -222,13 +231,12 @@ impl MemoryTier {
     }
 
     fn map_segment(&self, f: File, path: PathBuf, size: u64) -> Result<Arc<Segment>> {
-        let ino = f.metadata().map_err(|e| Error::io(&self.name, &path, e))?.ino();
         let map = if size == 0 {
             MmapMut::map_anon(0).map_err(|e| Error::io(&self.name, &path, e))?
         } else {
             unsafe { MmapOptions::new().len(size as usize).populate().map_mut(&f) }.map_err(|e| Error::io(&self.name, &path, e))?
         };
-        Ok(Arc::new(Segment { path: Mutex::new(path), ino, map }))
+        Ok(Arc::new(Segment { path: Mutex::new(path), map }))
     }
 
     /// Takes a pool segment of exactly `size` bytes (a larger one is cut down), or none.
@@ -257,6 +265,7 @@ impl MemoryTier {
         let mut v: Vec<u64> =
             self.all_steps()?.into_iter().filter(|s| *s != step && !committed.contains(s) && newest.is_some_and(|n| *s < n)).collect();
         v.extend(committed.iter().copied().filter(|s| Some(*s) != newest && *s != step));
+        v.retain(|s| !self.being_written(*s));
         Ok(v)
     }
 
@@ -354,22 +363,27 @@ impl MemoryTier {
         self.owned.lock().remove(&step);
     }
 
-    /// Maps a stored object for reading; the view keeps the file from being recycled.
+    /// Maps a stored object for reading, under a read lease: no writer recycles the file
+    /// while the view lives. A file that retention removed meanwhile is not found.
     pub fn map_view(&self, step: u64, object: &str) -> Result<Arc<View>> {
         let path = self.root.join(format::step_dir(step)).join(object);
         let f = File::open(&path).map_err(|e| Error::io(&self.name, &path, e))?;
+        let gone = || Error::not_found(format!("tier '{}': step {step} was removed (retention) while it was read", self.name));
+        let lease = Lease::take(f.try_clone().map_err(|e| Error::io(&self.name, &path, e))?, &path)
+            .map_err(|e| Error::io(&self.name, &path, e))?
+            .ok_or_else(gone)?;
         let meta = f.metadata().map_err(|e| Error::io(&self.name, &path, e))?;
         // Not MAP_POPULATE: on a private writable mapping it pre-faults for writing, which
         // copies every page. MADV_POPULATE_READ maps the shared pages without copying.
-        let view = if meta.len() == 0 { MmapMut::map_anon(0) } else { unsafe { MmapOptions::new().map_copy(&f) } }
+        let map = if meta.len() == 0 { MmapMut::map_anon(0) } else { unsafe { MmapOptions::new().map_copy(&f) } }
             .map_err(|e| Error::io(&self.name, &path, e))?;
-        if !view.is_empty() {
+        if !map.is_empty() {
             // Mapping the pages costs about as much as checksumming them: do it on every
             // copy thread, in slices.
             const MADV_POPULATE_READ: libc::c_int = 22; // Linux 5.14+; older kernels refuse, harmlessly
             const SLICE: usize = 16 << 20;
-            let base = view.as_ptr() as usize;
-            let len = view.len();
+            let base = map.as_ptr() as usize;
+            let len = map.len();
             use rayon::prelude::*;
             (0..len.div_ceil(SLICE)).into_par_iter().for_each(|i| {
                 let off = i * SLICE;
@@ -377,11 +391,27 @@ impl MemoryTier {
                 unsafe { libc::madvise((base + off) as *mut libc::c_void, n, MADV_POPULATE_READ) };
             });
         }
-        let view = Arc::new(view);
-        let mut views = self.views.lock();
-        views.retain(|_, w| w.strong_count() > 0);
-        views.insert(meta.ino(), Arc::downgrade(&view));
-        Ok(view)
+        Ok(Arc::new(View { map, _lease: Some(lease) }))
+    }
+
+    /// A write lease on `step` (its directory, created if need be): held by a writer until
+    /// its flush has committed, so that no retention or eviction, in any process on this
+    /// host, removes the step meanwhile.
+    pub fn lease_step(&self, step: u64) -> Result<Lease> {
+        let dir = self.root.join(format::step_dir(step));
+        loop {
+            fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(|e| Error::io(&self.name, &dir, e))?;
+            let f = File::open(&dir).map_err(|e| Error::io(&self.name, &dir, e))?;
+            // None: removed between the create and the lock; make it again.
+            if let Some(l) = Lease::take(f, &dir).map_err(|e| Error::io(&self.name, &dir, e))? {
+                return Ok(l);
+            }
+        }
+    }
+
+    /// Whether a writer (of any process) holds `step`'s write lease.
+    pub fn being_written(&self, step: u64) -> bool {
+        lease::leased(&self.root.join(format::step_dir(step)))
     }
 
     /// Removes a step from this host's memory: commit record first, then this process's own
@@ -391,10 +421,13 @@ impl MemoryTier {
         self.layout.blobs().delete(&crate::tier::layout::key(step, format::COMMIT_NAME))?;
         let mine = self.owned.lock().remove(&step).unwrap_or_default();
         for seg in mine {
-            let viewed = self.views.lock().get(&seg.ino).is_some_and(|w| w.strong_count() > 0);
-            if Arc::strong_count(&seg) == 1 && !viewed {
+            // Recycled only when nothing maps it: no job of ours (the Arc) and no reader in
+            // any process (a read lease). Otherwise it is deleted with the step: unlinked,
+            // its pages live on for whoever maps them.
+            if Arc::strong_count(&seg) == 1 {
+                let path = seg.path();
                 let to = self.pool_path();
-                if fs::rename(seg.path(), &to).is_ok() {
+                if lease::with_exclusive(&path, |free| free && fs::rename(&path, &to).is_ok()) {
                     *seg.path.lock() = to;
                     self.pool.lock().push(seg);
                 }
@@ -475,6 +508,10 @@ impl Tier for MemoryTier {
         self.layout.read_stored(m, c, dst)
     }
 
+    fn set_job(&self, job: &crate::format::JobId) {
+        self.layout.set_job(job);
+    }
+
     /// Commits once every rank that shares this host's root has written the step.
     fn try_commit(&self, step: u64, world_size: u32) -> Result<bool> {
         let local = self.local_ranks.read().clone();
@@ -508,6 +545,9 @@ impl Tier for MemoryTier {
     /// The layout's plan, and spare segments of processes that are gone.
     fn gc_plan(&self, opts: &GcOptions) -> Result<Vec<Removal>> {
         let mut plan = self.layout.gc_plan(opts)?;
+        // A step whose writer has not finished its flush (its memory commit may still come)
+        // is no leftover, whatever its age relative to newer steps.
+        plan.retain(|r| r.step().is_none_or(|s| !self.being_written(s)));
         plan.extend(self.dead_pool_segments()?);
         Ok(plan)
     }

@@ -6,9 +6,11 @@
 pub mod blob;
 pub mod gc;
 pub mod layout;
+pub mod lease;
 pub mod memory;
 pub mod open;
 pub mod peer;
+pub mod shm;
 
 use std::sync::Arc;
 
@@ -76,6 +78,10 @@ pub trait Tier: Send + Sync {
 
     /// Removes what a plan lists; returns what was removed.
     fn gc_apply(&self, plan: Vec<Removal>) -> Result<Vec<Removal>>;
+
+    /// The job whose commits this tier records from now on (tiers without commit records
+    /// ignore it).
+    fn set_job(&self, _job: &crate::format::JobId) {}
 
     /// The scheduler priority of background jobs that write to this tier.
     fn priority(&self) -> Priority {

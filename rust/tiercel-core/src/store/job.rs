@@ -1,0 +1,140 @@
+//! One job identity: which job a step belongs to. Every commit record names the job that
+//! saved it (`format::JobId`); latest-step selection, restores and retention look only at
+//! this job's steps (and those of the run named by `[restore] resume_from`), so a root that
+//! holds an older or another job's steps never wins silently.
+
+use std::collections::HashMap;
+
+use parking_lot::Mutex;
+
+use super::{Store, TierSlot};
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::{CommitRecord, JobId};
+use crate::policy::{Policy, TierKind};
+
+/// Environment variables that name a run, in the order they are consulted after the
+/// policy's `[store] run`. Each stays the same across restarts of one job.
+pub const RUN_ID_VARS: [&str; 3] = ["TIERCEL_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"];
+
+/// This job's identity from the policy and the environment.
+pub fn job_of(policy: &Policy, world_size: u32, env: impl Fn(&str) -> Option<String>) -> JobId {
+    // torchrun sets TORCHELASTIC_RUN_ID to "none" when no --rdzv-id is given: no run id.
+    let from_env = || RUN_ID_VARS.iter().filter_map(|v| env(v)).map(|s| s.trim().to_string()).find(|s| !s.is_empty() && s != "none");
+    let run = policy.run.clone().or_else(from_env);
+    JobId { run, world_size, policy: fingerprint(policy) }
+}
+
+/// A fingerprint of where a policy persists steps: kind and location of each fs, s3 and gcs
+/// tier, in order. Retention, schedules and compression may change between restarts of one
+/// job, and so may the memory root (a replaced host); these not.
+fn fingerprint(policy: &Policy) -> String {
+    let mut text = String::new();
+    for t in policy.tiers.iter().filter(|t| !matches!(t.kind(), TierKind::Peer | TierKind::Memory)) {
+        text.push_str(&format!("{}:{}\n", t.kind().as_str(), t.spec.location()));
+    }
+    format!("{:08x}", crc32c::crc32c(text.as_bytes()))
+}
+
+/// Whose steps a read may return.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobFilter {
+    /// This job's, and those of the run named by `[restore] resume_from`.
+    Mine,
+    /// Those of the run with this id (`restore(step, job="...")`).
+    Run(String),
+    /// Any job's (the CLI's tools, which look at a tier as it is).
+    Any,
+}
+
+impl JobFilter {
+    /// From the Python API's `job=`: None = this job's, "*" = any job's, else a run id.
+    pub fn parse(job: Option<&str>) -> JobFilter {
+        match job {
+            None => JobFilter::Mine,
+            Some("*") => JobFilter::Any,
+            Some(r) => JobFilter::Run(r.to_string()),
+        }
+    }
+}
+
+/// Per tier and step: whether its commit record names another job (commit records do not
+/// change once written, so each is read once).
+#[derive(Default)]
+pub struct Foreign(Mutex<HashMap<(String, u64), Option<JobId>>>);
+
+impl Store {
+    /// This job's identity, as recorded in every commit record it writes.
+    pub fn job(&self) -> &JobId {
+        &self.job
+    }
+
+    /// The run id, if the job has one.
+    pub fn run_id(&self) -> Option<&str> {
+        self.job.run.as_deref()
+    }
+
+    /// Whether `filter` admits a step whose commit record is `record`.
+    pub fn admits(&self, record: &CommitRecord, filter: &JobFilter) -> bool {
+        let Some(job) = &record.job else { return true }; // saved before jobs were recorded
+        match filter {
+            JobFilter::Mine if self.tool => true,
+            JobFilter::Any => true,
+            JobFilter::Run(r) => job.run.as_deref() == Some(r),
+            JobFilter::Mine => self.job.same_job(job) || self.policy.resume_from.as_ref().is_some_and(|r| job.run.as_ref() == Some(r)),
+        }
+    }
+
+    /// The job that saved `step` on `slot`'s tier when it is not one this job reads
+    /// (`JobFilter::Mine`); None for this job's steps and for steps whose record cannot be
+    /// read (the restore path reports those).
+    pub fn other_job(&self, slot: &TierSlot, step: u64) -> Option<JobId> {
+        let key = (slot.config.name.clone(), step);
+        if let Some(v) = self.foreign.0.lock().get(&key) {
+            return v.clone();
+        }
+        let record = slot.tier.commit_record(step).ok()?;
+        let other = (!self.admits(&record, &JobFilter::Mine)).then(|| record.job.clone()).flatten();
+        self.foreign.0.lock().insert(key, other.clone());
+        other
+    }
+
+    /// The committed steps of other jobs on `slot`'s tier.
+    pub fn foreign_steps(&self, slot: &TierSlot) -> Vec<u64> {
+        if slot.config.kind() == TierKind::Peer {
+            return vec![]; // replicas carry no commit record of their own
+        }
+        let steps = slot.tier.committed_steps().unwrap_or_default();
+        steps.into_iter().filter(|s| self.other_job(slot, *s).is_some()).collect()
+    }
+
+    /// At open: finds other jobs' committed steps on every tier. Logged once; an error when
+    /// the policy says `[store] other_jobs = "refuse"`.
+    pub(super) fn check_other_jobs(&self) -> Result<()> {
+        let mut found = vec![];
+        for slot in &self.slots {
+            let steps = self.foreign_steps(slot);
+            if let (Some(first), Some(last)) = (steps.first(), steps.last()) {
+                let who = self.other_job(slot, *first).map(|j| j.describe()).unwrap_or_default();
+                found.push(format!(
+                    "tier '{}' ({}): {} step(s) {first}..{last} of {who}",
+                    slot.config.name,
+                    slot.config.spec.location(),
+                    steps.len()
+                ));
+            }
+        }
+        if found.is_empty() {
+            return Ok(());
+        }
+        let me = self.job.describe();
+        let msg = format!("{} holds committed steps of other jobs: {}; this job is {me}", self.policy.source, found.join("; "));
+        if self.policy.refuse_other_jobs {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!("{msg}. `[store] other_jobs = \"refuse\"`: give this job tiers of its own, remove those steps, or set `[restore] resume_from` to the run to continue"),
+            ));
+        }
+        log::warn!("{msg}. They are ignored: never restored, never removed by retention, not counted towards `keep` (set `[restore] resume_from = \"<run id>\"` to continue from them)");
+        Ok(())
+    }
+}

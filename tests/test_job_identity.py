@@ -1,0 +1,186 @@
+"""One job identity (issue 14.6, issue 13.2): every commit record names the job that saved
+the step (run id, world size, policy fingerprint); a restore never returns another job's
+step unless asked, and another job's steps in the same tiers neither win `latest` nor fall
+to this job's retention. And (issue 13.3) every rank says which newer steps it passed over."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from test_multirank import run_ranks
+
+import tiercel
+
+from conftest import error_of, make_policy, step_dir
+
+
+def state(step: int, n: int = 1000) -> dict:
+    return {"model": {"w": np.full(n, float(step), np.float32)}, "optim": {"step": step}}
+
+
+def with_run(policy: dict, run: str | None, **store: object) -> dict:
+    p = json.loads(json.dumps(policy))
+    if run is not None:
+        p["store"]["run"] = run
+    p["store"].update(store)
+    return p
+
+
+def test_higher_steps_of_an_older_run_do_not_win(shm_root, disk_root):
+    """Repro: steps 100 and 101 of an older run in the root; a new run saves 0, 1, 2: every
+    handle said `committed`, retention evicted the new steps (older than 101: "uncommitted
+    leftovers" or beyond keep), and restore() returned the old run's step 101. Now the old
+    run's steps are ignored (never restored, never removed, not counted towards keep)."""
+    base = make_policy(shm_root, disk_root, every=1, ram={"keep": 2})
+    with tiercel.Store(with_run(base, "old"), rank=0, world_size=1) as old:
+        for step in (100, 101):
+            old.save(step, state(step)).wait(60)
+    new = tiercel.Store(with_run(base, "new"), rank=0, world_size=1)
+    try:
+        assert new.run_id == "new"
+        for step in (0, 1, 2):
+            assert new.save(step, state(step)).wait(60) == {"ram": "committed", "disk": "committed"}
+        assert new.latest_step() == 2
+        assert new.restore()["optim"]["step"] == 2
+        # keep = 2 applied to this run's steps only; the old run's are all still there.
+        assert new.steps()["ram"] == [1, 2, 100, 101], new.steps()
+        msg = error_of(lambda: new.restore(101), tiercel.NotFoundError)
+        assert "saved by run 'old'" in msg and "job=" in msg, msg
+        # Asked for by name, the old run's step is read.
+        assert new.restore(101, job="old")["optim"]["step"] == 101
+        assert new.restore(101, job="*")["optim"]["step"] == 101
+        error_of(lambda: new.restore(job="old"), tiercel.InvalidArgumentError)
+        record = json.loads((step_dir(disk_root, 2) / "COMMIT").read_text())
+        assert record["job"]["run"] == "new" and record["job"]["world_size"] == 1 and record["job"]["policy"]
+    finally:
+        new.close()
+
+
+def test_resume_from_continues_another_run(shm_root, disk_root):
+    """`[restore] resume_from = "<run id>"`: a new run restores the named run's steps."""
+    base = make_policy(shm_root, disk_root, every=1)
+    with tiercel.Store(with_run(base, "first"), rank=0, world_size=1) as first:
+        first.save(5, state(5)).wait(60)
+    p = with_run(base, "second")
+    p["restore"]["resume_from"] = "first"
+    with tiercel.Store(p, rank=0, world_size=1) as second:
+        assert second.restore()["optim"]["step"] == 5
+        second.save(6, state(6)).wait(60)
+        assert second.latest_step() == 6
+
+
+def test_other_jobs_refuse_fails_at_open(shm_root, disk_root):
+    """`[store] other_jobs = "refuse"`: opening tiers that hold another job's steps fails."""
+    base = make_policy(shm_root, disk_root, every=1)
+    with tiercel.Store(with_run(base, "a"), rank=0, world_size=1) as a:
+        a.save(3, state(3)).wait(60)
+    msg = error_of(lambda: tiercel.Store(with_run(base, "b", other_jobs="refuse"), rank=0, world_size=1), tiercel.ConfigError)
+    assert "run 'a'" in msg and "other_jobs" in msg and "resume_from" in msg, msg
+    # The tools see every job's steps.
+    t = tiercel.Store(with_run(base, "b", other_jobs="refuse"), rank=0, world_size=1, tool=True)
+    assert t.restore(3)["optim"]["step"] == 3
+    t.close()
+
+
+def test_run_id_comes_from_policy_then_environment(shm_root, monkeypatch):
+    """Run id: `[store] run`, else $TIERCEL_RUN_ID, else $TORCHELASTIC_RUN_ID / $SLURM_JOB_ID
+    (torchrun's "none" is no id), else none."""
+    base = make_policy(shm_root, None)
+    for var in ("TIERCEL_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+
+    def run_id(policy: dict) -> str | None:
+        with tiercel.Store(policy, rank=0, world_size=1) as s:
+            return s.run_id
+
+    assert run_id(base) is None
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    assert run_id(base) == "4711"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert run_id(base) == "4711"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "elastic-7")
+    assert run_id(base) == "elastic-7"
+    monkeypatch.setenv("TIERCEL_RUN_ID", "mine")
+    assert run_id(base) == "mine"
+    assert run_id(with_run(base, "policy")) == "policy"
+
+
+def test_another_world_size_is_another_job_by_run_id_and_said_without(shm_root, disk_root):
+    """Repro (issue 13.2): a new 2-rank job in a directory holding a committed step of an
+    earlier 3-rank job restored the old job's step (100 MB states instead of 5 MB), with no
+    word about world size 3 vs 2. With run ids the old job's step is refused; without, the
+    two cannot be told from one job resuming resharded (DCP does), and the restore says so."""
+    base = make_policy(shm_root, disk_root, every=1)
+    stores = [tiercel.Store(with_run(base, "three"), rank=r, world_size=3) for r in range(3)]
+    for r, s in enumerate(stores):
+        s.save(9, state(9 + r)).wait(60)
+    for s in stores:
+        s.close()
+    with tiercel.Store(with_run(base, "two"), rank=0, world_size=2) as s:
+        assert s._core.restorable_steps() == []
+        msg = error_of(lambda: s.restore(9), tiercel.NotFoundError)
+        assert "run 'three' (world size 3)" in msg, msg
+    with tiercel.Store(with_run(base, "two"), rank=0, world_size=2) as s:
+        s.restore(9, job="three")
+        assert any("saved by 3 ranks, this job has 2" in w for w in s.last_restore.warnings), s.last_restore.warnings
+
+
+TWO_HOSTS = r"""
+import json, os, sys
+from datetime import timedelta
+import torch.distributed as dist
+import tiercel
+from test_job_identity import state
+
+policies, out_dir = json.loads(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
+rank = dist.get_rank()
+store = tiercel.Store(policies[rank])
+for step in (1, 2, 3):
+    store.save(step, state(step + rank)).wait(60)
+dist.barrier()
+if rank == 1:  # this "host" loses its memory
+    import shutil
+    shutil.rmtree(os.path.join(policies[1]["tier"][0]["root"], "step-000000000003"))
+dist.barrier()
+got = store.restore()
+report = {"step": store.last_restore.step, "warnings": store.last_restore.warnings, "value": float(got["model"]["w"][0])}
+store.close()
+dist.destroy_process_group()
+with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
+    json.dump(report, f)
+"""
+
+
+def test_every_rank_says_which_newer_steps_it_passed_over(tmp_path):
+    """Repro (issue 13.3): with two hosts wiped, all ranks fell back from step 5 to 4 together
+    (right), but RestoreInfo.warnings was []. Two ranks on two "hosts" (own memory roots):
+    host 1 loses step 3; both restore step 2 and both name step 3 and rank 1."""
+    from conftest import new_shm_root
+    roots = [new_shm_root(f"host{r}-") for r in range(2)]
+    policies = [make_policy(root, None, ram={"keep": 3}) for root in roots]
+    out = tmp_path / "reports"
+    out.mkdir()
+    try:
+        run_ranks(TWO_HOSTS, [json.dumps(policies), str(out)], tmp_path, world=2,
+                  env_of=lambda r: {"TIERCEL_HOST": f"host{r}"})
+    finally:
+        import shutil
+        for root in roots:
+            shutil.rmtree(root, ignore_errors=True)
+    reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    for rank, r in enumerate(reports):
+        assert r["step"] == 2 and r["value"] == 2 + rank, r
+        assert any("step 3 passed over" in w and "[1]" in w for w in r["warnings"]), r
+
+
+@pytest.mark.parametrize("var", ["TIERCEL_RUN_ID"])
+def test_commit_records_name_the_run(shm_root, monkeypatch, var):
+    monkeypatch.setenv(var, "job-42")
+    with tiercel.Store(make_policy(shm_root, None), rank=0, world_size=1) as s:
+        s.save(1, state(1)).wait(60)
+        assert json.loads(s._core.job)["run"] == "job-42"
+    body = (step_dir(shm_root, 1) / "COMMIT").read_text()
+    assert json.loads(body)["job"]["run"] == "job-42"
