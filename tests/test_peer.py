@@ -6,11 +6,11 @@ ranks together, to the same persistent step."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
 
+from conftest import new_shm_root
 from test_multirank import run_ranks
 
 WORKER = r"""
@@ -76,10 +76,9 @@ def base(tmp_path):
     (b / "disk").mkdir(parents=True)
     shm = b / "shm"
     shm.parent.mkdir(exist_ok=True)
-    # Memory roots must be on tmpfs: link <base>/shm to a fresh /dev/shm directory.
-    target = f"/dev/shm/tiercel-peer-test-{tmp_path.name}"
-    shutil.rmtree(target, ignore_errors=True)
-    os.makedirs(target)
+    # Memory roots must be on tmpfs: link <base>/shm to a fresh /dev/shm directory (unique:
+    # other test sessions on the machine use the same tmp_path names).
+    target = new_shm_root("peer")
     shm.symlink_to(target)
     yield b
     shutil.rmtree(target, ignore_errors=True)
