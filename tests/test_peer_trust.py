@@ -47,7 +47,7 @@ from tiercel.coordinator import KVStoreCoordinator
 
 policy, out = json.loads(sys.argv[1]), sys.argv[2]
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-policy["tier"][0]["root"] += f"-{rank}"
+policy["tier"][0]["root"] += f"/rank{rank}"
 kv = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, rank == 0, timeout=timedelta(seconds=60))
 store = tiercel.Store(policy, coordinator=KVStoreCoordinator(kv, rank, world))
 assert store.save(1, {"x": [1, 2, 3]}).wait(60)["peer"] == "committed"

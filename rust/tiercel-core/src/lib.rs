@@ -4,6 +4,7 @@
 pub mod blobs;
 pub mod codec;
 pub mod error;
+pub mod failpoint;
 pub mod format;
 pub mod object;
 pub mod placement;

@@ -117,6 +117,7 @@ impl StepLayout {
         }
         let mut record = CommitRecord::new(step, world_size, &self.tier);
         record.ranks = ranks;
+        crate::failpoint::hit("commit");
         self.blobs.put_if_absent(&key(step, format::COMMIT_NAME), &serde_json::to_vec(&record).expect("record serializes"))?;
         Ok(true)
     }

@@ -391,6 +391,7 @@ impl MemoryTier {
     pub fn evict(&self, step: u64) -> Result<()> {
         let dir = format::step_dir(step);
         self.layout.blobs().delete(&crate::tier::layout::key(step, format::COMMIT_NAME))?;
+        crate::failpoint::hit("evict");
         let mine = self.owned.lock().remove(&step).unwrap_or_default();
         for seg in mine {
             let viewed = self.views.lock().get(&seg.ino).is_some_and(|w| w.strong_count() > 0);

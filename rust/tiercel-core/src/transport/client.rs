@@ -27,6 +27,26 @@ fn io_err(peer: &str, what: &str, e: std::io::Error) -> Error {
     Error::unavailable(format!("peer {peer}: {what}: {e}"))
 }
 
+/// A TCP connect within `timeout`. "No route to host" is retried until then: right after a
+/// link comes back the kernel still answers from its failed neighbour entry for a moment,
+/// and a step that waits that moment out replicates instead of failing. A refused
+/// connection (no process on the port) fails at once, so the next holder is tried.
+fn connect_tcp(sock: &SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
+    let t0 = std::time::Instant::now();
+    loop {
+        let left = timeout.saturating_sub(t0.elapsed());
+        match TcpStream::connect_timeout(sock, left.max(Duration::from_millis(1))) {
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::HostUnreachable | std::io::ErrorKind::NetworkUnreachable) => {
+                if t0.elapsed() + Duration::from_millis(100) >= timeout {
+                    return Err(e);
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            r => return r,
+        }
+    }
+}
+
 impl Conn {
     /// Connects to `addr`, authenticates, and exchanges identities: `me` is this process,
     /// `to_host` the host placement assigned to `addr`. Refused (an error) when the server
@@ -44,7 +64,7 @@ impl Conn {
             .map_err(|e| io_err(addr, "cannot resolve", e))?
             .next()
             .ok_or_else(|| Error::unavailable(format!("peer {addr}: resolves to no address")))?;
-        let stream = TcpStream::connect_timeout(&sock, timeout).map_err(|e| io_err(addr, "cannot connect", e))?;
+        let stream = connect_tcp(&sock, timeout).map_err(|e| io_err(addr, "cannot connect", e))?;
         stream.set_nodelay(true).ok();
         stream.set_read_timeout(Some(timeout)).ok();
         stream.set_write_timeout(Some(timeout)).ok();
@@ -234,6 +254,7 @@ impl Conn {
         let mut buf = vec![];
         for (i, it) in m.items.iter().enumerate() {
             for (k, ch) in it.chunks.iter().enumerate() {
+                crate::failpoint::hit("replicate");
                 link.acquire(ch.len);
                 let d = DataHeader { object: ch.object, offset: ch.stored_offset, crc32c: ch.crc32c };
                 match src.raw_slice(i, k) {

@@ -281,7 +281,10 @@ impl PeerTier {
                     return Ok(r);
                 }
                 Err(e) if e.kind == ErrorKind::TierUnavailable => {
-                    log::info!("tier '{}': pooled connection to {addr} failed ({e}); retrying on a fresh one", self.name)
+                    // Closed for idling, or a link that went down: the retry connects with
+                    // the short probe timeout, so a dead link costs one deadline, not two.
+                    log::info!("tier '{}': pooled connection to {addr} failed ({e}); retrying on a fresh one", self.name);
+                    self.mark_down(addr, &e);
                 }
                 Err(e) => return Err(e),
             }
