@@ -25,7 +25,6 @@ import select
 import socket
 import struct
 import threading
-import time
 from collections import Counter
 
 SLOWDOWN = (

@@ -15,3 +15,6 @@ pub mod tier;
 pub mod transport;
 
 pub use error::{Error, ErrorKind, Result};
+
+#[cfg(test)]
+mod fuzz_tests;
