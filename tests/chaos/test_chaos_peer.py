@@ -1,6 +1,6 @@
 """Chaos on the peer tier: a 2-host job (torch.distributed, gloo on loopback, a memory and a
 peer tier) whose rank 1 aborts in the middle of pushing a replica (failpoint `replicate` at
-a random chunk) while rank 0 is SIGKILLed at a random moment; then a fresh launch checks that
+a random chunk) or of an eviction (`evict`) while rank 0 is SIGKILLed at a random moment; then a fresh launch checks that
 every step committed on each tier restores bit-identical from that tier alone on every rank,
 and the next launch resumes from there. TIERCEL_CHAOS_PEER_KILLS sets the cycles."""
 
@@ -49,8 +49,9 @@ if mode == "save":
     step = newest + 1
     print("ready", step, flush=True)
     while True:
-        store.save(step, state(rank, step)).wait(60)
-        print("saved", step, flush=True)
+        h = store.save(step, state(rank, step))
+        h._core.wait(None)  # the peer tier fails once the other host is gone: a clear state, not a crash
+        print("saved", step, h.states(), flush=True)
         step += 1
 verified, committed = 0, store.steps()
 for tier, steps in committed.items():
@@ -77,8 +78,8 @@ def test_peer_replication_killed_mid_push(tmp_path):
             for rank in range(2):
                 env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2",
                        "TIERCEL_HOST": f"host{rank}", "OMP_NUM_THREADS": "1"}
-                if rank == 1:
-                    env["TIERCEL_FAILPOINT"] = f"replicate:{rnd.randint(1, 12)}"
+                if rank == 1:  # mid-push, or mid-eviction (of its own steps or of the replicas it holds)
+                    env["TIERCEL_FAILPOINT"] = f"{rnd.choice(['replicate', 'evict'])}:{rnd.randint(1, 12)}"
                 log = open(tmp_path / f"save-{cycle}-{rank}.log", "w")
                 procs.append((subprocess.Popen([PYTHON, "-c", WORKER, "save", str(shm), str(tmp_path)], stdout=log,
                                                stderr=subprocess.STDOUT, env=child_env(env)), log))

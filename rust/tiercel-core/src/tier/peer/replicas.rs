@@ -65,6 +65,12 @@ impl ReplicaStore {
         let plan: Vec<u64> =
             gc::steps_of(&gc::step_removals(&complete, &all, Some(self.keep))).into_iter().filter(|s| !receiving.contains_key(s)).collect();
         for &s in &plan {
+            // Manifests first: a replica is listed and served while its manifest exists, so
+            // a process killed in the middle of an eviction leaves a step that is no longer
+            // listed, never one that is listed with its data gone (found by the chaos suite).
+            for r in self.replicas.layout_ranks(s)? {
+                self.replicas.remove_object(s, &format::manifest_name(r))?;
+            }
             self.replicas.evict(s)?;
         }
         Ok(plan)
