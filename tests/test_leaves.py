@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import pickle
 import warnings
 
 import numpy as np
@@ -162,3 +163,11 @@ def test_steps_and_depth_are_checked_at_the_call(store):
         ok = [ok]
     store.save(2, {"ok": ok}).wait(60)
     assert_same(store.restore(2), {"ok": ok})
+def test_exceptions_pickle_and_live_in_tiercel(store):
+    try:
+        store.reader(99)
+    except tiercel.NotFoundError as e:
+        err = e
+    assert type(err).__module__ == "tiercel"
+    again = pickle.loads(pickle.dumps(err))
+    assert type(again) is tiercel.NotFoundError and str(again) == str(err)

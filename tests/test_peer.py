@@ -79,6 +79,7 @@ def base(tmp_path):
     # Memory roots must be on tmpfs: link <base>/shm to a fresh /dev/shm directory (unique:
     # other test sessions on the machine use the same tmp_path names).
     target = new_shm_root("peer")
+    target.mkdir()
     shm.symlink_to(target)
     yield b
     shutil.rmtree(target, ignore_errors=True)

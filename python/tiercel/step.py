@@ -49,7 +49,13 @@ class SaveHandle:
         states = self.states()
         failed = {t: s for t, s in states.items() if s.startswith("failed")}
         if failed:
-            raise TierUnavailableError(f"step {self.step}: " + "; ".join(f"tier '{t}' {s}" for t, s in failed.items()))
+            # Raised as what the (first) failure was, with its fields: an integrity problem is
+            # an IntegrityError, a full disk a TierUnavailableError, ...
+            msg = f"step {self.step}: " + "; ".join(f"tier '{t}' {s}" for t, s in failed.items())
+            first = next(iter(dict(self._core.errors()).values()), None)
+            if first is None:
+                raise TierUnavailableError(msg)
+            raise type(first)(msg, **first.fields()) from first
         return states
 
     def __repr__(self) -> str:

@@ -57,7 +57,7 @@ impl ReplicaStore {
         let all = self.replicas.all_steps()?;
         let mut complete = vec![];
         for &s in &all {
-            if !self.replicas.layout_ranks(s)?.is_empty() {
+            if !self.replicas.ranks_written(s)?.is_empty() {
                 complete.push(s);
             }
         }
@@ -68,7 +68,7 @@ impl ReplicaStore {
             // Manifests first: a replica is listed and served while its manifest exists, so
             // a process killed in the middle of an eviction leaves a step that is no longer
             // listed, never one that is listed with its data gone (found by the chaos suite).
-            for r in self.replicas.layout_ranks(s)? {
+            for r in self.replicas.ranks_written(s)? {
                 self.replicas.remove_object(s, &format::manifest_name(r))?;
             }
             self.replicas.evict(s)?;
@@ -189,7 +189,7 @@ impl Handler for ReplicaStore {
     fn list(&self, rank: u32) -> Result<Vec<u64>> {
         let mut out = vec![];
         for step in self.replicas.all_steps()? {
-            if self.replicas.layout_ranks(step)?.contains(&rank) {
+            if self.replicas.ranks_written(step)?.contains(&rank) {
                 out.push(step);
             }
         }
