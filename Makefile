@@ -54,7 +54,7 @@ demo: build
 
 # The long chaos campaign (docs/reliability.md): >= 1,000 kills over memory+fs, memory+s3
 # (multipart) and the 2-host peer tier, a 1,500-bit manifest sweep, 60 s per fuzz target.
-# `make test` runs the short one (~130 kills, 2 s per fuzz target).
+# `make test` runs the short one (~100 kills, 2 s per fuzz target).
 chaos: build
 	TIERCEL_CHAOS_KILLS=700 TIERCEL_CHAOS_PEER_KILLS=25 TIERCEL_SWEEP_FLIPS=1500 $(PY) -m pytest -q -s tests/chaos
 	TIERCEL_FUZZ_SECS=60 cargo test --release -p tiercel-core --lib fuzz -- --nocapture
