@@ -11,7 +11,7 @@ DEPS_STAMP := $(VENV)/.tiercel-deps
 BUILD_STAMP := $(VENV)/.tiercel-build
 SOURCES := $(shell find rust python -type f \( -name '*.rs' -o -name '*.py' -o -name 'Cargo.toml' \) 2>/dev/null) Cargo.toml pyproject.toml
 
-.PHONY: all venv build lint test test-rust test-python demo bench clean
+.PHONY: all venv build lint test test-rust test-python demo bench chaos clean
 
 all: test
 
@@ -51,6 +51,13 @@ test: lint test-rust test-python
 
 demo: build
 	$(PY) examples/torch_demo.py
+
+# The long chaos campaign (docs/reliability.md): >= 1,000 kills over memory+fs, memory+s3
+# (multipart) and the 2-host peer tier, a 1,500-bit manifest sweep, 60 s per fuzz target.
+# `make test` runs the short one (~100 kills, 2 s per fuzz target).
+chaos: build
+	TIERCEL_CHAOS_KILLS=700 TIERCEL_CHAOS_PEER_KILLS=25 TIERCEL_SWEEP_FLIPS=1500 $(PY) -m pytest -q -s tests/chaos
+	TIERCEL_FUZZ_SECS=60 cargo test --release -p tiercel-core --lib fuzz -- --nocapture
 
 bench: build
 	$(PY) bench/save_restore.py

@@ -95,7 +95,7 @@ def main() -> int:
         return json.dumps({
             "tier": [
                 {"name": "ram", "kind": "memory", "root": str(shm / host), "keep": 2},
-                {"name": "peer", "kind": "peer", "listen": "127.0.0.1:0", "replicas": 2, "keep": 2, "secret": "bench"},
+                {"name": "peer", "kind": "peer", "listen": "127.0.0.1:0", "replicas": 2, "keep": 2, "secret": "bench-secret-0123456789"},
                 {"name": "disk", "kind": "fs", "url": str(disk), "every": 1, "compression": "none", "keep": 1},
             ],
             "restore": {"order": ["ram", "peer", "disk"]},
@@ -111,7 +111,7 @@ def main() -> int:
         hosts, addrs = ["A", "B"], [a.peer_address(), b.peer_address()]
         for r, s in enumerate((a, b)):
             s.set_local_ranks([r])
-            s.connect_peers(hosts, addrs)
+            s.connect_peers("bench", hosts, addrs)
 
         def save_b(step):
             # Rank 1 saves a token state, so that each step commits on the shared fs tier.
@@ -154,7 +154,7 @@ def main() -> int:
         a.set_local_ranks([0])
         addrs[0] = a.peer_address()
         for s in (a, b):
-            s.connect_peers(hosts, addrs)
+            s.connect_peers("bench", hosts, addrs)
         m = json.loads(a.reader(last, 0, ["peer"]).manifest_json())
         idx = list(range(len(m["items"])))
 

@@ -13,7 +13,9 @@ repeated), while the fault budget lasts:
 - "ok":     forward untouched.
 
 `down = True` resets every open connection and refuses every new one (RST) until set back:
-a server that went away. Counters tell the test what was really injected.
+a server that went away. Counters tell the test what was assigned (`injected`) and what
+really happened on the wire (`fired`: a reset or stall only fires once its connection has
+moved its random number of bytes; one that ends earlier fired nothing).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import select
 import socket
 import struct
 import threading
-import time
 from collections import Counter
 
 SLOWDOWN = (
@@ -64,6 +65,7 @@ class FaultProxy:
         self.max_offset = max_offset
         self.down = False
         self.injected: Counter[str] = Counter()
+        self.fired: Counter[str] = Counter()
         self.connections = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -96,6 +98,10 @@ class FaultProxy:
                     return name
                 r -= w
             return "ok"
+
+    def _fire(self, fate: str) -> None:
+        with self._lock:
+            self.fired[fate] += 1
 
     def close(self) -> None:
         self._stop.set()
@@ -162,6 +168,7 @@ class FaultProxy:
             if not chunk:
                 break
             body += chunk
+        self._fire("503")
         client.sendall(
             b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\nConnection: close\r\n"
             + f"Content-Length: {len(SLOWDOWN)}\r\n\r\n".encode()
@@ -190,6 +197,7 @@ class FaultProxy:
                     if at is not None and moved + len(data) > at:
                         cut = max(0, at - moved)
                         (server if s is client else client).sendall(data[:cut])
+                        self._fire(fate)
                         if fate == "stall":
                             self._stop.wait(self.stall_s)
                             client.close()

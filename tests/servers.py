@@ -175,9 +175,11 @@ class SeaweedServer(S3Server):
 
     name = "seaweedfs"
 
-    def __init__(self, volumes: int = 16) -> None:
+    def __init__(self, volumes: int = 256) -> None:
         super().__init__()
-        self.volumes = volumes  # of 512 MB each: what the server may hold
+        # Of 64 MB each (sparse files). Every bucket is a collection that grows several
+        # volumes of its own at once: with 16 the server answered 500 from its third bucket on.
+        self.volumes = volumes
 
     def start(self) -> None:
         weed = weed_binary()
@@ -190,7 +192,7 @@ class SeaweedServer(S3Server):
         self._spawn(
             [
                 weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}", "-s3", "-filer",
-                "-master.telemetry=false", "-master.volumeSizeLimitMB=512", f"-volume.max={self.volumes}",
+                "-master.telemetry=false", "-master.volumeSizeLimitMB=64", f"-volume.max={self.volumes}",
                 f"-master.port={p['master']}", f"-master.port.grpc={p['mgrpc']}",
                 f"-volume.port={p['volume']}", f"-volume.port.grpc={p['vgrpc']}",
                 f"-filer.port={p['filer']}", f"-filer.port.grpc={p['fgrpc']}",

@@ -100,10 +100,11 @@ def free_port() -> int:
 
 
 def run_ranks(script: str, args: list[str], tmp_path, world: int = WORLD, env_of=None, tag: str = "rank",
-              victim: int | None = None, killed: bool = False) -> None:
+              victim: int | None = None, killed: bool = False, prefix_of=None) -> None:
     """Starts `world` ranks of `script` as a launcher would (torch.distributed env vars,
-    one free port); `env_of(rank)` adds per-rank variables. Fails the test with every rank's
-    log when one fails or the job outlasts TIMEOUT.
+    one free port); `env_of(rank)` adds per-rank variables, `prefix_of(rank)` a command to
+    run the rank under (e.g. `ip netns exec <ns>`). Fails the test with every rank's log
+    when one fails or the job outlasts TIMEOUT.
 
     `victim`: that rank is to SIGKILL itself; once it has, the others are killed too, as a
     launcher tears a job down when one rank dies. `killed`: every rank is meant to end by
@@ -114,7 +115,8 @@ def run_ranks(script: str, args: list[str], tmp_path, world: int = WORLD, env_of
         env = child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
                          **(env_of(rank) if env_of else {})})
         out = open(tmp_path / f"{tag}-{rank}.out", "w")
-        procs.append((subprocess.Popen([PYTHON, "-c", script, *args], stdout=out, stderr=subprocess.STDOUT, env=env), out))
+        cmd = [*(prefix_of(rank) if prefix_of else []), PYTHON, "-c", script, *args]
+        procs.append((subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env), out))
     deadline = time.monotonic() + TIMEOUT
     failed = []
     try:

@@ -52,6 +52,13 @@ def s3(request, s3_env):
     return server, server.new_bucket()
 
 
+def known_on_seaweedfs(request, server, reason: str) -> None:
+    """Marks this test's SeaweedFS run as a known, strict failure: it still runs every time,
+    and passing (the difference gone) fails the suite so the mark is removed."""
+    if server.name == "seaweedfs":
+        request.node.add_marker(pytest.mark.xfail(strict=True, reason=reason))
+
+
 @pytest.fixture
 def moto(moto_server, s3_env):
     return moto_server, moto_server.new_bucket()
@@ -189,8 +196,8 @@ def test_objects_larger_than_a_part_go_up_as_parallel_multipart_uploads(s3, shm)
 # -- the conformance behaviours, end to end ----------------------------------------------------
 
 
-def test_a_step_is_visible_only_once_every_rank_committed(moto, shm):
-    server, bucket = moto
+def test_a_step_is_visible_only_once_every_rank_committed(s3, shm):
+    server, bucket = s3
     ram = shm()
     pol = policy(ram, f"s3://{bucket}/two", endpoint=server.endpoint)
     r0 = tiercel.Store(pol, rank=0, world_size=2)
@@ -242,8 +249,8 @@ def test_a_corrupt_object_is_an_integrity_error_naming_tier_step_rank_item(s3, s
         assert f"s3://{bucket}/{key}" in str(ei.value) and "shorter than its manifest" in str(ei.value), str(ei.value)
 
 
-def test_delete_step_and_keep_remove_whole_steps(moto, shm):
-    server, bucket = moto
+def test_delete_step_and_keep_remove_whole_steps(s3, shm):
+    server, bucket = s3
     pol = policy(shm(), f"s3://{bucket}/keep", endpoint=server.endpoint, keep=2)
     with tiercel.Store(pol, rank=0, world_size=1) as store:
         for step in range(1, 5):
@@ -261,10 +268,13 @@ def test_delete_step_and_keep_remove_whole_steps(moto, shm):
 # -- faults ------------------------------------------------------------------------------------
 
 
-def test_saves_and_restores_complete_through_resets_5xx_and_stalls(moto, shm):
-    server, bucket = moto
-    with FaultProxy(server.endpoint, seed=7, budget=12, stall_s=3.0, max_offset=2 * MiB,
-                    faults={"reset": 0.25, "503": 0.25, "stall": 0.1}) as proxy:
+def test_saves_and_restores_complete_through_resets_5xx_and_stalls(s3, shm):
+    server, bucket = s3
+    # Faults cut within the first 256 KiB of a connection, so each one assigned to a
+    # connection that carries a part really fires; a stall (3 s) outlasts the client's
+    # timeout (2 s), so stall -> timeout -> retry runs.
+    with FaultProxy(server.endpoint, seed=7, budget=12, stall_s=3.0, max_offset=256 << 10,
+                    faults={"reset": 0.25, "503": 0.25, "stall": 0.2}) as proxy:
         pol = policy(shm(), f"s3://{bucket}/faults", endpoint=proxy.endpoint, part_size="5MiB", concurrency=2,
                      timeout=2, compression="none")
         states = {s: state(20 + s, noise_bytes=6 * MiB, floats=50_000) for s in (1, 2)}
@@ -275,13 +285,16 @@ def test_saves_and_restores_complete_through_resets_5xx_and_stalls(moto, shm):
             got, info = restore_from(pol, shm(), s)
             assert_same(got, st)
             assert info.tier == "s3"
-        assert sum(proxy.injected.values()) >= 6, proxy.injected
-        assert {"reset", "503"} <= set(proxy.injected), proxy.injected
+        # What fired, not what was assigned: every kind, and stalls among them.
+        assert sum(proxy.fired.values()) >= 6, (proxy.fired, proxy.injected)
+        assert set(proxy.fired) == {"reset", "503", "stall"}, (proxy.fired, proxy.injected)
     assert server.uploads(bucket) == []
 
 
-def test_a_server_that_goes_away_fails_the_persist_clearly_and_loses_nothing(moto, shm):
-    server, bucket = moto
+def test_a_server_that_goes_away_fails_the_persist_clearly_and_loses_nothing(s3, shm, request):
+    server, bucket = s3
+    known_on_seaweedfs(request, server, "SeaweedFS still lists the multipart upload whose abort could not reach it "
+                       "after the server is back and later saves succeed")
     with FaultProxy(server.endpoint, budget=0) as proxy:
         pol = policy(shm(), f"s3://{bucket}/down", endpoint=proxy.endpoint, part_size="5MiB", retries=1, timeout=2,
                      compression="none", bandwidth="8MB/s")
@@ -340,8 +353,10 @@ KILLED_WRITER = textwrap.dedent(
 )
 
 
-def test_kill_9_during_a_multipart_upload(moto, shm):
-    server, bucket = moto
+def test_kill_9_during_a_multipart_upload(s3, shm, request):
+    server, bucket = s3
+    known_on_seaweedfs(request, server, "SeaweedFS's listing shows no key under the hidden `.uploads/` prefix, "
+                       "where tiercel's in-flight upload markers live")
     ram = shm()
     # A slow link, so that the upload of step 2 is still running when the writer dies.
     pol = policy(ram, f"s3://{bucket}/killed", endpoint=server.endpoint, part_size="5MiB", concurrency=2,

@@ -6,7 +6,6 @@ ranks together, to the same persistent step."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
@@ -77,10 +76,10 @@ def base(tmp_path):
     (b / "disk").mkdir(parents=True)
     shm = b / "shm"
     shm.parent.mkdir(exist_ok=True)
-    # Memory roots must be on tmpfs: link <base>/shm to a fresh /dev/shm directory, named
-    # for this process (pytest's tmp_path names repeat across concurrent sessions).
-    target = new_shm_root("peer-")
-    os.makedirs(target)
+    # Memory roots must be on tmpfs: link <base>/shm to a fresh /dev/shm directory (unique:
+    # other test sessions on the machine use the same tmp_path names).
+    target = new_shm_root("peer")
+    target.mkdir()
     shm.symlink_to(target)
     yield b
     shutil.rmtree(target, ignore_errors=True)

@@ -64,7 +64,11 @@ def _next_round(prefix: str) -> str:
 
 class KVStoreCoordinator:
     """Any torch.distributed Store (TCPStore, FileStore): set/get by key, usable without a
-    process group, as tools and tests do. `get` blocks until the key exists."""
+    process group, as tools and tests do. `get` blocks until the key exists.
+
+    Nothing exchanged stays in the store: the last rank to read a round deletes its keys, so
+    the peer secret handed out in one (when the policy sets none) is not left where anyone
+    who reaches the TCPStore could read it."""
 
     def __init__(self, store: Any, rank: int, world_size: int, prefix: str = "tiercel"):
         self._store = store
@@ -75,7 +79,12 @@ class KVStoreCoordinator:
     def all_gather(self, value: Any) -> list[Any]:
         key = _next_round(self._prefix)
         self._store.set(f"{key}/{self.rank}", pickle.dumps(value))
-        return [pickle.loads(self._store.get(f"{key}/{r}")) for r in range(self.world_size)]
+        out = [pickle.loads(self._store.get(f"{key}/{r}")) for r in range(self.world_size)]
+        # A counter, not a second all-gather: only the last reader knows every rank has read.
+        if self._store.add(f"{key}/read", 1) == self.world_size:
+            for k in [f"{key}/{r}" for r in range(self.world_size)] + [f"{key}/read"]:
+                self._store.delete_key(k)
+        return out
 
 
 class JaxCoordinator:
@@ -96,10 +105,15 @@ class JaxCoordinator:
     def all_gather(self, value: Any) -> list[Any]:
         key = _next_round("tiercel-jax")
         self._client.key_value_set(f"{key}/{self.rank}", base64.b64encode(pickle.dumps(value)).decode())
-        return [
+        out = [
             pickle.loads(base64.b64decode(self._client.blocking_key_value_get(f"{key}/{r}", self._timeout_ms)))
             for r in range(self.world_size)
         ]
+        # As KVStoreCoordinator: nothing exchanged (the peer secret) stays in the store. The
+        # client has no counter: a barrier, then each rank deletes its own key.
+        self._client.wait_at_barrier(f"{key}/read", self._timeout_ms)
+        self._client.key_value_delete(f"{key}/{self.rank}")
+        return out
 
 
 def _jax_initialized() -> bool:

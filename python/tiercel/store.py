@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from . import _core
+from .advertise import advertised_address, is_loopback
 from .coordinator import Coordinator, default_coordinator
 from .errors import ConfigError, InvalidArgumentError, NotFoundError, TiercelError
 from .step import Reader, RestoreInfo, SaveHandle, Writer
@@ -75,7 +76,8 @@ class Store:
 
         The host name is the failure domain: $TIERCEL_HOST, else the machine's name. The
         peer secret comes from the policy or $TIERCEL_PEER_SECRET, else rank 0 makes one and
-        hands it out over the coordinator (the job's own channel)."""
+        hands it out over the coordinator (the job's own channel). The job id that peer
+        connections carry is the store's run id when it has one, else rank 0 makes one."""
         # A job of one process has no peers to replicate to: its peer tier stays idle (as it
         # does for the CLI, which opens the store as a single process).
         if self.world_size == 1:
@@ -89,22 +91,28 @@ class Store:
                 )
             return  # without one, all ranks are taken to share one host
         host = self.host
-        addr = secret = None
+        addr = secret = job = None
         if has_peer:
             listen = self._core.peer_address()
             assert listen is not None  # the policy has a peer tier
-            ip, port = listen.rsplit(":", 1)
-            if ip in ("0.0.0.0", "[::]"):
-                ip = os.environ.get("TIERCEL_ADVERTISE") or _own_address()
-            addr = f"{ip}:{port}"
-            if not self._core.peer_has_secret() and self.rank == 0:
-                secret = secrets.token_hex(32)
-        everyone = self.coordinator.all_gather((host, addr, secret))
+            addr = advertised_address(listen)
+            if self.rank == 0:
+                if not self._core.peer_has_secret():
+                    secret = secrets.token_hex(32)
+                job = getattr(self._core, "run_id", None) or secrets.token_hex(8)
+        everyone = self.coordinator.all_gather((host, addr, secret, job))
         self.hosts = hosts = [e[0] for e in everyone]
         self._core.set_local_ranks([r for r, h in enumerate(hosts) if h == host])
         if has_peer:
-            shared = everyone[0][2]
-            self._core.connect_peers(hosts, [e[1] for e in everyone], shared.encode() if shared else None)
+            _, _, shared, job = everyone[0]
+            others = [e[1] for e in everyone if e[0] != host]
+            if addr is not None and is_loopback(addr) and any(not is_loopback(a) for a in others):
+                raise InvalidArgumentError(
+                    f"rank {self.rank} (host {host}) advertises the loopback address {addr} for its peer server, "
+                    "which other hosts cannot reach: set TIERCEL_ADVERTISE to this host's address on the job's "
+                    "network, or give the peer tier's `listen` that address"
+                )
+            self._core.connect_peers(job, hosts, [e[1] for e in everyone], shared.encode() if shared else None)
 
     @property
     def run_id(self) -> str | None:
@@ -271,20 +279,6 @@ class Store:
         except Exception:
             pass
 
-
-
-def _own_address() -> str:
-    """This host's address for peers, from its name; a name that does not resolve is an error
-    that says what to set."""
-    name = socket.gethostname()
-    try:
-        return socket.gethostbyname(name)
-    except (socket.gaierror, UnicodeError) as e:
-        raise ConfigError(
-            f"this host's name {name!r} does not resolve ({e}), so the peer tier cannot tell other hosts where to "
-            "reach it: set $TIERCEL_ADVERTISE to this host's IP address as the other hosts reach it (and "
-            "$TIERCEL_HOST to a name for this host, the failure domain), or fix the name in /etc/hosts or DNS"
-        ) from None
 
 
 def _no_job_without_step(job: str | None) -> None:

@@ -4,6 +4,7 @@
 pub mod blobs;
 pub mod codec;
 pub mod error;
+pub mod failpoint;
 pub mod format;
 pub mod object;
 pub mod placement;
@@ -16,3 +17,6 @@ pub mod tier;
 pub mod transport;
 
 pub use error::{Error, ErrorKind, Fields, Result};
+
+#[cfg(test)]
+mod fuzz_tests;

@@ -261,6 +261,9 @@ mod tests {
         // Block the single worker so that the next submissions queue up.
         let gate = Arc::new((Mutex::new(false), Condvar::new()));
         let g = gate.clone();
+        // The worker says when it holds the gate job (an event, not a guess at how long
+        // starting it takes on a busy machine).
+        let (started_tx, started) = std::sync::mpsc::channel();
         s.submit(Job {
             link: link.clone(),
             priority: Priority::Persist,
@@ -268,13 +271,14 @@ mod tests {
             label: "gate".into(),
             supersede_key: None,
             run: Box::new(move |_| {
+                started_tx.send(()).unwrap();
                 let mut open = g.0.lock();
                 while !*open {
                     g.1.wait(&mut open);
                 }
             }),
         });
-        std::thread::sleep(Duration::from_millis(50));
+        started.recv().unwrap();
         s.submit(job(&link, Priority::Persist, Some("p"), &log, "persist-1"));
         s.submit(job(&link, Priority::Replicate, None, &log, "replicate"));
         s.submit(job(&link, Priority::Persist, Some("p"), &log, "persist-2"));
@@ -324,12 +328,14 @@ mod tests {
         for _ in 0..10 {
             link.acquire(500_000); // 5 MB in all: ~0.5 s
         }
+        // The limit is a floor on the time taken; an upper bound would only measure how
+        // busy the machine is (2 shared cores in CI), so it is generous.
         let dt = t.elapsed().as_secs_f64();
-        assert!(dt > 0.4 && dt < 1.5, "took {dt}");
+        assert!(dt > 0.4 && dt < 30.0, "took {dt}");
         let unlimited = Link::new("fast", None);
         let t = Instant::now();
-        unlimited.acquire(1 << 40);
-        assert!(t.elapsed() < Duration::from_millis(10));
+        unlimited.acquire(1 << 40); // 1 TB at no limit: returns at once, not after a wait
+        assert!(t.elapsed() < Duration::from_secs(5));
     }
 
     #[test]

@@ -215,15 +215,33 @@ impl Store {
         self.inner.peer().is_some_and(|p| p.has_secret())
     }
 
-    /// Tells the peer tier where every rank is (host names and server addresses by rank),
-    /// and the shared secret when it was handed out through the coordinator.
-    #[pyo3(signature = (hosts, addrs, secret=None))]
-    fn connect_peers(&self, hosts: Vec<String>, addrs: Vec<String>, secret: Option<Vec<u8>>) -> TcResult<()> {
+    /// Tells the peer tier its job (connections to or from another job are refused), where
+    /// every rank is (host names and server addresses by rank), and the shared secret when
+    /// it was handed out through the coordinator.
+    #[pyo3(signature = (job, hosts, addrs, secret=None))]
+    fn connect_peers(&self, job: &str, hosts: Vec<String>, addrs: Vec<String>, secret: Option<Vec<u8>>) -> TcResult<()> {
         let peer = self.inner.peer().ok_or_else(|| invalid("the policy has no peer tier"))?;
         if let Some(s) = secret {
-            peer.set_secret(s);
+            peer.set_secret(s)?;
         }
-        Ok(peer.set_cluster(&hosts, &addrs)?)
+        Ok(peer.set_cluster(job, &hosts, &addrs)?)
+    }
+
+    /// The peer server's connection counters (open, unauthenticated, refused, idle_closed),
+    /// or None without a peer tier.
+    fn peer_server_stats(&self) -> Option<std::collections::HashMap<&'static str, u64>> {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.inner.peer().map(|p| {
+            let s = p.server_stats();
+            [
+                ("open", s.open.load(SeqCst) as u64),
+                ("unauthenticated", s.unauthenticated.load(SeqCst) as u64),
+                ("refused", s.refused.load(SeqCst)),
+                ("idle_closed", s.idle_closed.load(SeqCst)),
+            ]
+            .into_iter()
+            .collect()
+        })
     }
 
     /// Bytes in use under the memory tier's root (all ranks of this host).

@@ -419,7 +419,14 @@ impl Checker<'_> {
             }
             None => "mixed".to_string(),
         };
-        let secret = t.optional("secret").map(|(n, p)| self.string(n, &p).map(String::from)).transpose()?;
+        let secret = match t.optional("secret") {
+            Some((n, p)) => {
+                let v = self.string(n, &p)?;
+                crate::transport::check_secret(v.as_bytes(), "the policy's `secret`").map_err(|e| self.at(n, &p, e.message))?;
+                Some(v.to_string())
+            }
+            None => None,
+        };
         if let Some((n, p)) = t.optional("compression") {
             return Err(self.at(n, &p, "a peer tier stores raw chunks in memory; `compression` is not valid"));
         }

@@ -47,6 +47,7 @@ impl Tier for BlobTier {
             }
         };
         w.finish()?;
+        crate::failpoint::hit("persist");
         self.layout.write_manifest(&manifest)?;
         Ok(manifest)
     }

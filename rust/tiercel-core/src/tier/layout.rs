@@ -127,6 +127,7 @@ impl StepLayout {
         let mut record = CommitRecord::new(step, world_size, &self.tier);
         record.ranks = ranks;
         record.job = self.job.read().clone();
+        crate::failpoint::hit("commit");
         self.blobs.put_if_absent(&key(step, format::COMMIT_NAME), &record.to_json())?;
         Ok(true)
     }

@@ -419,6 +419,7 @@ impl MemoryTier {
     pub fn evict(&self, step: u64) -> Result<()> {
         let dir = format::step_dir(step);
         self.layout.blobs().delete(&crate::tier::layout::key(step, format::COMMIT_NAME))?;
+        crate::failpoint::hit("evict");
         let mine = self.owned.lock().remove(&step).unwrap_or_default();
         for seg in mine {
             // Recycled only when nothing maps it: no job of ours (the Arc) and no reader in

@@ -73,16 +73,38 @@ fn opening(cfg: &TierConfig, e: Error) -> Error {
     e.context(format!("opening tier '{}' ({})", cfg.name, cfg.location()))
 }
 
+/// The peer tier's progress deadline: $TIERCEL_PEER_TIMEOUT (seconds), else 30 s.
+fn peer_timeout() -> Result<Duration> {
+    match std::env::var("TIERCEL_PEER_TIMEOUT") {
+        Err(_) => Ok(PEER_TIMEOUT),
+        Ok(v) => match v.trim().parse::<f64>() {
+            Ok(s) if s.is_finite() && (0.1..=3600.0).contains(&s) => Ok(Duration::from_secs_f64(s)),
+            _ => Err(Error::config(format!("$TIERCEL_PEER_TIMEOUT = {v:?}: expected seconds between 0.1 and 3600"))),
+        },
+    }
+}
+
 /// Opens a peer tier for `rank`: its replica store lives under the memory tier's root.
 fn open_peer(cfg: &TierConfig, p: &PeerConfig, rank: u32, memory: &MemoryTier) -> Result<Arc<PeerTier>> {
-    let secret = p.secret.clone().or_else(|| std::env::var("TIERCEL_PEER_SECRET").ok()).map(String::into_bytes);
+    // An empty or short secret is refused wherever it comes from (the policy checks its own
+    // key when it is parsed; the environment is checked here).
+    let secret = match (&p.secret, std::env::var_os("TIERCEL_PEER_SECRET")) {
+        (Some(s), _) => Some(s.clone().into_bytes()),
+        (None, Some(v)) => {
+            let v = v.into_encoded_bytes();
+            crate::transport::check_secret(&v, "$TIERCEL_PEER_SECRET").map_err(|e| opening(cfg, e))?;
+            Some(v)
+        }
+        (None, None) => None,
+    };
     let opts = PeerOptions {
         listen: p.listen.clone(),
         replicas: p.replicas,
         strategy: Strategy::parse(&p.placement)?,
         keep: cfg.keep.unwrap_or(2),
         secret,
-        timeout: PEER_TIMEOUT,
+        timeout: peer_timeout().map_err(|e| opening(cfg, e))?,
+        limits: Default::default(),
     };
     PeerTier::open(&cfg.name, rank, memory.root(), opts).map_err(|e| e.context(format!("opening tier '{}'", cfg.name)))
 }

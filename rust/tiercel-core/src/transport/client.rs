@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::frame::*;
-use super::messages::{Reply, Request};
+use super::messages::{Ident, Reply, Request};
 use crate::error::{Error, Result};
 use crate::format::Manifest;
 use crate::scheduler::Link;
@@ -19,30 +19,112 @@ use crate::tier::ChunkSource;
 pub struct Conn {
     stream: TcpStream,
     pub peer: String,
+    /// The progress deadline: a read or write that moves no byte for this long fails.
+    timeout: Duration,
 }
 
 fn io_err(peer: &str, what: &str, e: std::io::Error) -> Error {
     Error::unavailable(format!("peer {peer}: {what}: {e}"))
 }
 
+/// A TCP connect within `timeout`. "No route to host" is retried until then: right after a
+/// link comes back the kernel still answers from its failed neighbour entry for a moment,
+/// and a step that waits that moment out replicates instead of failing. A refused
+/// connection (no process on the port) fails at once, so the next holder is tried.
+fn connect_tcp(sock: &SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
+    let t0 = std::time::Instant::now();
+    loop {
+        let left = timeout.saturating_sub(t0.elapsed());
+        match TcpStream::connect_timeout(sock, left.max(Duration::from_millis(1))) {
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::HostUnreachable | std::io::ErrorKind::NetworkUnreachable) => {
+                if t0.elapsed() + Duration::from_millis(100) >= timeout {
+                    return Err(e);
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            r => return r,
+        }
+    }
+}
+
 impl Conn {
-    pub fn connect(addr: &str, secret: &[u8], timeout: Duration) -> Result<Conn> {
+    /// Connects to `addr`, authenticates, and exchanges identities: `me` is this process,
+    /// `to_host` the host placement assigned to `addr`. Refused (an error) when the server
+    /// turns out to be another job's, another host's, or this host's own.
+    pub fn connect(addr: &str, secret: &[u8], timeout: Duration, me: &Ident, to_host: &str) -> Result<Conn> {
+        let mut c = Conn::connect_unidentified(addr, secret, timeout)?;
+        c.identify(me, to_host)?;
+        Ok(c)
+    }
+
+    /// Connects and authenticates only (tests speak the protocol from there by hand).
+    pub fn connect_unidentified(addr: &str, secret: &[u8], timeout: Duration) -> Result<Conn> {
         let sock: SocketAddr = addr
             .to_socket_addrs()
             .map_err(|e| io_err(addr, "cannot resolve", e))?
             .next()
             .ok_or_else(|| Error::unavailable(format!("peer {addr}: resolves to no address")))?;
-        let stream = TcpStream::connect_timeout(&sock, timeout).map_err(|e| io_err(addr, "cannot connect", e))?;
+        let stream = connect_tcp(&sock, timeout).map_err(|e| io_err(addr, "cannot connect", e))?;
         stream.set_nodelay(true).ok();
         stream.set_read_timeout(Some(timeout)).ok();
         stream.set_write_timeout(Some(timeout)).ok();
-        let mut c = Conn { stream, peer: addr.to_string() };
+        let mut c = Conn { stream, peer: addr.to_string(), timeout };
         c.handshake(secret)?;
         Ok(c)
     }
 
+    fn identify(&mut self, me: &Ident, to_host: &str) -> Result<()> {
+        let r: Reply = self.request(&Request::Ident { me: me.clone(), to_host: to_host.to_string() })?;
+        let them = r.ident.ok_or_else(|| Error::unavailable(format!("peer {}: no identity in the IDENT reply", self.peer)))?;
+        if them.job != me.job {
+            return Err(Error::unavailable(format!(
+                "peer {}: that server belongs to another job ({}), not this one ({}): a stale address or a port reused",
+                self.peer, them.job, me.job
+            )));
+        }
+        if them.host == me.host {
+            return Err(Error::unavailable(format!(
+                "peer {}: that address reaches this host ({}) itself, not host {to_host}: a replica there would not \
+                 survive this host; advertise an address other hosts can reach (TIERCEL_ADVERTISE, or a `listen` \
+                 address that is not loopback)",
+                self.peer, me.host
+            )));
+        }
+        if them.host != to_host {
+            return Err(Error::unavailable(format!(
+                "peer {}: that address reaches host {}, not host {to_host} that placement assigned",
+                self.peer, them.host
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether a pooled connection is still usable: not closed by the server (an idle
+    /// timeout, a restart) and with nothing unread on it. Never blocks.
+    pub fn is_alive(&self) -> bool {
+        let mut b = [0u8; 1];
+        if self.stream.set_nonblocking(true).is_err() {
+            return false;
+        }
+        let alive = matches!(self.stream.peek(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+        alive && self.stream.set_nonblocking(false).is_ok()
+    }
+
+    /// An I/O error as a tiercel error; a timeout says that the transfer stalled.
+    fn err(&self, what: &str, e: std::io::Error) -> Error {
+        if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+            return Error::unavailable(format!(
+                "peer {}: {what}: no progress for {} s (link down or holder stalled); transfer aborted",
+                self.peer,
+                self.timeout.as_secs_f64()
+            ));
+        }
+        io_err(&self.peer, what, e)
+    }
+
+    /// Before authentication nothing longer than `MAX_PREAUTH` is read from the server.
     fn handshake(&mut self, secret: &[u8]) -> Result<()> {
-        let (h, server_nonce) = self.recv()?;
+        let (h, server_nonce) = self.recv_max(MAX_PREAUTH)?;
         if h.kind != Kind::Hello || server_nonce.len() != NONCE_LEN {
             return Err(Error::unavailable(format!("peer {}: expected HELLO, got {:?}", self.peer, h.kind)));
         }
@@ -50,7 +132,7 @@ impl Conn {
         let mut auth = cn.to_vec();
         auth.extend_from_slice(&mac(secret, b"client", &server_nonce, &cn));
         self.send(Kind::Auth, &auth)?;
-        let (h, body) = self.recv()?;
+        let (h, body) = self.recv_max(MAX_PREAUTH)?;
         match h.kind {
             Kind::AuthOk if verify_mac(secret, b"server", &cn, &server_nonce, &body) => Ok(()),
             Kind::AuthOk => Err(Error::unavailable(format!(
@@ -70,32 +152,43 @@ impl Conn {
     }
 
     pub fn send(&mut self, kind: Kind, payload: &[u8]) -> Result<()> {
-        let peer = self.peer.clone();
-        self.stream.write_all(&encode_header(kind, payload.len() as u64)).map_err(|e| io_err(&peer, "send", e))?;
-        self.stream.write_all(payload).map_err(|e| io_err(&peer, "send", e))
+        let mut frame = encode_header(kind, payload.len() as u64).to_vec();
+        frame.extend_from_slice(payload);
+        let r = self.stream.write_all(&frame);
+        r.map_err(|e| self.err("send", e))
     }
 
     /// Sends one data frame straight from `bytes` (a slice of a shared-memory segment).
     pub fn send_data(&mut self, d: &DataHeader, bytes: &[u8]) -> Result<()> {
-        let peer = self.peer.clone();
         let head = encode_data_head(d, bytes.len());
-        self.stream.write_all(&head).map_err(|e| io_err(&peer, "send", e))?;
-        self.stream.write_all(bytes).map_err(|e| io_err(&peer, "send", e))
+        let r = self.stream.write_all(&head).and_then(|()| self.stream.write_all(bytes));
+        r.map_err(|e| self.err("send", e))
     }
 
     fn recv_header(&mut self) -> Result<Header> {
         let mut h = [0u8; HEADER_LEN];
-        let peer = self.peer.clone();
-        self.stream.read_exact(&mut h).map_err(|e| io_err(&peer, "receive", e))?;
-        decode_header(&h).map_err(|e| e.context(format!("peer {peer}")))
+        let r = self.stream.read_exact(&mut h);
+        r.map_err(|e| self.err("receive", e))?;
+        decode_header(&h).map_err(|e| e.context(format!("peer {}", self.peer)))
     }
 
     pub fn recv(&mut self) -> Result<(Header, Vec<u8>)> {
+        self.recv_max(MAX_CONTROL)
+    }
+
+    /// One control frame of at most `max` bytes (checked before anything is allocated).
+    fn recv_max(&mut self, max: u64) -> Result<(Header, Vec<u8>)> {
         let h = self.recv_header()?;
+        if h.len > max {
+            return Err(Error::unavailable(format!(
+                "peer {}: {:?} frame of {} bytes where at most {max} are accepted",
+                self.peer, h.kind, h.len
+            )));
+        }
         let len = control_len(&h).map_err(|e| e.context(format!("peer {}", self.peer)))?;
         let mut body = vec![0u8; len];
-        let peer = self.peer.clone();
-        self.stream.read_exact(&mut body).map_err(|e| io_err(&peer, "receive", e))?;
+        let r = self.stream.read_exact(&mut body);
+        r.map_err(|e| self.err("receive", e))?;
         Ok((h, body))
     }
 
@@ -123,8 +216,8 @@ impl Conn {
         let h = self.recv_header()?;
         if h.kind == Kind::Error {
             let mut body = vec![0u8; h.len as usize];
-            let peer = self.peer.clone();
-            self.stream.read_exact(&mut body).map_err(|e| io_err(&peer, "receive", e))?;
+            let r = self.stream.read_exact(&mut body);
+            r.map_err(|e| self.err("receive", e))?;
             return Err(self.wire_error(&body));
         }
         if h.kind != Kind::Data || h.len != (DATA_SUBHEADER_LEN + dst.len()) as u64 {
@@ -137,9 +230,8 @@ impl Conn {
             )));
         }
         let mut sub = [0u8; DATA_SUBHEADER_LEN];
-        let peer = self.peer.clone();
-        self.stream.read_exact(&mut sub).map_err(|e| io_err(&peer, "receive", e))?;
-        self.stream.read_exact(dst).map_err(|e| io_err(&peer, "receive", e))?;
+        let r = self.stream.read_exact(&mut sub).and_then(|()| self.stream.read_exact(dst));
+        r.map_err(|e| self.err("receive", e))?;
         let d = decode_data_header(&sub);
         if !verify {
             return Ok(d);
@@ -162,6 +254,7 @@ impl Conn {
         let mut buf = vec![];
         for (i, it) in m.items.iter().enumerate() {
             for (k, ch) in it.chunks.iter().enumerate() {
+                crate::failpoint::hit("replicate");
                 link.acquire(ch.len);
                 let d = DataHeader { object: ch.object, offset: ch.stored_offset, crc32c: ch.crc32c };
                 match src.raw_slice(i, k) {

@@ -12,6 +12,8 @@
 //! HELLO    server -> client   32-byte server nonce
 //! AUTH     client -> server   32-byte client nonce + HMAC(secret, "client" | ns | nc)
 //! AUTH_OK  server -> client   HMAC(secret, "server" | nc | ns)
+//! REQUEST  {"op": "ident", "me": {job, host, rank}, "to_host"}  (first, always)
+//! RESPONSE {"ident": {job, host, rank}}   or ERROR when refused
 //! REQUEST  JSON {"op": ...}   RESPONSE JSON   ERROR JSON {"kind", "message"}
 //! DATA     object u32 | offset u64 | crc32c u32 | bytes       END (no payload)
 //! ```
@@ -24,6 +26,8 @@ pub mod client;
 pub mod frame;
 pub mod messages;
 pub mod server;
+pub mod throttle;
 
 pub use client::Conn;
 pub use frame::*;
+pub use messages::Ident;

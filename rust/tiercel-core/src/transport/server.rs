@@ -1,18 +1,26 @@
 //! The serving half: one task per connection on the peer runtime. It authenticates the
-//! client, then answers requests until the client goes away, through a `Handler` that owns
-//! the stored replicas (the peer tier's replica store). A stranger, a wrong secret or a
-//! malformed frame ends that connection with a logged reason; the server never stops for it.
+//! client, learns who it is (IDENT), then answers requests until the client goes away,
+//! through a `Handler` that owns the stored replicas (the peer tier's replica store). A
+//! stranger, a wrong secret, a wrong job or host, or a malformed frame ends that connection
+//! with a (rate-limited) logged reason; the server never stops for it.
+//!
+//! Unauthenticated connections are bounded in number (`Limits::max_unauthenticated`; more are
+//! closed at once) and in time (`Limits::handshake`), and read no frame above `MAX_PREAUTH`,
+//! so strangers cannot exhaust the process's memory or file descriptors.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::RwLock;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 
 use super::frame::*;
-use super::messages::{Reply, Request};
+use super::messages::{Ident, Reply, Request};
+use super::throttle::Throttle;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::Manifest;
 use crate::tier::memory::{Segment, View};
@@ -21,6 +29,14 @@ use crate::tier::memory::{Segment, View};
 pub trait Handler: Send + Sync + 'static {
     /// The tier's name, for logs.
     fn tier(&self) -> &str;
+    /// This server's identity, once its job's membership is known (None before).
+    fn identity(&self) -> Option<Ident>;
+    /// Admits an authenticated client that says it is `client` and meant to reach `to_host`:
+    /// refuses another job, the wrong host, this host itself, or a rank placed elsewhere.
+    fn admit(&self, client: &Ident, to_host: &str) -> Result<()>;
+    /// Whether `client` may push a replica of `rank` here (only its own rank, and only to a
+    /// host placement assigns to hold it).
+    fn may_receive(&self, client: &Ident, rank: u32) -> Result<()>;
     /// Takes a replica described by `m` (its step and rank match the request and its chunk
     /// table is sound): checks its objects and allocates one writable segment per object.
     fn begin_put(&self, m: &mut Manifest) -> Result<Vec<Arc<Segment>>>;
@@ -37,52 +53,124 @@ pub trait Handler: Send + Sync + 'static {
     fn view(&self, step: u64, rank: u32, object: &str) -> Result<Arc<View>>;
 }
 
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-const IDLE_TIMEOUT: Duration = Duration::from_secs(600);
-/// How long a connection waits for this process's secret, which may still be on its way
-/// through the coordinator while a peer that got it earlier already knocks.
+/// The server's bounds on its clients.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// An authenticated connection idle this long is closed (the client's pool notices and
+    /// reconnects).
+    pub idle: Duration,
+    /// From HELLO to AUTH (and from AUTH_OK to IDENT): a client slower than this is dropped.
+    pub handshake: Duration,
+    /// Connections not yet authenticated at once; more are closed on accept.
+    pub max_unauthenticated: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits { idle: Duration::from_secs(600), handshake: Duration::from_secs(10), max_unauthenticated: 64 }
+    }
+}
+
+/// What the server has seen, for logs and for tests that wait on events instead of time.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Connections open now (authenticated or not).
+    pub open: AtomicUsize,
+    /// Connections open now that have not authenticated yet.
+    pub unauthenticated: AtomicUsize,
+    /// Connections closed on accept because too many were unauthenticated.
+    pub refused: AtomicU64,
+    /// Authenticated connections closed for idling.
+    pub idle_closed: AtomicU64,
+}
+
+/// How long a connection waits for this process's secret and membership, which may still be
+/// on their way through the coordinator while a peer that got them earlier already knocks.
 const SECRET_WAIT: Duration = Duration::from_secs(30);
 
+/// Decrements a counter when dropped (a connection's task ends however it ends).
+struct Count<'a>(&'a AtomicUsize);
+impl<'a> Count<'a> {
+    fn new(c: &'a AtomicUsize) -> Count<'a> {
+        c.fetch_add(1, Ordering::SeqCst);
+        Count(c)
+    }
+}
+impl Drop for Count<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// Serves `handler` on `listener` until the runtime it runs on shuts down.
-pub async fn serve(listener: TcpListener, handler: Arc<dyn Handler>, secret: Arc<RwLock<Option<Vec<u8>>>>) {
+pub async fn serve(
+    listener: TcpListener,
+    handler: Arc<dyn Handler>,
+    secret: Arc<RwLock<Option<Vec<u8>>>>,
+    limits: Limits,
+    stats: Arc<Stats>,
+) {
+    let unauth = Arc::new(Semaphore::new(limits.max_unauthenticated));
+    let warn = Arc::new(Throttle::new(Duration::from_secs(5)));
     loop {
         let (sock, addr) = match listener.accept().await {
             Ok(x) => x,
             Err(e) => {
-                log::warn!("tier '{}': accept failed: {e}", handler.tier());
+                warn.warn(|| format!("tier '{}': accept failed: {e}", handler.tier()));
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
         };
+        let Ok(permit) = unauth.clone().try_acquire_owned() else {
+            drop(sock);
+            stats.refused.fetch_add(1, Ordering::SeqCst);
+            warn.warn(|| {
+                format!(
+                    "tier '{}': {} connections have not authenticated yet; closed one more from {addr}",
+                    handler.tier(),
+                    limits.max_unauthenticated
+                )
+            });
+            continue;
+        };
         sock.set_nodelay(true).ok();
-        let (handler, secret) = (handler.clone(), secret.clone());
+        let (handler, secret, stats, warn) = (handler.clone(), secret.clone(), stats.clone(), warn.clone());
         tokio::spawn(async move {
-            if let Err(e) = connection(sock, &handler, &secret).await {
-                log::warn!("tier '{}': connection from {addr} dropped: {e}", handler.tier());
+            let _open = Count::new(&stats.open);
+            if let Err(e) = connection(sock, &handler, &secret, limits, &stats, permit).await {
+                warn.warn(|| format!("tier '{}': connection from {addr} dropped: {e}", handler.tier()));
             }
         });
     }
 }
 
-async fn connection(mut s: TcpStream, handler: &Arc<dyn Handler>, secret: &RwLock<Option<Vec<u8>>>) -> Result<()> {
-    let step = Duration::from_millis(100);
-    let mut waited = Duration::ZERO;
-    let secret = loop {
-        if let Some(k) = secret.read().clone() {
-            break k;
-        }
-        if waited >= SECRET_WAIT {
+async fn connection(
+    mut s: TcpStream,
+    handler: &Arc<dyn Handler>,
+    secret: &RwLock<Option<Vec<u8>>>,
+    limits: Limits,
+    stats: &Stats,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) -> Result<()> {
+    let pending = Count::new(&stats.unauthenticated);
+    let secret = match wait_for(|| secret.read().clone()).await {
+        Some(k) => k,
+        None => {
             send_error(&mut s, &Error::unavailable("this peer has no shared secret yet")).await;
             return Err(Error::unavailable("refused: no shared secret yet"));
         }
-        tokio::time::sleep(step).await;
-        waited += step;
     };
-    handshake(&mut s, &secret).await?;
+    handshake(&mut s, &secret, limits.handshake).await?;
+    drop(pending);
+    drop(permit);
+    let client = identify(&mut s, &**handler, limits.handshake).await?;
     let mut views: HashMap<(u64, u32, String), Arc<View>> = HashMap::new();
     loop {
-        let (h, body) = match tokio::time::timeout(IDLE_TIMEOUT, recv(&mut s)).await {
-            Err(_) => return Ok(()),                                      // idle: the client reconnects when it needs to
+        let (h, body) = match tokio::time::timeout(limits.idle, recv(&mut s, MAX_CONTROL)).await {
+            Err(_) => {
+                stats.idle_closed.fetch_add(1, Ordering::SeqCst);
+                return Ok(()); // idle: the client's pool notices and reconnects
+            }
             Ok(Err(e)) if e.kind == ErrorKind::NotFound => return Ok(()), // clean close
             Ok(r) => r?,
         };
@@ -91,15 +179,21 @@ async fn connection(mut s: TcpStream, handler: &Arc<dyn Handler>, secret: &RwLoc
         }
         let req: Request = serde_json::from_slice(&body).map_err(|e| Error::unavailable(format!("malformed request: {e}")))?;
         match req {
-            Request::Put { step, rank, manifest } => match put(&mut s, handler, step, rank, manifest).await {
-                Ok(()) => reply(&mut s, Reply::default()).await?,
-                Err(e) => {
-                    // The client may still be streaming data frames: tell it why, then drop
-                    // the connection rather than parse the rest as requests.
+            Request::Put { step, rank, manifest } => {
+                if let Err(e) = handler.may_receive(&client, rank) {
                     send_error(&mut s, &e).await;
                     return Err(e);
                 }
-            },
+                match put(&mut s, handler, step, rank, manifest).await {
+                    Ok(()) => reply(&mut s, Reply::default()).await?,
+                    Err(e) => {
+                        // The client may still be streaming data frames: tell it why, then
+                        // drop the connection rather than parse the rest as requests.
+                        send_error(&mut s, &e).await;
+                        return Err(e);
+                    }
+                }
+            }
             // Errors about what was asked go back to the client; the connection stays.
             Request::Read { step, rank, object, offset, len, crc32c } => {
                 match read(&**handler, &mut views, step, rank, &object, offset, len) {
@@ -119,17 +213,66 @@ async fn connection(mut s: TcpStream, handler: &Arc<dyn Handler>, secret: &RwLoc
                 Ok(m) => reply(&mut s, Reply { manifest: Some(m), ..Default::default() }).await?,
                 Err(e) => send_error(&mut s, &e).await,
             },
+            Request::Ident { .. } => {
+                let e = Error::invalid("IDENT sent twice");
+                send_error(&mut s, &e).await;
+                return Err(e);
+            }
         }
     }
 }
 
+/// Polls `get` until it yields a value or `SECRET_WAIT` has passed.
+async fn wait_for<T>(get: impl Fn() -> Option<T>) -> Option<T> {
+    let step = Duration::from_millis(50);
+    let mut waited = Duration::ZERO;
+    loop {
+        if let Some(v) = get() {
+            return Some(v);
+        }
+        if waited >= SECRET_WAIT {
+            return None;
+        }
+        tokio::time::sleep(step).await;
+        waited += step;
+    }
+}
+
+/// The first request of an authenticated connection: who the client is and whom it meant to
+/// reach. Answered with this server's identity, or refused (and the connection closed).
+async fn identify(s: &mut TcpStream, handler: &dyn Handler, within: Duration) -> Result<Ident> {
+    let Some(me) = wait_for(|| handler.identity()).await else {
+        let e = Error::unavailable("this peer does not know its job's members yet");
+        send_error(s, &e).await;
+        return Err(e);
+    };
+    let (h, body) = tokio::time::timeout(within, recv(s, MAX_PREAUTH))
+        .await
+        .map_err(|_| Error::unavailable(format!("no IDENT within {} s", within.as_secs_f64())))??;
+    let req = if h.kind == Kind::Request { serde_json::from_slice::<Request>(&body).ok() } else { None };
+    let Some(Request::Ident { me: client, to_host }) = req else {
+        let e = Error::invalid("the first request must be IDENT (an older tiercel on the other side?)");
+        send_error(s, &e).await;
+        return Err(e);
+    };
+    if let Err(e) = handler.admit(&client, &to_host) {
+        send_error(s, &e).await;
+        return Err(e.context(format!("refused rank {} of host {} (job {})", client.rank, client.host, client.job)));
+    }
+    reply(s, Reply { ident: Some(me), ..Default::default() }).await?;
+    Ok(client)
+}
+
 /// HELLO, AUTH, AUTH_OK (see the module docs of `transport`): both sides prove they know the
 /// secret before anything else is read.
-async fn handshake(s: &mut TcpStream, secret: &[u8]) -> Result<()> {
+/// Only the AUTH frame's size is ever read before authentication.
+async fn handshake(s: &mut TcpStream, secret: &[u8], within: Duration) -> Result<()> {
     let sn = nonce();
     send(s, Kind::Hello, &sn).await?;
-    let (h, body) =
-        tokio::time::timeout(HANDSHAKE_TIMEOUT, recv(s)).await.map_err(|_| Error::unavailable("no authentication within 10 s"))??;
+    let auth_len = Kind::Auth.max_len();
+    let (h, body) = tokio::time::timeout(within, recv(s, auth_len))
+        .await
+        .map_err(|_| Error::unavailable(format!("no authentication within {} s", within.as_secs_f64())))??;
     if h.kind != Kind::Auth || body.len() != NONCE_LEN + MAC_LEN {
         return Err(Error::unavailable(format!("expected AUTH, got {:?}", h.kind)));
     }
@@ -261,8 +404,13 @@ async fn recv_header(s: &mut TcpStream) -> Result<Header> {
     decode_header(&h)
 }
 
-async fn recv(s: &mut TcpStream) -> Result<(Header, Vec<u8>)> {
+/// One control frame of at most `max` bytes; the limit is checked on the header, before
+/// anything is allocated or read.
+async fn recv(s: &mut TcpStream, max: u64) -> Result<(Header, Vec<u8>)> {
     let h = recv_header(s).await?;
+    if h.len > max {
+        return Err(Error::unavailable(format!("{:?} frame of {} bytes where at most {max} are accepted", h.kind, h.len)));
+    }
     let mut body = vec![0u8; control_len(&h)?];
     s.read_exact(&mut body).await.map_err(io)?;
     Ok((h, body))

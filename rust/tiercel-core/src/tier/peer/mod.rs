@@ -14,11 +14,13 @@
 mod replicas;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod trust_tests;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 use tokio::net::TcpListener;
@@ -30,25 +32,36 @@ use crate::scheduler::{Link, Priority};
 use crate::tier::gc::{GcOptions, Removal};
 use crate::tier::memory::MemoryTier;
 use crate::tier::{ChunkSource, Tier};
-use crate::transport::{server, Conn};
+use crate::transport::server::{self, Limits, Stats};
+use crate::transport::{check_secret, Conn, Ident};
 use replicas::ReplicaStore;
 
 pub use replicas::REPLICA_DIR;
 
 /// Who is where: filled in once every rank has published its address via the coordinator.
 pub struct Cluster {
+    /// The job every member belongs to (connections from or to another job are refused).
+    pub job: String,
     /// Host index of each rank (failure domain = host).
     pub host_of: Vec<usize>,
+    /// Host names, by host index.
+    pub names: Vec<String>,
     /// Address ("ip:port") of each rank's peer server.
     pub addrs: Vec<String>,
     pub placement: Placement,
+}
+
+/// The processes of one peer host that may hold a rank's replicas.
+struct HolderHost {
+    name: String,
+    addrs: Vec<String>,
 }
 
 impl Cluster {
     /// Addresses that may hold `rank`'s replicas, grouped by peer host: on each peer host the
     /// process with the same local index first (it received them), then its neighbours,
     /// which serve the same shared-memory root if that one is gone.
-    fn holders(&self, rank: u32) -> Vec<Vec<String>> {
+    fn holders(&self, rank: u32) -> Vec<HolderHost> {
         let host = self.host_of[rank as usize];
         let local: Vec<usize> = (0..self.host_of.len()).filter(|r| self.host_of[*r] == host).collect();
         let my_index = local.iter().position(|r| *r == rank as usize).unwrap_or(0);
@@ -58,9 +71,13 @@ impl Cluster {
             .map(|h| {
                 let ranks: Vec<usize> = (0..self.host_of.len()).filter(|r| self.host_of[*r] == h).collect();
                 let n = ranks.len();
-                (0..n).map(|i| self.addrs[ranks[(my_index + i) % n]].clone()).collect()
+                HolderHost { name: self.names[h].clone(), addrs: (0..n).map(|i| self.addrs[ranks[(my_index + i) % n]].clone()).collect() }
             })
             .collect()
+    }
+
+    fn ident(&self, rank: u32) -> Ident {
+        Ident { job: self.job.clone(), host: self.names[self.host_of[rank as usize]].clone(), rank }
     }
 }
 
@@ -80,6 +97,12 @@ fn combined_kind(kinds: &[ErrorKind]) -> ErrorKind {
     }
 }
 
+/// After a transfer to an address stalled or its connect failed, later connects to it use
+/// this shorter timeout until it answers again: a later step then fails fast instead of
+/// waiting out the full deadline behind a dead link, and the link's recovery is noticed by
+/// the next step's connect.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
 pub struct PeerTier {
     name: String,
     rank: u32,
@@ -89,8 +112,11 @@ pub struct PeerTier {
     strategy: Strategy,
     timeout: Duration,
     secret: Arc<RwLock<Option<Vec<u8>>>>,
-    cluster: RwLock<Option<Cluster>>,
+    cluster: Arc<RwLock<Option<Cluster>>>,
     idle: Mutex<HashMap<String, Vec<Conn>>>,
+    /// Addresses whose last connect or transfer failed, and since when.
+    down: Mutex<HashMap<String, Instant>>,
+    stats: Arc<Stats>,
     manifests: Mutex<HashMap<(u64, u32), (Manifest, String)>>,
     /// Steps this process has pushed to every peer host (newest `PUSHED_KEPT`).
     pushed: Mutex<std::collections::BTreeSet<u64>>,
@@ -103,8 +129,11 @@ pub struct PeerOptions {
     pub replicas: usize,
     pub strategy: Strategy,
     pub keep: usize,
+    /// Checked by the caller (`transport::check_secret`, naming where it came from).
     pub secret: Option<Vec<u8>>,
+    /// The progress deadline of every transfer (and the connect timeout).
     pub timeout: Duration,
+    pub limits: Limits,
 }
 
 impl PeerTier {
@@ -122,11 +151,13 @@ impl PeerTier {
             .build()
             .map_err(|e| Error::unavailable(format!("tier '{name}': cannot start the peer server: {e}")))?;
         let secret = Arc::new(RwLock::new(opts.secret));
-        let store = Arc::new(ReplicaStore::new(name, replicas.clone(), opts.keep));
+        let cluster = Arc::new(RwLock::new(None));
+        let stats = Arc::new(Stats::default());
+        let store = Arc::new(ReplicaStore::new(name, rank, replicas.clone(), opts.keep, cluster.clone()));
         {
             let _guard = runtime.enter();
             let listener = TcpListener::from_std(std_listener).map_err(|e| Error::unavailable(format!("tier '{name}': {e}")))?;
-            runtime.spawn(server::serve(listener, store, secret.clone()));
+            runtime.spawn(server::serve(listener, store, secret.clone(), opts.limits, stats.clone()));
         }
         Ok(Arc::new(PeerTier {
             name: name.into(),
@@ -137,8 +168,10 @@ impl PeerTier {
             strategy: opts.strategy,
             timeout: opts.timeout,
             secret,
-            cluster: RwLock::new(None),
+            cluster,
             idle: Mutex::new(HashMap::new()),
+            down: Mutex::new(HashMap::new()),
+            stats,
             manifests: Mutex::new(HashMap::new()),
             pushed: Mutex::new(Default::default()),
             local_addr,
@@ -151,17 +184,25 @@ impl PeerTier {
         self.local_addr
     }
 
+    /// What the server has seen (open, unauthenticated, refused, idle-closed connections).
+    pub fn server_stats(&self) -> &Stats {
+        &self.stats
+    }
+
     /// Sets the shared secret (when it is handed out through the coordinator).
-    pub fn set_secret(&self, secret: Vec<u8>) {
+    pub fn set_secret(&self, secret: Vec<u8>) -> Result<()> {
+        check_secret(&secret, "the coordinator").map_err(|e| e.context(format!("tier '{}'", self.name)))?;
         *self.secret.write() = Some(secret);
+        Ok(())
     }
 
     pub fn has_secret(&self) -> bool {
         self.secret.read().is_some()
     }
 
-    /// Tells the tier where every rank is: host names and server addresses, by rank.
-    pub fn set_cluster(&self, hosts_by_rank: &[String], addrs: &[String]) -> Result<()> {
+    /// Tells the tier where every rank is (host names and server addresses, by rank) and
+    /// which job they run; connections to or from another job are refused.
+    pub fn set_cluster(&self, job: &str, hosts_by_rank: &[String], addrs: &[String]) -> Result<()> {
         if hosts_by_rank.len() != addrs.len() || self.rank as usize >= addrs.len() {
             return Err(Error::invalid(format!(
                 "tier '{}': {} hosts and {} addresses for rank {}",
@@ -174,8 +215,9 @@ impl PeerTier {
         let (host_of, names) = crate::placement::host_of_ranks(hosts_by_rank);
         let placement = Placement::new(names.len(), self.replicas_wanted, self.strategy)
             .map_err(|e| e.context(format!("tier '{}': {} hosts ({})", self.name, names.len(), names.join(", "))))?;
-        *self.cluster.write() = Some(Cluster { host_of, addrs: addrs.to_vec(), placement });
+        *self.cluster.write() = Some(Cluster { job: job.to_string(), host_of, names, addrs: addrs.to_vec(), placement });
         self.idle.lock().clear();
+        self.down.lock().clear();
         self.manifests.lock().clear();
         Ok(())
     }
@@ -184,7 +226,7 @@ impl PeerTier {
         self.secret.read().clone().ok_or_else(|| Error::unavailable(format!("tier '{}': no shared secret yet", self.name)))
     }
 
-    fn holders(&self, rank: u32) -> Result<Vec<Vec<String>>> {
+    fn holders(&self, rank: u32) -> Result<Vec<HolderHost>> {
         let c = self.cluster.read();
         let c = c.as_ref().ok_or_else(|| {
             Error::unavailable(format!("tier '{}': the peers are not known yet (the store was not connected to its cluster)", self.name))
@@ -195,41 +237,108 @@ impl PeerTier {
         Ok(c.holders(rank))
     }
 
-    fn conn(&self, addr: &str) -> Result<Conn> {
-        if let Some(c) = self.idle.lock().get_mut(addr).and_then(|v| v.pop()) {
-            return Ok(c);
+    /// Every address that may hold `rank`'s replicas, with its host's name.
+    fn holder_addrs(&self, rank: u32) -> Result<Vec<(String, String)>> {
+        Ok(self.holders(rank)?.into_iter().flat_map(|h| h.addrs.into_iter().map(move |a| (a, h.name.clone()))).collect())
+    }
+
+    fn me(&self) -> Result<Ident> {
+        let c = self.cluster.read();
+        c.as_ref()
+            .map(|c| c.ident(self.rank))
+            .ok_or_else(|| Error::unavailable(format!("tier '{}': the peers are not known yet", self.name)))
+    }
+
+    /// A fresh connection to `addr` on host `host` (a short connect timeout while the
+    /// address is marked down).
+    fn connect(&self, addr: &str, host: &str) -> Result<Conn> {
+        let down = self.down.lock().contains_key(addr);
+        let connect_timeout = if down { self.timeout.min(PROBE_TIMEOUT) } else { self.timeout };
+        let r = Conn::connect(addr, &self.secret()?, connect_timeout, &self.me()?, host);
+        match &r {
+            Ok(_) if down => {
+                log::info!("tier '{}': peer {addr} (host {host}) answers again", self.name);
+                self.down.lock().remove(addr);
+            }
+            Err(e) if e.kind == ErrorKind::TierUnavailable => self.mark_down(addr, e),
+            _ => {}
         }
-        Conn::connect(addr, &self.secret()?, self.timeout)
+        r
+    }
+
+    fn mark_down(&self, addr: &str, e: &Error) {
+        if self.down.lock().insert(addr.to_string(), Instant::now()).is_none() {
+            log::warn!("tier '{}': peer {addr} marked down until it answers again: {e}", self.name);
+        }
+    }
+
+    /// A pooled connection that is still alive (one the server closed is dropped here).
+    fn pooled(&self, addr: &str) -> Option<Conn> {
+        let mut idle = self.idle.lock();
+        let pool = idle.get_mut(addr)?;
+        while let Some(c) = pool.pop() {
+            if c.is_alive() {
+                return Some(c);
+            }
+        }
+        None
     }
 
     fn give_back(&self, addr: &str, c: Conn) {
         self.idle.lock().entry(addr.to_string()).or_default().push(c);
     }
 
-    /// Runs `f` on a connection to `addr`; a connection that failed is dropped, one that
-    /// worked is kept for the next call.
-    fn with_conn<T>(&self, addr: &str, f: impl FnOnce(&mut Conn) -> Result<T>) -> Result<T> {
-        let mut c = self.conn(addr)?;
-        let r = f(&mut c)?;
-        self.give_back(addr, c);
-        Ok(r)
+    /// Runs `f` on a connection to `addr` (on host `host`); a connection that failed is
+    /// dropped, one that worked is kept for the next call. A pooled connection that fails
+    /// (closed by the server between the liveness check and the request) is retried once on
+    /// a fresh one: every request of the protocol is idempotent.
+    fn with_conn<T>(&self, addr: &str, host: &str, mut f: impl FnMut(&mut Conn) -> Result<T>) -> Result<T> {
+        if let Some(mut c) = self.pooled(addr) {
+            match f(&mut c) {
+                Ok(r) => {
+                    self.give_back(addr, c);
+                    return Ok(r);
+                }
+                Err(e) if e.kind == ErrorKind::TierUnavailable => {
+                    // Closed for idling, or a link that went down: the retry connects with
+                    // the short probe timeout, so a dead link costs one deadline, not two.
+                    log::info!("tier '{}': pooled connection to {addr} failed ({e}); retrying on a fresh one", self.name);
+                    self.mark_down(addr, &e);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let mut c = self.connect(addr, host)?;
+        match f(&mut c) {
+            Ok(r) => {
+                self.give_back(addr, c);
+                Ok(r)
+            }
+            Err(e) => {
+                if e.kind == ErrorKind::TierUnavailable {
+                    self.mark_down(addr, &e);
+                }
+                Err(e)
+            }
+        }
     }
 
-    /// Pushes one rank's step to one process on `candidates`' host (trying them in order).
-    fn push(&self, candidates: &[String], m: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<()> {
+    /// Pushes one rank's step to one process on `host` (trying its addresses in order).
+    fn push(&self, host: &HolderHost, m: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<()> {
         let mut errs = vec![];
-        for addr in candidates {
-            let res = self.with_conn(addr, |c| c.put_replica(m, src, link));
+        for addr in &host.addrs {
+            let res = self.with_conn(addr, &host.name, |c| c.put_replica(m, src, link));
             match res {
                 Ok(()) => return Ok(()),
                 Err(e) => errs.push(e.message),
             }
         }
         Err(Error::unavailable(format!(
-            "tier '{}': step {} rank {}: no process on peer host took the replica: {}",
+            "tier '{}': step {} rank {}: no process on peer host {} took the replica: {}",
             self.name,
             m.step,
             m.rank,
+            host.name,
             errs.join("; ")
         ))
         .with_tier(&self.name)
@@ -243,8 +352,8 @@ impl PeerTier {
         }
         let mut errs = vec![];
         let mut kinds = vec![];
-        for addr in self.holders(rank)?.into_iter().flatten() {
-            match self.with_conn(&addr, |c| c.manifest(step, rank)) {
+        for (addr, host) in self.holder_addrs(rank)? {
+            match self.with_conn(&addr, &host, |c| c.manifest(step, rank)) {
                 Ok(Some(m)) if m.step == step && m.rank == rank => {
                     self.manifests.lock().insert((step, rank), (m.clone(), addr.clone()));
                     return Ok((m, addr));
@@ -284,7 +393,7 @@ impl Tier for PeerTier {
         let hosts = self.holders(m.rank)?;
         // One copy per peer host, pushed in parallel.
         let results: Vec<Result<()>> = std::thread::scope(|s| {
-            let handles: Vec<_> = hosts.iter().map(|cands| s.spawn(|| self.push(cands, &m, src, link))).collect();
+            let handles: Vec<_> = hosts.iter().map(|host| s.spawn(|| self.push(host, &m, src, link))).collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::unavailable("replication thread panicked")))).collect()
         });
         // A step written again must not be served from an old copy's manifest.
@@ -301,17 +410,14 @@ impl Tier for PeerTier {
     }
 
     fn read_stored(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8]) -> Result<()> {
+        // The holder that sent the manifest first, then the others.
         let first = self.manifests.lock().get(&(m.step, m.rank)).map(|(_, a)| a.clone());
-        let mut addrs: Vec<String> = first.into_iter().collect();
-        for a in self.holders(m.rank)?.into_iter().flatten() {
-            if !addrs.contains(&a) {
-                addrs.push(a);
-            }
-        }
+        let mut addrs = self.holder_addrs(m.rank)?;
+        addrs.sort_by_key(|(a, _)| Some(a) != first.as_ref());
         let object = m.objects[c.object as usize].name.clone();
         let (mut errs, mut kinds) = (vec![], vec![]);
-        for addr in &addrs {
-            let res = self.with_conn(addr, |conn| conn.read(m.step, m.rank, &object, c.stored_offset, c.crc32c, dst));
+        for (addr, host) in &addrs {
+            let res = self.with_conn(addr, host, |conn| conn.read(m.step, m.rank, &object, c.stored_offset, c.crc32c, dst));
             match res {
                 Ok(()) => return Ok(()),
                 Err(e) => {
@@ -337,8 +443,8 @@ impl Tier for PeerTier {
         let mut errs = vec![];
         let mut any = false;
         for host in self.holders(self.rank)? {
-            for addr in host {
-                match self.with_conn(&addr, |c| c.list(self.rank)) {
+            for addr in &host.addrs {
+                match self.with_conn(addr, &host.name, |c| c.list(self.rank)) {
                     Ok(steps) => {
                         all.extend(steps);
                         any = true;

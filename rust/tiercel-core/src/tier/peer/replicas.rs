@@ -6,21 +6,27 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
+use super::Cluster;
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
 use crate::tier::gc;
 use crate::tier::memory::{MemoryTier, Segment, View};
 use crate::tier::Tier;
 use crate::transport::server::Handler;
+use crate::transport::Ident;
 
 /// Where a host's replica store lives under its memory tier's root.
 pub const REPLICA_DIR: &str = "peers";
 
 pub(super) struct ReplicaStore {
     tier: String,
+    /// The rank of the process serving this store.
+    rank: u32,
     replicas: Arc<MemoryTier>,
+    /// The job's membership (shared with the peer tier; None until it is connected).
+    cluster: Arc<RwLock<Option<Cluster>>>,
     /// Replica steps kept (the peer tier's `keep`).
     keep: usize,
     /// Steps with a replica on its way in (by count): retention leaves them alone.
@@ -28,8 +34,20 @@ pub(super) struct ReplicaStore {
 }
 
 impl ReplicaStore {
-    pub(super) fn new(tier: &str, replicas: Arc<MemoryTier>, keep: usize) -> ReplicaStore {
-        ReplicaStore { tier: tier.into(), replicas, keep, receiving: Mutex::new(HashMap::new()) }
+    pub(super) fn new(
+        tier: &str,
+        rank: u32,
+        replicas: Arc<MemoryTier>,
+        keep: usize,
+        cluster: Arc<RwLock<Option<Cluster>>>,
+    ) -> ReplicaStore {
+        ReplicaStore { tier: tier.into(), rank, replicas, cluster, keep, receiving: Mutex::new(HashMap::new()) }
+    }
+
+    /// Runs `f` on the membership, or says it is not known yet.
+    fn with_cluster<T>(&self, f: impl FnOnce(&Cluster) -> Result<T>) -> Result<T> {
+        let c = self.cluster.read();
+        f(c.as_ref().ok_or_else(|| Error::unavailable(format!("tier '{}': this peer does not know its job's members yet", self.tier)))?)
     }
 
     /// The retention rule of every tier (`tier::gc`), on replica steps: a step counts as
@@ -47,6 +65,12 @@ impl ReplicaStore {
         let plan: Vec<u64> =
             gc::steps_of(&gc::step_removals(&complete, &all, Some(self.keep))).into_iter().filter(|s| !receiving.contains_key(s)).collect();
         for &s in &plan {
+            // Manifests first: a replica is listed and served while its manifest exists, so
+            // a process killed in the middle of an eviction leaves a step that is no longer
+            // listed, never one that is listed with its data gone (found by the chaos suite).
+            for r in self.replicas.ranks_written(s)? {
+                self.replicas.remove_object(s, &format::manifest_name(r))?;
+            }
             self.replicas.evict(s)?;
         }
         Ok(plan)
@@ -73,6 +97,49 @@ impl ReplicaStore {
 impl Handler for ReplicaStore {
     fn tier(&self) -> &str {
         &self.tier
+    }
+
+    fn identity(&self) -> Option<Ident> {
+        self.cluster.read().as_ref().map(|c| c.ident(self.rank))
+    }
+
+    fn admit(&self, client: &Ident, to_host: &str) -> Result<()> {
+        self.with_cluster(|c| {
+            let me = c.ident(self.rank);
+            if client.job != me.job {
+                return Err(Error::invalid(format!("this peer serves job {}, not job {}", me.job, client.job)));
+            }
+            if client.host == me.host {
+                return Err(Error::invalid(format!(
+                    "a connection from this host ({}) itself: a replica here would not survive the host",
+                    me.host
+                )));
+            }
+            if to_host != me.host {
+                return Err(Error::invalid(format!("this is host {}, not host {to_host}", me.host)));
+            }
+            match c.host_of.get(client.rank as usize) {
+                Some(&h) if c.names[h] == client.host => Ok(()),
+                Some(&h) => Err(Error::invalid(format!("rank {} is on host {} in this job, not {}", client.rank, c.names[h], client.host))),
+                None => Err(Error::invalid(format!("no rank {} in this job of {}", client.rank, c.host_of.len()))),
+            }
+        })
+    }
+
+    fn may_receive(&self, client: &Ident, rank: u32) -> Result<()> {
+        if rank != client.rank {
+            return Err(Error::invalid(format!("rank {} may push only its own replicas, not rank {rank}'s", client.rank)));
+        }
+        self.with_cluster(|c| {
+            let (mine, theirs) = (c.host_of[self.rank as usize], c.host_of[rank as usize]);
+            if !c.placement.peers(theirs).contains(&mine) {
+                return Err(Error::invalid(format!(
+                    "placement does not assign rank {rank}'s replicas (host {}) to host {}",
+                    c.names[theirs], c.names[mine]
+                )));
+            }
+            Ok(())
+        })
     }
 
     fn begin_put(&self, m: &mut Manifest) -> Result<Vec<Arc<Segment>>> {

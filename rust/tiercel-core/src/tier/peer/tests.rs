@@ -8,7 +8,7 @@ use crate::format;
 use crate::transport::messages::{Reply, Request};
 use crate::transport::{self, DataHeader, Kind};
 
-struct VecSource(Vec<Vec<u8>>);
+pub(super) struct VecSource(pub Vec<Vec<u8>>);
 impl ChunkSource for VecSource {
     fn read_raw(&self, item: usize, chunk: usize, dst: &mut [u8]) -> Result<()> {
         let off = chunk * 1024;
@@ -17,7 +17,7 @@ impl ChunkSource for VecSource {
     }
 }
 
-fn manifest(step: u64, rank: u32, data: &[Vec<u8>]) -> Manifest {
+pub(super) fn manifest(step: u64, rank: u32, data: &[Vec<u8>]) -> Manifest {
     let mut m = Manifest::new(step, rank, 2, "ram", 1024);
     let mut pos = 0;
     for (i, d) in data.iter().enumerate() {
@@ -48,58 +48,56 @@ fn manifest(step: u64, rank: u32, data: &[Vec<u8>]) -> Manifest {
     m
 }
 
-fn pair(secret: &[u8]) -> (tempfile::TempDir, Arc<PeerTier>, Arc<PeerTier>) {
-    let dir = tempfile::Builder::new().prefix("tiercel-peer-test").tempdir_in("/dev/shm").unwrap();
-    let open = |rank: u32, host: &str| {
-        PeerTier::open(
-            "peer",
-            rank,
-            &dir.path().join(host),
-            PeerOptions {
-                listen: "127.0.0.1:0".into(),
-                replicas: 2,
-                strategy: Strategy::Mixed,
-                keep: 2,
-                secret: Some(secret.to_vec()),
-                timeout: Duration::from_secs(5),
-            },
-        )
-        .unwrap()
-    };
-    let (a, b) = (open(0, "hostA"), open(1, "hostB"));
+pub(super) const SECRET: &[u8] = b"0123456789abcdef-test";
+
+/// Opens rank `rank`'s peer tier on host `host` under `dir` (loopback, a free port).
+pub(super) fn open_tier(dir: &std::path::Path, rank: u32, host: &str, replicas: usize, timeout: Duration, limits: Limits) -> Arc<PeerTier> {
+    PeerTier::open(
+        "peer",
+        rank,
+        &dir.join(host),
+        PeerOptions {
+            listen: "127.0.0.1:0".into(),
+            replicas,
+            strategy: Strategy::Mixed,
+            keep: 2,
+            secret: Some(SECRET.to_vec()),
+            timeout,
+            limits,
+        },
+    )
+    .unwrap()
+}
+
+pub(super) fn shm_dir() -> tempfile::TempDir {
+    tempfile::Builder::new().prefix("tiercel-peer-test").tempdir_in("/dev/shm").unwrap()
+}
+
+/// Ranks 0 and 1 on hosts A and B, each holding the other's replicas.
+pub(super) fn pair_with(limits: Limits, timeout: Duration) -> (tempfile::TempDir, Arc<PeerTier>, Arc<PeerTier>) {
+    let dir = shm_dir();
+    let (a, b) = (open_tier(dir.path(), 0, "hostA", 2, timeout, limits), open_tier(dir.path(), 1, "hostB", 2, timeout, limits));
     let hosts = vec!["hostA".to_string(), "hostB".to_string()];
     let addrs = vec![a.local_addr().to_string(), b.local_addr().to_string()];
-    a.set_cluster(&hosts, &addrs).unwrap();
-    b.set_cluster(&hosts, &addrs).unwrap();
+    a.set_cluster("job", &hosts, &addrs).unwrap();
+    b.set_cluster("job", &hosts, &addrs).unwrap();
     (dir, a, b)
+}
+
+fn pair() -> (tempfile::TempDir, Arc<PeerTier>, Arc<PeerTier>) {
+    pair_with(Limits::default(), Duration::from_secs(5))
 }
 
 /// A peer that dies mid-transfer: the rest of the chunks come from another holder.
 #[test]
 fn a_holder_dying_mid_restore_is_replaced_by_another() {
-    let dir = tempfile::Builder::new().prefix("tiercel-peer-test").tempdir_in("/dev/shm").unwrap();
-    let tiers: Vec<Arc<PeerTier>> = (0..3)
-        .map(|r| {
-            PeerTier::open(
-                "peer",
-                r,
-                &dir.path().join(format!("h{r}")),
-                PeerOptions {
-                    listen: "127.0.0.1:0".into(),
-                    replicas: 3,
-                    strategy: Strategy::Mixed,
-                    keep: 2,
-                    secret: Some(b"s".to_vec()),
-                    timeout: Duration::from_secs(5),
-                },
-            )
-            .unwrap()
-        })
-        .collect();
+    let dir = shm_dir();
+    let tiers: Vec<Arc<PeerTier>> =
+        (0..3).map(|r| open_tier(dir.path(), r, &format!("h{r}"), 3, Duration::from_secs(5), Limits::default())).collect();
     let hosts: Vec<String> = (0..3).map(|h| format!("h{h}")).collect();
     let addrs: Vec<String> = tiers.iter().map(|t| t.local_addr().to_string()).collect();
     for t in &tiers {
-        t.set_cluster(&hosts, &addrs).unwrap();
+        t.set_cluster("job", &hosts, &addrs).unwrap();
     }
     let data = vec![(0..8192u32).map(|i| (i % 251) as u8).collect::<Vec<u8>>()];
     let m = manifest(1, 0, &data);
@@ -125,7 +123,7 @@ fn a_holder_dying_mid_restore_is_replaced_by_another() {
 
 #[test]
 fn replicate_and_read_back() {
-    let (_dir, a, b) = pair(b"secret");
+    let (_dir, a, b) = pair();
     let data = vec![(0..3000u32).map(|i| (i * 7) as u8).collect::<Vec<u8>>(), vec![5u8; 10], vec![]];
     let m = manifest(3, 0, &data);
     let link = Link::new("peer", None);
@@ -154,7 +152,7 @@ fn replicate_and_read_back() {
 
 #[test]
 fn strangers_and_garbage_are_refused_and_the_server_lives_on() {
-    let (_dir, a, b) = pair(b"right");
+    let (_dir, a, b) = pair();
     let addr = b.local_addr().to_string();
     // 1. Garbage instead of AUTH.
     let mut s = std::net::TcpStream::connect(&addr).unwrap();
@@ -164,7 +162,7 @@ fn strangers_and_garbage_are_refused_and_the_server_lives_on() {
     let mut rest = vec![];
     let _ = s.read_to_end(&mut rest); // the server closes the connection
                                       // 2. A client with the wrong secret is told so and gets nothing.
-    let e = Conn::connect(&addr, b"wrong", Duration::from_secs(5)).err().expect("refused");
+    let e = Conn::connect_unidentified(&addr, b"wrong-but-long-enough", Duration::from_secs(5)).err().expect("refused");
     assert!(e.message.contains("secret") || e.message.contains("authentication"), "{}", e.message);
     // 3. A huge length prefix is refused before anything is allocated.
     let mut s = std::net::TcpStream::connect(&addr).unwrap();
@@ -173,7 +171,7 @@ fn strangers_and_garbage_are_refused_and_the_server_lives_on() {
     s.write_all(&u64::MAX.to_le_bytes()).unwrap();
     let _ = s.read_to_end(&mut rest);
     // 4. An authenticated client sending a malformed request and a bad data frame.
-    let mut c = Conn::connect(&addr, b"right", Duration::from_secs(5)).unwrap();
+    let mut c = Conn::connect(&addr, SECRET, Duration::from_secs(5), &a.me().unwrap(), "hostB").unwrap();
     c.send(Kind::Request, b"{not json").unwrap();
     assert!(c.recv().is_err(), "connection dropped after a malformed request");
     // The server still serves the real client.
@@ -186,10 +184,10 @@ fn strangers_and_garbage_are_refused_and_the_server_lives_on() {
 
 #[test]
 fn corrupt_data_frame_is_rejected_and_leaves_no_replica() {
-    let (_dir, a, b) = pair(b"k");
+    let (_dir, a, b) = pair();
     let data = vec![vec![9u8; 2048]];
     let m = manifest(2, 0, &data);
-    let mut c = Conn::connect(&b.local_addr().to_string(), b"k", Duration::from_secs(5)).unwrap();
+    let mut c = Conn::connect(&b.local_addr().to_string(), SECRET, Duration::from_secs(5), &a.me().unwrap(), "hostB").unwrap();
     let _: Reply = c.request(&Request::Put { step: 2, rank: 0, manifest: m.clone() }).unwrap();
     let ch = &m.items[0].chunks[0];
     let bad = vec![8u8; ch.len as usize];

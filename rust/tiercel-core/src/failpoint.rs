@@ -1,0 +1,47 @@
+//! Deterministic crash points for tests: `TIERCEL_FAILPOINT=name[:count]` makes the process
+//! abort (as kill -9 would end it: no unwinding, no destructors, no flush) the `count`-th time
+//! (default 1) execution reaches `hit(name)`. Unset, `hit` costs one relaxed atomic load.
+//!
+//! Points: `commit` (a tier's data and manifests are written, its COMMIT record is not),
+//! `evict` (the memory tier removed a step's COMMIT record, not yet its data), `persist`
+//! (a slower tier's data object is written, its manifest is not), `replicate` (before each
+//! data frame of a replica push).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+static ARMED: OnceLock<Option<(String, u64)>> = OnceLock::new();
+static HITS: AtomicU64 = AtomicU64::new(0);
+
+fn parse(v: &str) -> Option<(String, u64)> {
+    let (name, count) = match v.split_once(':') {
+        Some((n, c)) => (n, c.parse().ok()?),
+        None => (v, 1),
+    };
+    (!name.is_empty() && count > 0).then(|| (name.to_string(), count))
+}
+
+/// Aborts the process here when `name` is the armed failpoint and this is its count-th hit.
+pub fn hit(name: &str) {
+    let armed = ARMED.get_or_init(|| std::env::var("TIERCEL_FAILPOINT").ok().and_then(|v| parse(&v)));
+    if let Some((want, count)) = armed {
+        if want == name && HITS.fetch_add(1, Ordering::SeqCst) + 1 == *count {
+            eprintln!("tiercel: failpoint '{name}' reached (hit {count}): aborting");
+            std::process::abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_name_and_count() {
+        assert_eq!(parse("commit"), Some(("commit".into(), 1)));
+        assert_eq!(parse("persist:3"), Some(("persist".into(), 3)));
+        assert_eq!(parse("persist:x"), None);
+        assert_eq!(parse(":2"), None);
+        assert_eq!(parse("evict:0"), None);
+    }
+}

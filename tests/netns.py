@@ -1,0 +1,86 @@
+"""Hosts as Linux network namespaces: each with its own IP (10.231.X.n/24) and network
+stack, all on one bridge inside a "switch" namespace, so a test can take one host's link
+down and up, or shape it with tc, without touching the machine's own network. Nothing is
+created outside the namespaces; `Net.close` deletes them all (and with them every link)."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import uuid
+
+
+def unavailable() -> str | None:
+    """Why namespace tests cannot run here (None when they can)."""
+    if os.geteuid() != 0:
+        return "network-namespace tests need root"
+    if shutil.which("ip") is None:
+        return "network-namespace tests need iproute2's `ip`"
+    probe = f"tclprobe{uuid.uuid4().hex[:6]}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"cannot create a network namespace: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def ip(*args: str) -> None:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+
+
+class Net:
+    """`n` hosts: namespace `ns(i)` with address `addr(i)` on its eth0."""
+
+    def __init__(self, n: int):
+        self.tag = uuid.uuid4().hex[:5]
+        self.subnet = random.randint(1, 254)
+        self.n = n
+        self.names: list[str] = []
+        try:
+            self.switch = self._netns("sw")
+            ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            ip("-n", self.switch, "link", "set", "br0", "up")
+            for i in range(n):
+                host = self._netns(f"h{i}")
+                sw_end, host_end = self.port(i), f"tcl{self.tag}e{i}"
+                ip("link", "add", sw_end, "netns", self.switch, "type", "veth", "peer", "name", host_end, "netns", host)
+                ip("-n", host, "link", "set", host_end, "name", "eth0")
+                ip("-n", host, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
+                ip("-n", host, "link", "set", "eth0", "up")
+                ip("-n", self.switch, "link", "set", sw_end, "master", "br0")
+                ip("-n", self.switch, "link", "set", sw_end, "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def _netns(self, suffix: str) -> str:
+        name = f"tcl{self.tag}{suffix}"
+        ip("netns", "add", name)
+        self.names.append(name)
+        ip("-n", name, "link", "set", "lo", "up")
+        return name
+
+    def ns(self, i: int) -> str:
+        return f"tcl{self.tag}h{i}"
+
+    def addr(self, i: int) -> str:
+        return f"10.231.{self.subnet}.{i + 1}"
+
+    def port(self, i: int) -> str:
+        """Host i's port on the switch (its link: down there, and host i is cut off)."""
+        return f"tcl{self.tag}v{i}"
+
+    def exec_prefix(self, i: int) -> list[str]:
+        return ["ip", "netns", "exec", self.ns(i)]
+
+    def link(self, i: int, up: bool) -> None:
+        ip("-n", self.switch, "link", "set", self.port(i), "up" if up else "down")
+
+    def close(self) -> None:
+        for name in reversed(self.names):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        self.names.clear()
