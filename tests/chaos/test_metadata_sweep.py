@@ -2,8 +2,8 @@
 step (its intact copy on the fs tier), each followed by a restore. Every restore must give
 the saved state bit for bit (from the intact copy) or raise a tiercel error: never another
 state, never a raw KeyError/TypeError. This is the sweep that found 129 silently wrong
-restores of 1,461 (issue 14.2); it is strict-xfail until metadata checksums land, so the
-suite notices the day it passes. TIERCEL_SWEEP_FLIPS sets how many bits are tried."""
+restores of 1,461 (issue 14.2), before manifests and commit records carried checksums.
+TIERCEL_SWEEP_FLIPS sets how many bits are tried."""
 
 from __future__ import annotations
 
@@ -51,7 +51,6 @@ def sweep(shm_root, disk_root) -> tuple[dict[str, int], list[str]]:
     return outcome, wrong
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 14.2: manifests carry no checksum yet (metadata checksums land with the data-path work)")
 def test_no_bit_flip_in_a_manifest_gives_a_wrong_restore(shm_root, disk_root):
     outcome, wrong = sweep(shm_root, disk_root)
     print(f"\nSWEEP {len(wrong)} wrong or raw errors, {outcome}")

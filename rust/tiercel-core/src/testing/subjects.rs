@@ -15,6 +15,7 @@ use crate::tier::blob::BlobTier;
 use crate::tier::memory::MemoryTier;
 use crate::tier::peer::{PeerOptions, PeerTier, REPLICA_DIR};
 use crate::tier::Tier;
+use crate::transport::server::Limits;
 
 /// A tier under test, the objects its bytes are stored in (to look at and damage them), its
 /// rules, and what keeps its storage alive.
@@ -129,16 +130,17 @@ pub fn peer_tier() -> TierSubject {
             strategy: Strategy::Mixed,
             // More than any test writes: retention is the holders' business, tested apart.
             keep: 100,
-            secret: Some(b"conformance".to_vec()),
+            secret: Some(b"conformance-suite-peer-secret-32b".to_vec()),
             timeout: Duration::from_secs(10),
+            limits: Limits::default(),
         };
         PeerTier::open("peer", rank, &dir.path().join(host), opts).expect("open peer tier")
     };
     let (a, b) = (open(0, "hostA"), open(1, "hostB"));
     let hosts = ["hostA".to_string(), "hostB".to_string()];
     let addrs = [a.local_addr().to_string(), b.local_addr().to_string()];
-    a.set_cluster(&hosts, &addrs).expect("cluster");
-    b.set_cluster(&hosts, &addrs).expect("cluster");
+    a.set_cluster("conformance", &hosts, &addrs).expect("cluster");
+    b.set_cluster("conformance", &hosts, &addrs).expect("cluster");
     let storage = Arc::new(FsBlobs::new("peer", &dir.path().join("hostB").join(REPLICA_DIR)).expect("open replica store"));
     struct Peers(Vec<Arc<PeerTier>>, #[allow(dead_code)] tempfile::TempDir);
     impl Drop for Peers {

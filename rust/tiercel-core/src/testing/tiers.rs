@@ -374,7 +374,7 @@ fn commits_per_rank(subject: &TierSubject) {
 /// gc removes what its plan lists, by the one step rule, and nothing more.
 fn gc_follows_the_step_rule(subject: &TierSubject) {
     let tier = &*subject.tier;
-    let opts = GcOptions { keep: Some(1), temp_age: Some(std::time::Duration::from_secs(600)) };
+    let opts = GcOptions { keep: Some(1), temp_age: Some(std::time::Duration::from_secs(600)), ..Default::default() };
     assert!(tier.gc_plan(&opts).unwrap().is_empty(), "an empty tier has nothing to collect");
     for step in [1, 2, 4] {
         write_committed(tier, step);
