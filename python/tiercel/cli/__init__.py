@@ -1,16 +1,19 @@
 """The `tiercel` command: look at, check, copy and clean up the checkpoints of a policy.
 
-    tiercel [--policy FILE] ls [--json]
-    tiercel [--policy FILE] inspect STEP [--tier T] [--rank R] [--json]
-    tiercel [--policy FILE] verify [STEP] [--tier T] [--json]
-    tiercel [--policy FILE] cp STEP --from TIER --to TIER
-    tiercel [--policy FILE] gc [--dry-run]
-    tiercel [--policy FILE] rm STEP --tier T
-    tiercel [--policy FILE] export STEP DIR --format deepspeed|orbax|dcp
+    tiercel ls [--json]
+    tiercel inspect STEP [--tier T] [--rank R] [--json]
+    tiercel verify [STEP] [--tier T] [--json]
+    tiercel cp STEP --from TIER --to TIER [--json]
+    tiercel gc [--dry-run] [--tmp-age SECONDS] [--json]
+    tiercel rm STEP --tier T [--json]
+    tiercel export STEP DIR --format deepspeed|orbax|dcp [--json]
+    tiercel placement --hosts N --replicas M [--failures K] [--json]
+    tiercel --version
 
-The policy comes from --policy, else $TIERCEL_POLICY, else ./tiercel.toml. The store is
-opened as rank 0 of a world of 1; every rank's manifest is still readable through it.
-Bytes are moved and checked by the core; this module only lists, formats and reports.
+`--policy FILE` and `--json` go before or after the command. The policy comes from
+--policy, else $TIERCEL_POLICY, else ./tiercel.toml. The store is opened as rank 0 of a
+world of 1; every rank's manifest is still readable through it. Bytes are moved and checked
+by the core; this package only lists, formats and reports (docs/cli.md).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from .export import FORMATS, cmd_export
 from .gc import DEFAULT_TMP_AGE, cmd_gc
 from .inspect import cmd_inspect
 from .ls import cmd_ls
+from .output import json_out
 from .verify import cmd_verify
 
 EPILOG = """\
@@ -44,7 +48,7 @@ policy:
 exit codes:
   0  success (verify: every checksum holds)
   1  corruption found (verify), or stored bytes fail their checksum
-  2  usage or configuration error (bad arguments, unknown tier, bad policy file)
+  2  usage or configuration error (bad arguments, unknown tier, bad or missing policy file)
   3  step (or rank) not found
   4  any other error (a tier cannot be read or written, a capacity limit, ...)
 """
@@ -71,10 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--policy", metavar="FILE", help="policy file (default: $TIERCEL_POLICY, else ./tiercel.toml)")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout (errors too)")
     p.add_argument("--version", action="version", version=f"tiercel {__version__} (format {_core.FORMAT_VERSION})")
-    # --policy is taken before or after the command: `tiercel ls --policy p.toml` works too.
+    # The global options are taken before or after the command: `tiercel ls --policy p.toml
+    # --json` works too. SUPPRESS keeps a value given before the command when none follows it.
     anywhere = argparse.ArgumentParser(add_help=False)
-    anywhere.add_argument("--policy", metavar="FILE", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    anywhere.add_argument("--policy", metavar="FILE", default=argparse.SUPPRESS, help="policy file")
+    anywhere.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     add = sub.add_parser
 
@@ -86,7 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("ls", help="steps per tier: state, ranks, size, commit time",
                        description="Lists every step on every tier: committed steps and uncommitted leftovers, "
                                    "with their size (stored bytes of all ranks), raw size, world size and commit time.")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_ls)
 
     s = sub.add_parser("inspect", help="the manifests of a step: items, dtypes, shapes, chunks, compression",
@@ -95,7 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("step", type=_step, metavar="STEP")
     s.add_argument("--tier", metavar="T", help="the tier to read the manifests from")
     s.add_argument("--rank", type=int, metavar="R", help="only this rank")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_inspect)
 
     s = sub.add_parser("verify", help="re-read every chunk and check every checksum",
@@ -104,14 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "3: the step is not committed on the tiers asked; 4: a tier could not be read.")
     s.add_argument("step", type=_step, nargs="?", metavar="STEP", help="default: every committed step")
     s.add_argument("--tier", metavar="T", help="default: every tier")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_verify)
 
     s = sub.add_parser("cp", help="copy a committed step (every rank) between tiers",
                        description="Copies a committed step, every rank, from one tier to another and commits it there.")
     s.add_argument("step", type=_step, metavar="STEP")
-    s.add_argument("--from", dest="source", required=True, metavar="TIER")
-    s.add_argument("--to", dest="dest", required=True, metavar="TIER")
+    s.add_argument("--from", dest="source", required=True, metavar="TIER", help="the tier that has the step committed")
+    s.add_argument("--to", dest="dest", required=True, metavar="TIER", help="the tier to copy it to")
     s.set_defaults(func=cmd_cp)
 
     s = sub.add_parser("gc", help="apply `keep`, remove uncommitted leftovers and stale temporary files",
@@ -151,9 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_placement(ctx: Ctx) -> int:
-    from ..placement import report
+    from ..placement import report, summary
 
-    print(report(ctx.args.hosts, ctx.args.replicas, ctx.args.failures))
+    a = ctx.args
+    if a.json:
+        json_out(summary(a.hosts, a.replicas, a.failures))
+    else:
+        print(report(a.hosts, a.replicas, a.failures))
     return EXIT_OK
 
 
@@ -170,8 +178,12 @@ def _open_store(policy: str | None) -> Any:
     return Store(policy, rank=0, world_size=1)
 
 
-def _fail(message: str, code: int) -> int:
+def _fail(message: str, code: int, as_json: bool, kind: str) -> int:
+    """Reports an error: one line on stderr, and with --json a document on stdout, so a
+    script that parses stdout always gets JSON."""
     print(f"tiercel: error: {message}", file=sys.stderr)
+    if as_json:
+        json_out({"ok": False, "exit_code": code, "error": {"type": kind, "message": message}})
     return code
 
 
@@ -186,18 +198,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "needs_store", True):
             store = _open_store(args.policy)
         return args.func(Ctx(store, args))
-    except UsageError as e:
-        return _fail(str(e), EXIT_USAGE)
-    except _core.ConfigError as e:
-        return _fail(str(e), EXIT_USAGE)
+    except (UsageError, _core.ConfigError, _core.InvalidArgumentError) as e:
+        return _fail(str(e), EXIT_USAGE, args.json, type(e).__name__)
     except _core.NotFoundError as e:
-        return _fail(str(e), EXIT_NOT_FOUND)
+        return _fail(str(e), EXIT_NOT_FOUND, args.json, type(e).__name__)
     except _core.IntegrityError as e:
-        return _fail(str(e), EXIT_CORRUPT)
+        return _fail(str(e), EXIT_CORRUPT, args.json, type(e).__name__)
     except _core.TiercelError as e:
-        return _fail(str(e), EXIT_ERROR)
+        return _fail(str(e), EXIT_ERROR, args.json, type(e).__name__)
     except KeyboardInterrupt:
-        return _fail("interrupted", 130)
+        return _fail("interrupted", 130, args.json, "KeyboardInterrupt")
     except BrokenPipeError:
         # `tiercel ls | head`: the reader went away; stay quiet.
         devnull = os.open(os.devnull, os.O_WRONLY)

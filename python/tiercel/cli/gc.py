@@ -7,10 +7,10 @@ import os
 import re
 import stat
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 from .context import EXIT_OK, Ctx, local_dir
-from .output import count, fmt_bytes
+from .output import Progress, count, fmt_bytes, json_out
 
 #: gc removes a temporary file only when its writer is gone and it is at least this old.
 DEFAULT_TMP_AGE = 600.0
@@ -85,8 +85,10 @@ def _remove_tmp(root: str, d: str, name: str) -> bool:
 def cmd_gc(ctx: Ctx) -> int:
     a = ctx.args
     verb = "would remove" if a.dry_run else "removed"
-    n_steps = n_tmp = n_uploads = 0
-    for t in ctx.tiers:
+    doc: dict[str, Any] = {"dry_run": a.dry_run, "tiers": []}
+    # Listing and deleting on an object store take a request per object: a bar per tier.
+    prog = Progress("gc", len(ctx.tiers), unit="tier")
+    for n, t in enumerate(ctx.tiers):
         name = t["name"]
         infos = ctx.scan(name)
         committed = [i.step for i in infos if i.committed]
@@ -94,26 +96,39 @@ def cmd_gc(ctx: Ctx) -> int:
         keep = t["keep"]
         beyond = set(committed[:-keep] if keep is not None and len(committed) > keep else [])
         leftovers = {i.step for i in infos if not i.committed and newest is not None and i.step < newest}
+        uploads: list[str] = []
         if a.dry_run:
             removed = sorted(beyond | leftovers)
         else:
             # Abandoned multipart uploads (s3, gcs) first; retention would also do it, silently.
-            for line in ctx.core.sweep(name):
-                print(f"{name}: {line}")
-                n_uploads += 1
+            uploads = list(ctx.core.sweep(name))
             removed = list(ctx.core.retain(name))
-        for s in sorted(removed):
-            why = f"committed; beyond keep {keep}" if s in committed else "uncommitted leftover"
-            print(f"{name}: {verb} step {s} ({why})")
-        n_steps += len(removed)
+        steps = [{"step": s, "reason": f"committed; beyond keep {keep}" if s in committed else "uncommitted leftover"}
+                 for s in sorted(removed)]
         root = local_dir(t) or ""
-        for d, fname, size in list(_stale_tmp_files(t, set(removed), a.tmp_age)):
-            if a.dry_run or _remove_tmp(root, d, fname):
-                n_tmp += 1
-                print(f"{name}: {verb} {d}/{fname} (stale temporary file, {fmt_bytes(size)})")
+        tmp = [{"path": f"{d}/{fname}", "bytes": size}
+               for d, fname, size in list(_stale_tmp_files(t, set(removed), a.tmp_age))
+               if a.dry_run or _remove_tmp(root, d, fname)]
+        doc["tiers"].append({"name": name, "aborted_uploads": uploads, "steps": steps, "temporary_files": tmp})
+        prog.update(done=n + 1)
+    prog.finish()
+    n_steps = sum(len(t["steps"]) for t in doc["tiers"])
+    n_tmp = sum(len(t["temporary_files"]) for t in doc["tiers"])
+    n_uploads = sum(len(t["aborted_uploads"]) for t in doc["tiers"])
+    doc.update(steps=n_steps, temporary_files=n_tmp, aborted_uploads=n_uploads)
+    if a.json:
+        json_out(doc)
+        return EXIT_OK
+    for t in doc["tiers"]:
+        for line in t["aborted_uploads"]:
+            print(f"{t['name']}: {line}")
+        for s in t["steps"]:
+            print(f"{t['name']}: {verb} step {s['step']} ({s['reason']})")
+        for f in t["temporary_files"]:
+            print(f"{t['name']}: {verb} {f['path']} (stale temporary file, {fmt_bytes(f['bytes'])})")
     if n_steps or n_tmp or n_uploads:
-        uploads = f", aborted {count(n_uploads, 'abandoned upload')}" if n_uploads else ""
-        print(f"gc: {verb} {count(n_steps, 'step')} and {count(n_tmp, 'temporary file')}{uploads}")
+        aborted = f", aborted {count(n_uploads, 'abandoned upload')}" if n_uploads else ""
+        print(f"gc: {verb} {count(n_steps, 'step')} and {count(n_tmp, 'temporary file')}{aborted}")
     else:
         print("gc: nothing to remove")
     return EXIT_OK

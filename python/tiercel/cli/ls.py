@@ -6,7 +6,7 @@ import sys
 from typing import Any
 
 from .context import EXIT_OK, Ctx, uncommitted_details
-from .output import fmt_bytes, fmt_time, json_out, table
+from .output import Progress, fmt_bytes, fmt_time, json_out, table
 
 
 def _tier_summary(t: dict) -> str:
@@ -21,14 +21,18 @@ def _tier_summary(t: dict) -> str:
 
 def cmd_ls(ctx: Ctx) -> int:
     doc: dict[str, Any] = {"policy": ctx.core.policy_source, "tiers": []}
-    for t in ctx.tiers:
+    scans = [(t, ctx.scan(t["name"])) for t in ctx.tiers]
+    # Sizes take one manifest read per rank and step: many requests on an object store.
+    prog = Progress("ls: reading manifests", sum(i.state == "committed" for _, infos in scans for i in infos), unit="step")
+    for t, infos in scans:
         steps = []
-        for info in ctx.scan(t["name"]):
+        for info in infos:
             entry: dict[str, Any] = {"step": info.step, "state": info.state}
             if info.state == "committed":
                 assert info.record is not None
                 ws = info.record["world_size"]
                 sizes = ctx.committed_sizes(t["name"], info.step, ws)
+                prog.update(done=prog.done + 1)
                 entry.update(world_size=ws, ranks=sizes.ranks, stored_bytes=sizes.stored, raw_bytes=sizes.raw,
                              time=info.record["time"], error="; ".join(sizes.errors) or None)
             elif info.state == "uncommitted":
@@ -37,6 +41,7 @@ def cmd_ls(ctx: Ctx) -> int:
                 entry.update(world_size=None, ranks=None, stored_bytes=None, raw_bytes=None, time=None, error=info.error)
             steps.append(entry)
         doc["tiers"].append({k: t[k] for k in ("name", "kind", "location", "every", "keep", "compression")} | {"steps": steps})
+    prog.finish()
     if ctx.args.json:
         json_out(doc)
         return EXIT_OK

@@ -84,7 +84,7 @@ def _verify_step(ctx: Ctx, tier: str, info: StepInfo) -> tuple[list[Problem], di
         except _core.TiercelError as e:
             problems.append(Problem(tier, step, r, None, _problem_kind(e), str(e)))
     total = sum(it["nbytes"] for _, _, m in readers for it in m["items"])
-    prog = Progress(f"verify {tier} step {step}", ws, total, unit="ranks")
+    prog = Progress(f"verify {tier} step {step}", ws, total, unit="rank")
     done_bytes = 0
     for n, (r, rd, m) in enumerate(readers, 1):
         items = m["items"]
@@ -117,7 +117,7 @@ def _verify_step(ctx: Ctx, tier: str, info: StepInfo) -> tuple[list[Problem], di
             pass
     checked["ok"] = not problems
     status = "ok" if not problems else f"{len(problems)} bad"
-    prog.finish(f"verify: tier '{tier}' step {step}: {checked['ranks']}/{ws} ranks, {checked['items']} items, "
+    prog.finish(f"verify: tier '{tier}' step {step}: {checked['ranks']}/{count(ws, 'rank')}, {count(checked['items'], 'item')}, "
                 f"{fmt_bytes(done_bytes)}: {status}")
     return problems, checked
 
