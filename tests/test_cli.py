@@ -476,3 +476,63 @@ def test_one_rank_is_one_rank(tmp_path: Path, capsys):
         assert main(capsys, "--policy", pol, "inspect", "1", "--rank", "1")[2].endswith("saved by 1 rank; there is no rank 1\n")
     finally:
         shutil.rmtree(e.shm, ignore_errors=True)
+
+
+# -- a tier out of reach, a peer tier: the others are still listed, checked, cleaned -------
+
+
+def test_unreachable_tier_and_peer_tier_do_not_hide_the_others(env: Env, capsys, monkeypatch):
+    from test_multirank import free_port
+
+    # Nothing listens on the bucket's port: every request is refused at once.
+    policy = env.tmp / "more.toml"
+    policy.write_text(env.policy.read_text().replace("[store]", f"""\
+[[tier]]
+name = "peer"
+kind = "peer"
+
+[[tier]]
+name = "bucket"
+kind = "s3"
+url = "s3://ckpt/run1"
+endpoint = "http://127.0.0.1:{free_port()}"
+retries = 0
+timeout = 5
+
+[store]"""))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    pol = str(policy)
+
+    code, out, err = main(capsys, "ls", "--policy", pol)
+    assert code == 4, out + err
+    assert "    4  committed" in out and "ram (memory" in out and "disk (fs" in out  # the reachable tiers, in full
+    assert "peer (peer, 0.0.0.0:0, keep 2)\n  (not looked at: a peer tier's replicas" in out
+    assert "bucket (s3, s3://ckpt/run1, keep all, zstd:3)\n  (cannot list: " in out
+    assert "tiercel: error: tier 'bucket' cannot be listed: " in err
+    doc = json.loads(main(capsys, "ls", "--policy", pol, "--json")[1])
+    by_name = {t["name"]: t for t in doc["tiers"]}
+    assert [s["step"] for s in by_name["ram"]["steps"]] == [2, 3, 4] and by_name["ram"]["error"] is None
+    assert by_name["peer"]["skipped"] and by_name["peer"]["error"] is None
+    assert by_name["bucket"]["error"] and by_name["bucket"]["steps"] == []
+
+    code, out, _ = main(capsys, "verify", "--policy", pol)
+    assert code == 4, out
+    assert out.startswith("ERROR: tier 'bucket': cannot list the tier: ")
+    assert "verified 5 step copies on ram, disk" in out and "1 unreadable" in out
+    code, out, _ = main(capsys, "verify", "--policy", pol, "--json")
+    assert code == 4 and [(p["tier"], p["step"]) for p in json.loads(out)["problems"]] == [("bucket", None)]
+
+    assert main(capsys, "inspect", "4", "--policy", pol)[0] == 0
+    code, out, err = main(capsys, "gc", "--dry-run", "--policy", pol, "--json")
+    gc = {t["name"]: t for t in json.loads(out)["tiers"]}
+    assert code == 4 and gc["peer"]["skipped"] and gc["bucket"]["error"] and gc["ram"]["error"] is None
+    for args in (("verify", "--tier", "peer"), ("cp", "4", "--from", "ram", "--to", "peer"), ("rm", "4", "--tier", "peer")):
+        code, _, err = main(capsys, *args, "--policy", pol)
+        assert code == 2 and "tier 'peer' is a peer tier" in err, (args, err)
+
+    # A peer tier alone does not make a command fail.
+    peer_only = env.tmp / "peer.toml"
+    peer_only.write_text(env.policy.read_text().replace("[store]", '[[tier]]\nname = "peer"\nkind = "peer"\n\n[store]'))
+    for args in (("ls",), ("verify",), ("gc", "--dry-run")):
+        assert main(capsys, *args, "--policy", str(peer_only))[0] == 0, args

@@ -22,6 +22,9 @@ class UsageError(Exception):
     """A mistake on the command line (exit code 2)."""
 
 
+#: Why the command leaves a peer tier alone: its replicas live in the memory of the job's
+#: hosts and are reached through the job's running processes, which the command does not join.
+PEER_SKIPPED = "not looked at: a peer tier's replicas are reached through the job's own processes"
 
 
 @dataclass
@@ -61,8 +64,17 @@ class Ctx:
                 return t
         raise UsageError(f"no tier named '{name}' in {self.core.policy_source} (tiers: {', '.join(self.names)})")
 
+    def reachable(self, name: str) -> str:
+        """A tier named on the command line that the command can work on: not a peer tier."""
+        if self.tier(name)["kind"] == "peer":
+            raise UsageError(f"tier '{name}' is a peer tier: {PEER_SKIPPED}")
+        return name
+
     def selected_tiers(self, name: str | None) -> list[str]:
-        return [self.tier(name)["name"]] if name else list(self.names)
+        """`--tier NAME`, or every tier the command can look at (no peer tier)."""
+        if name:
+            return [self.reachable(name)]
+        return [t["name"] for t in self.tiers if t["kind"] != "peer"]
 
     def scan(self, tier: str) -> list[StepInfo]:
         """Every step directory on a tier, oldest first, with its commit record if any."""
@@ -81,11 +93,12 @@ class Ctx:
 
     def has(self, tier: str, step: int) -> bool:
         """Whether `step` is committed on `tier` with a readable commit record (one read, not
-        a listing); `verify` and `ls` report unreadable records."""
+        a listing); `verify` and `ls` report unreadable records, and a tier that cannot be
+        reached has nothing (`require_committed` says why)."""
         try:
             self.core.commit_record(tier, step)
             return True
-        except (_core.NotFoundError, _core.IntegrityError):
+        except _core.TiercelError:
             return False
 
     def manifest(self, tier: str, step: int, rank: int) -> dict:
@@ -108,9 +121,15 @@ class Ctx:
         """The tiers among `tiers` that have `step` committed, or NotFoundError."""
         have = [t for t in tiers if self.has(t, step)]
         if not have:
-            listing = "; ".join(f"{t}: {self.committed(t) or 'none'}" for t in tiers)
-            raise _core.NotFoundError(f"step {step} is committed on no tier in {tiers} (committed steps: {listing})")
+            raise _core.NotFoundError(f"step {step} is committed on no tier in {tiers} "
+                                      f"(committed steps: {'; '.join(self._committed_or_why(t) for t in tiers)})")
         return have
+
+    def _committed_or_why(self, tier: str) -> str:
+        try:
+            return f"{tier}: {self.committed(tier) or 'none'}"
+        except _core.TiercelError as e:
+            return f"{tier}: cannot list ({e})"
 
 
 def local_dir(tier: dict) -> str | None:

@@ -13,7 +13,7 @@ from .output import Progress, count, fmt_bytes, json_out
 
 def cmd_cp(ctx: Ctx) -> int:
     a = ctx.args
-    src, dst = ctx.tier(a.source)["name"], ctx.tier(a.dest)["name"]
+    src, dst = ctx.reachable(a.source), ctx.reachable(a.dest)
     if src == dst:
         raise UsageError(f"--from and --to are the same tier ('{src}')")
     ctx.require_committed(a.step, [src])
@@ -52,7 +52,7 @@ def cmd_cp(ctx: Ctx) -> int:
 
 def cmd_rm(ctx: Ctx) -> int:
     a = ctx.args
-    tier = ctx.tier(a.tier)["name"]
+    tier = ctx.reachable(a.tier)
     steps = ctx.core.all_steps(tier)
     if a.step not in steps:
         raise _core.NotFoundError(f"tier '{tier}' has no step {a.step} (steps: {steps or 'none'})")

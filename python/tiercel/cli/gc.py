@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import re
 import stat
+import sys
 import time
 from typing import Any, Iterator
 
-from .context import EXIT_OK, Ctx, local_dir
+from .. import _core
+from .context import EXIT_ERROR, EXIT_OK, PEER_SKIPPED, Ctx, local_dir
 from .output import Progress, count, fmt_bytes, json_out
 
 #: gc removes a temporary file only when its writer is gone and it is at least this old.
@@ -89,37 +91,29 @@ def cmd_gc(ctx: Ctx) -> int:
     # Listing and deleting on an object store take a request per object: a bar per tier.
     prog = Progress("gc", len(ctx.tiers), unit="tier")
     for n, t in enumerate(ctx.tiers):
-        name = t["name"]
-        infos = ctx.scan(name)
-        committed = [i.step for i in infos if i.committed]
-        newest = committed[-1] if committed else None
-        keep = t["keep"]
-        beyond = set(committed[:-keep] if keep is not None and len(committed) > keep else [])
-        leftovers = {i.step for i in infos if not i.committed and newest is not None and i.step < newest}
-        uploads: list[str] = []
-        if a.dry_run:
-            removed = sorted(beyond | leftovers)
+        entry: dict[str, Any] = {"name": t["name"], "error": None, "skipped": None, "aborted_uploads": [], "steps": [],
+                                 "temporary_files": []}
+        doc["tiers"].append(entry)
+        if t["kind"] == "peer":
+            entry["skipped"] = PEER_SKIPPED + " (its holders apply `keep` themselves)"
         else:
-            # Abandoned multipart uploads (s3, gcs) first; retention would also do it, silently.
-            uploads = list(ctx.core.sweep(name))
-            removed = list(ctx.core.retain(name))
-        steps = [{"step": s, "reason": f"committed; beyond keep {keep}" if s in committed else "uncommitted leftover"}
-                 for s in sorted(removed)]
-        root = local_dir(t) or ""
-        tmp = [{"path": f"{d}/{fname}", "bytes": size}
-               for d, fname, size in list(_stale_tmp_files(t, set(removed), a.tmp_age))
-               if a.dry_run or _remove_tmp(root, d, fname)]
-        doc["tiers"].append({"name": name, "aborted_uploads": uploads, "steps": steps, "temporary_files": tmp})
+            try:
+                entry.update(_collect(ctx, t, a.dry_run, a.tmp_age))
+            except _core.TiercelError as e:  # one tier out of reach: clean up the others
+                entry["error"] = str(e)
         prog.update(done=n + 1)
     prog.finish()
     n_steps = sum(len(t["steps"]) for t in doc["tiers"])
     n_tmp = sum(len(t["temporary_files"]) for t in doc["tiers"])
     n_uploads = sum(len(t["aborted_uploads"]) for t in doc["tiers"])
     doc.update(steps=n_steps, temporary_files=n_tmp, aborted_uploads=n_uploads)
+    code = EXIT_ERROR if any(t["error"] for t in doc["tiers"]) else EXIT_OK
     if a.json:
         json_out(doc)
-        return EXIT_OK
+        return code
     for t in doc["tiers"]:
+        if t["skipped"]:
+            print(f"{t['name']}: {t['skipped']}")
         for line in t["aborted_uploads"]:
             print(f"{t['name']}: {line}")
         for s in t["steps"]:
@@ -131,4 +125,32 @@ def cmd_gc(ctx: Ctx) -> int:
         print(f"gc: {verb} {count(n_steps, 'step')} and {count(n_tmp, 'temporary file')}{aborted}")
     else:
         print("gc: nothing to remove")
-    return EXIT_OK
+    for t in doc["tiers"]:
+        if t["error"]:
+            print(f"tiercel: error: tier '{t['name']}': {t['error']}", file=sys.stderr)
+    return code
+
+
+def _collect(ctx: Ctx, t: dict, dry_run: bool, tmp_age: float) -> dict[str, Any]:
+    """What gc removes (or, dry, would remove) on one tier."""
+    name = t["name"]
+    infos = ctx.scan(name)
+    committed = [i.step for i in infos if i.committed]
+    newest = committed[-1] if committed else None
+    keep = t["keep"]
+    beyond = set(committed[:-keep] if keep is not None and len(committed) > keep else [])
+    leftovers = {i.step for i in infos if not i.committed and newest is not None and i.step < newest}
+    uploads: list[str] = []
+    if dry_run:
+        removed = sorted(beyond | leftovers)
+    else:
+        # Abandoned multipart uploads (s3, gcs) first; retention would also do it, silently.
+        uploads = list(ctx.core.sweep(name))
+        removed = list(ctx.core.retain(name))
+    steps = [{"step": s, "reason": f"committed; beyond keep {keep}" if s in committed else "uncommitted leftover"}
+             for s in sorted(removed)]
+    root = local_dir(t) or ""
+    tmp = [{"path": f"{d}/{fname}", "bytes": size}
+           for d, fname, size in list(_stale_tmp_files(t, set(removed), tmp_age))
+           if dry_run or _remove_tmp(root, d, fname)]
+    return {"aborted_uploads": uploads, "steps": steps, "temporary_files": tmp}
