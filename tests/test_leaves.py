@@ -144,3 +144,21 @@ def test_bad_values_are_invalid_arguments_naming_the_path(store):
         store.save(2, {"x": {"f": lambda: 0}})
     store.save(2, {"x": {"ok": np.ones(2)}}).wait(60)
     assert_same(store.restore(), {"x": {"ok": np.ones(2)}})
+
+
+def test_steps_and_depth_are_checked_at_the_call(store):
+    for bad in (-1, "x", 1.0, True):
+        with pytest.raises(tiercel.InvalidArgumentError, match="a step is a non-negative int"):
+            store.restore(bad)
+        with pytest.raises(tiercel.InvalidArgumentError, match="a step is a non-negative int"):
+            store.save(bad, {"a": 1})
+    deep: list = [np.ones(1)]
+    for _ in range(60):
+        deep = [deep]
+    with pytest.raises(tiercel.InvalidArgumentError, match="nested more than 48 levels"):
+        store.save(2, {"deep": deep})
+    ok: list = [np.ones(1)]
+    for _ in range(47):
+        ok = [ok]
+    store.save(2, {"ok": ok}).wait(60)
+    assert_same(store.restore(2), {"ok": ok})

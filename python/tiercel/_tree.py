@@ -47,6 +47,10 @@ def _unscalar(node: dict) -> Any:
     raise ValueError(f"not a scalar node: {t}")
 
 
+#: How deep a value may nest (dicts, lists, tuples): each level is two JSON levels of the
+#: tree, which sits inside the manifest, and the core's JSON reader stops at 128.
+MAX_DEPTH = 48
+
 #: Exact types that are tree scalars. Subclasses (IntEnum, np.float64) are leaves: a handler
 #: (numpy) or the pickle fallback keeps their type.
 _SCALARS = (type(None), bool, int, float, str)
@@ -74,6 +78,9 @@ class Flattener:
     def node(self, v: Any, path: list[str]) -> dict:
         from .leaves import handler_for
 
+        if len(path) > MAX_DEPTH:
+            raise TypeError(f"'{self._display(path[:4])}/...' is nested more than {MAX_DEPTH} levels deep; "
+                            "flatten it (the manifest's JSON reader has a depth limit)")
         if type(v) in _SCALARS:
             s = _scalar(v)
             assert s is not None

@@ -184,7 +184,7 @@ class Reader:
         t0 = time.perf_counter()
         buf, tier = self._core.read_range(it.index, start, length)
         self._account(tier, length, t0)
-        return np.frombuffer(buf, dtype=np.uint8) if length else np.empty(0, dtype=np.uint8)
+        return np.frombuffer(memoryview(buf), dtype=np.uint8) if length else np.empty(0, dtype=np.uint8)
 
     def value(self, item: Item | int | str) -> Any:
         """One item rebuilt by the leaf handler that wrote it (an array, a tensor, bytes)."""

@@ -106,9 +106,7 @@ class Store:
 
     def writer(self, step: int) -> Writer:
         """A writer for `step`: `with store.writer(step) as w: w.put("model", sd)`."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
-        return Writer(self, step)
+        return Writer(self, _check_step(step))
 
     def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
         """Saves a dict state; each top-level key becomes one put ("model", "optim", ...).
@@ -177,13 +175,15 @@ class Store:
         """A reader of `step` (default: the newest step restorable by every rank)."""
         if step is None:
             step = self._require_latest()
-        return Reader(self, step, rank, tiers)
+        return Reader(self, _check_step(step), rank, tiers)
 
     def restore(self, step: int | None = None) -> dict[str, Any]:
         """Restores a step (default: the newest one every rank can restore) as the dict that
         was saved. Arrays from the memory tier are zero-copy views over shared memory;
         writing to them never changes the checkpoint."""
         skipped: list[str] = []
+        if step is not None:
+            _check_step(step)
         if step is None:
             step = self._require_latest()
             skipped = list(self._skipped)
@@ -235,3 +235,11 @@ class Store:
             self.close()
         except Exception:
             pass
+
+
+
+def _check_step(step: Any) -> int:
+    """A step is a non-negative int (the core refuses steps its on-tier names cannot hold)."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise InvalidArgumentError(f"a step is a non-negative int, got {step!r}")
+    return step

@@ -7,8 +7,10 @@ use std::io::Write;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
 
 use crate::error::{Error, Result};
+use crate::tier::gc::{self, Removal, Target};
 
 pub trait Blobs: Send + Sync {
     /// Where `key` lives, for messages (a path or URL; never credentials).
@@ -29,10 +31,15 @@ pub trait Blobs: Send + Sync {
     fn delete(&self, key: &str) -> Result<()>;
     /// Deletes everything under `prefix`.
     fn delete_prefix(&self, prefix: &str) -> Result<()>;
-    /// Cleans up what killed writers left behind outside the step layout (an object store's
-    /// abandoned multipart uploads). Returns what it removed, one line each.
-    fn sweep(&self) -> Result<Vec<String>> {
+    /// What writers that died left here (see `tier::gc`): temporary files of writers that
+    /// are gone, at least `temp_age` old (None: none of them), on a filesystem; abandoned
+    /// multipart uploads on an object store.
+    fn leftovers(&self, _temp_age: Option<Duration>) -> Result<Vec<Removal>> {
         Ok(vec![])
+    }
+    /// Removes one thing `leftovers` listed; false when it was gone already.
+    fn remove_leftover(&self, _r: &Removal) -> Result<bool> {
+        Ok(false)
     }
 }
 
@@ -51,16 +58,13 @@ pub struct FsBlobs {
 
 static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
 
+/// `<path>.tmp-<pid>-<n>`: a writer's temporary file, named so that gc can tell whose it
+/// is (`tier::gc::temp_writer`) once a killed writer leaves it.
 fn tmp_path(p: &Path) -> PathBuf {
     let n = TMP_SEQ.fetch_add(1, Ordering::Relaxed);
     let mut s = p.as_os_str().to_owned();
-    s.push(format!(".tmp-{}-{n}", std::process::id()));
+    s.push(format!("{}{}-{n}", gc::TEMP_MARKER, std::process::id()));
     PathBuf::from(s)
-}
-
-/// Temporary files left by a killed writer carry this marker; gc removes them.
-pub fn is_tmp_name(name: &str) -> bool {
-    name.contains(".tmp-")
 }
 
 impl FsBlobs {
@@ -202,6 +206,56 @@ impl Blobs for FsBlobs {
         match fs::remove_dir_all(&p) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(self.err(&p, e)),
+        }
+    }
+
+    /// Stale temporary files anywhere under the root. Only regular files count, and symbolic
+    /// links are never followed, so nothing outside the root is ever listed (or removed).
+    fn leftovers(&self, temp_age: Option<Duration>) -> Result<Vec<Removal>> {
+        let Some(min_age) = temp_age else { return Ok(vec![]) };
+        let mut out = vec![];
+        let mut dirs = vec![String::new()];
+        let now = SystemTime::now();
+        while let Some(dir) = dirs.pop() {
+            let p = self.path(&dir);
+            let rd = match fs::read_dir(&p) {
+                Ok(rd) => rd,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(self.err(&p, e)),
+            };
+            for entry in rd.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let key = if dir.is_empty() { name.clone() } else { format!("{dir}/{name}") };
+                let Ok(meta) = entry.metadata() else { continue }; // does not follow links
+                if meta.is_dir() {
+                    dirs.push(key);
+                    continue;
+                }
+                if !meta.is_file() {
+                    continue;
+                }
+                let age = meta.modified().ok().and_then(|m| now.duration_since(m).ok()).unwrap_or_default();
+                if let Some(reason) = gc::stale_temp(&name, age, min_age) {
+                    out.push(Removal::new(Target::TempFile { key, bytes: meta.len() }, reason));
+                }
+            }
+        }
+        out.sort_by(|a, b| a.key().cmp(&b.key()));
+        Ok(out)
+    }
+
+    fn remove_leftover(&self, r: &Removal) -> Result<bool> {
+        let Target::TempFile { key, .. } = &r.target else { return Ok(false) };
+        let p = self.path(key);
+        // Checked again: never a link, and still a temporary file.
+        match fs::symlink_metadata(&p) {
+            Ok(m) if m.is_file() && key.contains(gc::TEMP_MARKER) => {}
+            _ => return Ok(false),
+        }
+        match fs::remove_file(&p) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
             Err(e) => Err(self.err(&p, e)),
         }
     }

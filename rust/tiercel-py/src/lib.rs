@@ -17,6 +17,7 @@ use tiercel_core::error::{Error, ErrorKind};
 use tiercel_core::format::ShardInfo;
 use tiercel_core::policy::Policy;
 use tiercel_core::store::{self as core, ItemData, ItemSpec};
+use tiercel_core::tier::gc::Removal;
 use tiercel_core::tier::memory::{Segment, View};
 
 create_exception!(_core, TiercelError, PyException, "Base class of every tiercel error.");
@@ -45,6 +46,21 @@ fn json<T: serde::Serialize + ?Sized>(v: &T) -> String {
 
 fn parse_json(s: &str, what: &str) -> PyResult<serde_json::Value> {
     serde_json::from_str(s).map_err(|e| InvalidArgumentError::new_err(format!("{what} is not valid JSON: {e}")))
+}
+
+fn seconds(s: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s)
+        .map_err(|_| InvalidArgumentError::new_err(format!("tmp_age must be a non-negative number of seconds, got {s}")))
+}
+
+fn removal_dict<'py>(py: Python<'py>, r: &Removal) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("what", r.what())?;
+    d.set_item("step", r.step())?;
+    d.set_item("path", r.key())?;
+    d.set_item("bytes", r.bytes())?;
+    d.set_item("reason", &r.reason)?;
+    Ok(d)
 }
 
 /// Memory handed to Python through the buffer protocol: a segment being written, a
@@ -164,8 +180,8 @@ impl Store {
                 let c = &s.config;
                 let d = PyDict::new(py);
                 d.set_item("name", &c.name)?;
-                d.set_item("kind", c.kind.as_str())?;
-                d.set_item("location", &c.location)?;
+                d.set_item("kind", c.kind().as_str())?;
+                d.set_item("location", c.location())?;
                 d.set_item("every", c.every)?;
                 d.set_item("keep", c.keep)?;
                 d.set_item("compression", c.compression.to_string())?;
@@ -235,8 +251,26 @@ impl Store {
     /// Cleans up what killed writers left outside the steps (an object store's abandoned
     /// multipart uploads); one line per thing removed. `retain` does this first as well.
     fn sweep(&self, py: Python<'_>, tier: &str) -> PyResult<Vec<String>> {
-        let slot = self.inner.slot(tier).map_err(err)?;
-        py.allow_threads(|| slot.tier.blobs().sweep()).map_err(err)
+        py.allow_threads(|| self.inner.sweep_uploads(tier)).map_err(err)
+    }
+
+    /// What `gc(tier)` would remove now, and why: [{"what": "step" | "temp file" | "upload" |
+    /// "segment", "step": int | None, "path": str | None, "bytes": int | None, "reason": str}].
+    /// Temporary files of dead writers count once `tmp_age` seconds old.
+    #[pyo3(signature = (tier, tmp_age=600.0))]
+    fn gc_plan<'py>(&self, py: Python<'py>, tier: &str, tmp_age: f64) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let age = seconds(tmp_age)?;
+        let plan = py.allow_threads(|| self.inner.gc_plan(tier, age)).map_err(err)?;
+        plan.iter().map(|r| removal_dict(py, r)).collect()
+    }
+
+    /// Removes what `gc_plan(tier)` lists (retention, leftovers of killed writers); returns
+    /// what was removed, in the same form.
+    #[pyo3(signature = (tier, tmp_age=600.0))]
+    fn gc<'py>(&self, py: Python<'py>, tier: &str, tmp_age: f64) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let age = seconds(tmp_age)?;
+        let done = py.allow_threads(|| self.inner.gc(tier, age)).map_err(err)?;
+        done.iter().map(|r| removal_dict(py, r)).collect()
     }
 
     /// Tells the memory tier which ranks share this host's root (a step commits there when

@@ -1,25 +1,31 @@
-//! A tier over any `Blobs` store (a filesystem directory today; object stores next): each
-//! rank's step is one data object of encoded chunks plus its manifest.
+//! A tier over any `Blobs` store (a filesystem directory, an s3 or gcs bucket prefix): each
+//! rank's step is one data object of encoded chunks plus its manifest, in the step layout.
 
 use std::sync::Arc;
 
+use super::gc::{GcOptions, Removal};
+use super::layout::{self, StepLayout};
+use super::{encode_rank, ChunkSource, Tier};
 use crate::blobs::Blobs;
 use crate::error::Result;
-use crate::format::{self, ChunkMeta, Manifest};
+use crate::format::{self, ChunkMeta, CommitRecord, Manifest};
 use crate::policy::Compression;
 use crate::scheduler::Link;
-use crate::tier::{encode_rank, ChunkSource, Tier};
 
 pub struct BlobTier {
     name: String,
-    kind: &'static str,
-    blobs: Arc<dyn Blobs>,
+    layout: StepLayout,
     compression: Compression,
 }
 
 impl BlobTier {
-    pub fn new(name: &str, kind: &'static str, blobs: Arc<dyn Blobs>, compression: Compression) -> BlobTier {
-        BlobTier { name: name.into(), kind, blobs, compression }
+    pub fn new(name: &str, blobs: Arc<dyn Blobs>, compression: Compression) -> BlobTier {
+        BlobTier { name: name.into(), layout: StepLayout::new(name, blobs), compression }
+    }
+
+    /// The objects underneath (for tools and tests that look at or damage stored bytes).
+    pub fn blobs(&self) -> &dyn Blobs {
+        self.layout.blobs()
     }
 }
 
@@ -28,22 +34,10 @@ impl Tier for BlobTier {
         &self.name
     }
 
-    fn kind(&self) -> &'static str {
-        self.kind
-    }
-
-    fn blobs(&self) -> &dyn Blobs {
-        &*self.blobs
-    }
-
     fn write_rank(&self, logical: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<Manifest> {
-        let dir = format::step_dir(logical.step);
         let object = format::data_name(logical.rank);
-        // Writing a step again: uncommit it and drop this rank's old manifest first, so no
-        // reader mixes old and new data and no stale manifest counts towards a commit.
-        self.blobs.delete(&format!("{dir}/{}", format::COMMIT_NAME))?;
-        self.blobs.delete(&format!("{dir}/{}", format::manifest_name(logical.rank)))?;
-        let mut w = self.blobs.create(&format!("{dir}/{object}"))?;
+        self.layout.uncommit(logical.step, logical.rank)?;
+        let mut w = self.layout.blobs().create(&layout::key(logical.step, &object))?;
         let res = encode_rank(&self.name, logical, src, self.compression, &object, link, &mut |b| w.write(b));
         let manifest = match res {
             Ok(m) => m,
@@ -53,12 +47,43 @@ impl Tier for BlobTier {
             }
         };
         w.finish()?;
-        self.blobs.put(&format!("{dir}/{}", format::manifest_name(logical.rank)), &manifest.to_json())?;
+        self.layout.write_manifest(&manifest)?;
         Ok(manifest)
     }
 
     fn read_stored(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8]) -> Result<()> {
-        let key = format!("{}/{}", format::step_dir(m.step), m.objects[c.object as usize].name);
-        self.blobs.get_range(&key, c.stored_offset, dst)
+        self.layout.read_stored(m, c, dst)
+    }
+
+    fn try_commit(&self, step: u64, world_size: u32) -> Result<bool> {
+        self.layout.try_commit(step, world_size, None)
+    }
+
+    fn all_steps(&self) -> Result<Vec<u64>> {
+        self.layout.all_steps()
+    }
+
+    fn committed_steps(&self) -> Result<Vec<u64>> {
+        self.layout.committed_steps()
+    }
+
+    fn commit_record(&self, step: u64) -> Result<CommitRecord> {
+        self.layout.commit_record(step)
+    }
+
+    fn read_manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
+        self.layout.read_manifest(step, rank)
+    }
+
+    fn delete_step(&self, step: u64) -> Result<()> {
+        self.layout.delete_step(step)
+    }
+
+    fn gc_plan(&self, opts: &GcOptions) -> Result<Vec<Removal>> {
+        self.layout.gc_plan(opts)
+    }
+
+    fn gc_apply(&self, plan: Vec<Removal>) -> Result<Vec<Removal>> {
+        self.layout.gc_apply(plan)
     }
 }

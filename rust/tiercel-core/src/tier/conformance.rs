@@ -11,10 +11,10 @@ use std::any::Any;
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::blobs::FsBlobs;
+use crate::blobs::{Blobs, FsBlobs};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{self, ChunkMeta, ItemMeta, Manifest};
-use crate::policy::{Codec, Compression, TierConfig, TierKind};
+use crate::policy::{Codec, Compression, TierKind};
 use crate::scheduler::Link;
 use crate::tier::blob::BlobTier;
 use crate::tier::memory::MemoryTier;
@@ -24,8 +24,16 @@ use crate::tier::{read_chunk, ChunkSource, Tier};
 /// prefix, a server process).
 pub type Guard = Box<dyn Any>;
 
+/// A fresh, empty tier of one kind under test, with the objects its bytes are stored in (to
+/// look at and damage them) and what keeps its storage alive.
+pub struct Subject {
+    pub tier: Arc<dyn Tier>,
+    pub storage: Arc<dyn Blobs>,
+    pub guard: Guard,
+}
+
 /// Makes a fresh, empty tier of one kind.
-pub type Make = dyn Fn() -> (Arc<dyn Tier>, Guard);
+pub type Make = dyn Fn() -> Subject;
 
 // ---------------------------------------------------------------------------------------------
 // Constructors, one per kind
@@ -35,17 +43,18 @@ fn tempdir_in(base: &str) -> tempfile::TempDir {
     tempfile::Builder::new().prefix("tiercel-conformance-").tempdir_in(base).expect("tempdir")
 }
 
-pub fn memory_tier() -> (Arc<dyn Tier>, Guard) {
+pub fn memory_tier() -> Subject {
     let dir = tempdir_in("/dev/shm");
     let tier: Arc<dyn Tier> = MemoryTier::open("ram", dir.path(), None).expect("open memory tier");
-    (tier, Box::new(dir))
+    let storage = Arc::new(FsBlobs::new("ram", dir.path()).expect("open fs blobs"));
+    Subject { tier, storage, guard: Box::new(dir) }
 }
 
-pub fn fs_tier(compression: Compression) -> (Arc<dyn Tier>, Guard) {
+pub fn fs_tier(compression: Compression) -> Subject {
     let dir = tempdir_in(&std::env::temp_dir().display().to_string());
-    let blobs = FsBlobs::new("disk", dir.path()).expect("open fs blobs");
-    let tier: Arc<dyn Tier> = Arc::new(BlobTier::new("disk", "fs", Arc::new(blobs), compression));
-    (tier, Box::new(dir))
+    let storage: Arc<dyn Blobs> = Arc::new(FsBlobs::new("disk", dir.path()).expect("open fs blobs"));
+    let tier: Arc<dyn Tier> = Arc::new(BlobTier::new("disk", storage.clone(), compression));
+    Subject { tier, storage, guard: Box::new(dir) }
 }
 
 /// An object-store tier under a fresh prefix of a bucket named by `{var}_ENDPOINT` and
@@ -53,8 +62,7 @@ pub fn fs_tier(compression: Compression) -> (Arc<dyn Tier>, Guard) {
 /// (`tests/servers.py`, run by `make test-rust`) starts and makes. No GCS emulator here takes
 /// the XML API writes that the gcs kind sends (see docs/object-store.md), so the gcs kind runs
 /// only when pointed at a real bucket. The prefix is deleted afterwards.
-pub fn object_tier(kind: TierKind, var: &str, compression: Compression) -> (Arc<dyn Tier>, Guard) {
-    use crate::blobs::Blobs;
+pub fn object_tier(kind: TierKind, var: &str, compression: Compression) -> Subject {
     use crate::object::{Env, ObjectBlobs};
     static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let get = |k: &str| std::env::var(format!("{var}_{k}")).unwrap_or_else(|_| panic!("${var}_{k} is not set"));
@@ -63,7 +71,7 @@ pub fn object_tier(kind: TierKind, var: &str, compression: Compression) -> (Arc<
     let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let prefix = format!("conformance-{}-{n}", std::process::id());
     // Through the policy parser, as a user's tier would be.
-    let cfg = |url: String| -> TierConfig {
+    let cfg = |url: String| -> crate::policy::TierConfig {
         let json = serde_json::json!({"tier": [
             {"name": "ram", "kind": "memory", "root": "/unused"},
             {"name": kind.as_str(), "kind": kind.as_str(), "url": url, "endpoint": endpoint, "retries": 3,
@@ -78,16 +86,18 @@ pub fn object_tier(kind: TierKind, var: &str, compression: Compression) -> (Arc<
         env.vars.insert("AWS_ACCESS_KEY_ID".into(), "tiercel-test-key".into());
         env.vars.insert("AWS_SECRET_ACCESS_KEY".into(), "tiercel-test-secret-0123456789".into());
     }
-    let blobs = ObjectBlobs::open_with(&cfg(format!("{scheme}://{bucket}/{prefix}")), &env).expect("open object tier");
-    let tier: Arc<dyn Tier> = Arc::new(BlobTier::new(kind.as_str(), kind.as_str(), Arc::new(blobs), compression));
-    let root = ObjectBlobs::open_with(&cfg(format!("{scheme}://{bucket}")), &env).expect("open bucket");
+    let storage: Arc<dyn Blobs> = Arc::new(
+        ObjectBlobs::open_with(kind.as_str(), &cfg(format!("{scheme}://{bucket}/{prefix}")).spec, &env).expect("open object tier"),
+    );
+    let tier: Arc<dyn Tier> = Arc::new(BlobTier::new(kind.as_str(), storage.clone(), compression));
+    let root = ObjectBlobs::open_with(kind.as_str(), &cfg(format!("{scheme}://{bucket}")).spec, &env).expect("open bucket");
     struct Cleanup(ObjectBlobs, String);
     impl Drop for Cleanup {
         fn drop(&mut self) {
             let _ = self.0.delete_prefix(&self.1);
         }
     }
-    (tier, Box::new(Cleanup(root, prefix)))
+    Subject { tier, storage, guard: Box::new(Cleanup(root, prefix)) }
 }
 
 pub fn zstd3() -> Compression {
@@ -222,15 +232,15 @@ fn object_key(m: &Manifest, object: u32) -> String {
 }
 
 /// Rewrites a stored object with `f` applied: in place when it is a local file.
-fn damage(tier: &dyn Tier, key: &str, f: impl FnOnce(&mut Vec<u8>)) {
-    let mut bytes = tier.blobs().get(key).unwrap();
+fn damage(storage: &dyn Blobs, key: &str, f: impl FnOnce(&mut Vec<u8>)) {
+    let mut bytes = storage.get(key).unwrap();
     f(&mut bytes);
-    let place = tier.blobs().describe(key);
+    let place = storage.describe(key);
     let path = Path::new(&place);
     if path.is_file() {
         std::fs::write(path, &bytes).unwrap();
     } else {
-        tier.blobs().put(key, &bytes).unwrap();
+        storage.put(key, &bytes).unwrap();
     }
 }
 
@@ -260,8 +270,8 @@ fn assert_names(e: &Error, tier: &dyn Tier, step: u64, rank: u32, item: &str, ch
 // ---------------------------------------------------------------------------------------------
 
 pub fn write_and_read_back(make: &Make) {
-    let (tier, _guard) = make();
-    let tier = &*tier;
+    let subject = make();
+    let (tier, storage) = (&*subject.tier, &*subject.storage);
     let (lm, src) = logical(1, 0, 1);
     let written = tier.write_rank(&lm, &src, &link()).unwrap();
     let m = tier.read_manifest(1, 0).unwrap();
@@ -272,7 +282,7 @@ pub fn write_and_read_back(make: &Make) {
     assert!(!m.objects.is_empty());
     for obj in &m.objects {
         let key = format!("{}/{}", format::step_dir(1), obj.name);
-        assert_eq!(tier.blobs().get(&key).unwrap().len() as u64, obj.len, "object {key} length");
+        assert_eq!(storage.get(&key).unwrap().len() as u64, obj.len, "object {key} length");
     }
     assert_eq!(m.items.len(), lm.items.len());
     for (i, (got, want)) in m.items.iter().zip(&lm.items).enumerate() {
@@ -294,8 +304,8 @@ pub fn write_and_read_back(make: &Make) {
 }
 
 pub fn invisible_until_committed(make: &Make) {
-    let (tier, _guard) = make();
-    let tier = &*tier;
+    let subject = make();
+    let tier = &*subject.tier;
     write(tier, 1, 0, 2);
     assert_eq!(tier.committed_steps().unwrap(), Vec::<u64>::new());
     assert_eq!(tier.all_steps().unwrap(), vec![1]);
@@ -319,14 +329,14 @@ pub fn invisible_until_committed(make: &Make) {
 }
 
 pub fn flipped_byte_is_integrity_error(make: &Make) {
-    let (tier, _guard) = make();
-    let tier = &*tier;
+    let subject = make();
+    let (tier, storage) = (&*subject.tier, &*subject.storage);
     let m = write_committed(tier, 1);
     let item = m.item_index(TARGET).unwrap();
     let c = &m.items[item].chunks[1];
     let key = object_key(&m, c.object);
     let at = (c.stored_offset + c.stored_len / 2) as usize;
-    damage(tier, &key, |b| b[at] ^= 0x10);
+    damage(storage, &key, |b| b[at] ^= 0x10);
     let mut dst = vec![0u8; c.len as usize];
     let e = read_chunk(tier, &m, item, 1, &mut dst).unwrap_err();
     assert_eq!(e.kind, ErrorKind::Integrity, "{}", e.message);
@@ -338,15 +348,15 @@ pub fn flipped_byte_is_integrity_error(make: &Make) {
 }
 
 pub fn truncated_data_is_a_clear_error(make: &Make) {
-    let (tier, _guard) = make();
-    let tier = &*tier;
+    let subject = make();
+    let (tier, storage) = (&*subject.tier, &*subject.storage);
     let m = write_committed(tier, 1);
     let item = m.item_index(TARGET).unwrap();
     let last = m.items[item].chunks.len() - 1;
     let c = &m.items[item].chunks[last];
     let key = object_key(&m, c.object);
     let cut = (c.stored_offset + c.stored_len / 2) as usize;
-    damage(tier, &key, |b| b.truncate(cut));
+    damage(storage, &key, |b| b.truncate(cut));
     let mut dst = vec![0u8; c.len as usize];
     let e = read_chunk(tier, &m, item, last, &mut dst).unwrap_err();
     assert_eq!(e.kind, ErrorKind::Integrity, "{}", e.message);
@@ -356,11 +366,11 @@ pub fn truncated_data_is_a_clear_error(make: &Make) {
 }
 
 pub fn missing_data_is_a_clear_error(make: &Make) {
-    let (tier, _guard) = make();
-    let tier = &*tier;
+    let subject = make();
+    let (tier, storage) = (&*subject.tier, &*subject.storage);
     let m = write_committed(tier, 1);
     let item = m.item_index(TARGET).unwrap();
-    tier.blobs().delete(&object_key(&m, m.items[item].chunks[0].object)).unwrap();
+    storage.delete(&object_key(&m, m.items[item].chunks[0].object)).unwrap();
     let mut dst = vec![0u8; m.items[item].chunks[0].len as usize];
     let e = read_chunk(tier, &m, item, 0, &mut dst).unwrap_err();
     assert_names(&e, tier, 1, 0, TARGET, 0);
@@ -368,24 +378,24 @@ pub fn missing_data_is_a_clear_error(make: &Make) {
 }
 
 pub fn corrupt_manifest_is_integrity_error(make: &Make) {
-    let (tier, _guard) = make();
-    let tier = &*tier;
+    let subject = make();
+    let (tier, storage) = (&*subject.tier, &*subject.storage);
     write_committed(tier, 1);
     let key = format!("{}/{}", format::step_dir(1), format::manifest_name(0));
-    damage(tier, &key, |b| {
+    damage(storage, &key, |b| {
         let n = b.len() / 2;
         b.truncate(n);
         b.extend_from_slice(b"#garbage");
     });
     let e = tier.read_manifest(1, 0).unwrap_err();
     assert_eq!(e.kind, ErrorKind::Integrity, "{}", e.message);
-    let place = tier.blobs().describe(&key);
+    let place = storage.describe(&key);
     assert!(e.message.contains(&place), "message lacks {place:?}: {}", e.message);
 
     // Well-formed JSON under the wrong name (a manifest copied by hand) is caught too.
     write_committed(tier, 2);
-    let good = tier.blobs().get(&format!("{}/{}", format::step_dir(2), format::manifest_name(0))).unwrap();
-    tier.blobs().put(&key, &good).unwrap();
+    let good = storage.get(&format!("{}/{}", format::step_dir(2), format::manifest_name(0))).unwrap();
+    storage.put(&key, &good).unwrap();
     let e = tier.read_manifest(1, 0).unwrap_err();
     assert_eq!(e.kind, ErrorKind::Integrity, "{}", e.message);
     assert!(e.message.contains("step 2") && e.message.contains(&place), "{}", e.message);
@@ -395,8 +405,8 @@ pub fn corrupt_manifest_is_integrity_error(make: &Make) {
 }
 
 pub fn delete_step_removes_it(make: &Make) {
-    let (tier, _guard) = make();
-    let tier = &*tier;
+    let subject = make();
+    let (tier, storage) = (&*subject.tier, &*subject.storage);
     write_committed(tier, 1);
     write_committed(tier, 2);
     tier.delete_step(1).unwrap();
@@ -404,7 +414,7 @@ pub fn delete_step_removes_it(make: &Make) {
     assert_eq!(tier.all_steps().unwrap(), vec![2]);
     assert_eq!(tier.commit_record(1).unwrap_err().kind, ErrorKind::NotFound);
     assert_eq!(tier.read_manifest(1, 0).unwrap_err().kind, ErrorKind::NotFound);
-    assert!(tier.blobs().list(&format::step_dir(1)).unwrap().is_empty());
+    assert!(storage.list(&format::step_dir(1)).unwrap().is_empty());
     // Step 2 is untouched; deleting twice or deleting what never was is no error.
     let m = tier.read_manifest(2, 0).unwrap();
     read_item(tier, &m, m.item_index(TARGET).unwrap()).unwrap();
@@ -417,8 +427,8 @@ pub fn delete_step_removes_it(make: &Make) {
 }
 
 pub fn steps_are_in_numeric_order(make: &Make) {
-    let (tier, _guard) = make();
-    let tier = &*tier;
+    let subject = make();
+    let tier = &*subject.tier;
     for step in [100, 2, 10, 1] {
         write_committed(tier, step);
     }
@@ -427,14 +437,14 @@ pub fn steps_are_in_numeric_order(make: &Make) {
 }
 
 pub fn uncommitted_leftovers(make: &Make) {
-    let (tier, _guard) = make();
-    let tier = &*tier;
+    let subject = make();
+    let (tier, storage) = (&*subject.tier, &*subject.storage);
     write_committed(tier, 1);
     write(tier, 3, 0, 2); // rank 1 of 2 never came
     write_committed(tier, 5);
     // Things in the root that are not steps are ignored.
-    tier.blobs().put("notes.txt", b"hello").unwrap();
-    tier.blobs().put("step-7/rank-00000.manifest.json", b"{}").unwrap();
+    storage.put("notes.txt", b"hello").unwrap();
+    storage.put("step-7/rank-00000.manifest.json", b"{}").unwrap();
     assert_eq!(tier.all_steps().unwrap(), vec![1, 3, 5]);
     assert_eq!(tier.committed_steps().unwrap(), vec![1, 5]);
     assert!(!tier.try_commit(3, 2).unwrap());
@@ -442,8 +452,8 @@ pub fn uncommitted_leftovers(make: &Make) {
 }
 
 pub fn failed_write_leaves_no_manifest(make: &Make) {
-    let (tier, _guard) = make();
-    let tier = &*tier;
+    let subject = make();
+    let tier = &*subject.tier;
     let (m, src) = logical(1, 0, 1);
     let e = tier.write_rank(&m, &FailingSource(src), &link()).unwrap_err();
     assert!(e.message.contains("source went away"), "{}", e.message);
@@ -467,7 +477,7 @@ macro_rules! conformance_suite {
         mod $kind {
             use super::*;
 
-            fn make() -> (Arc<dyn Tier>, Guard) {
+            fn make() -> Subject {
                 ($make)()
             }
 
@@ -562,16 +572,16 @@ conformance_suite!(gcs, || object_tier(TierKind::Gcs, "TIERCEL_TEST_GCS", zstd3(
 #[test]
 fn compressed_kinds_use_their_codecs() {
     for (compression, want) in [(zstd3(), "zstd"), (bytegroup_zstd3(), "bytegroup4+zstd")] {
-        let (tier, _guard) = fs_tier(compression);
-        let m = write(&*tier, 1, 0, 1);
+        let subject = fs_tier(compression);
+        let m = write(&*subject.tier, 1, 0, 1);
         let codecs = |name: &str| -> Vec<String> { m.items[m.item_index(name).unwrap()].chunks.iter().map(|c| c.codec.clone()).collect() };
         assert!(codecs(TARGET).iter().any(|c| c == want), "{compression}: {TARGET} codecs {:?}", codecs(TARGET));
         // Noise does not shrink and is stored raw.
         assert!(codecs("optim/noise").iter().all(|c| c == "raw"), "{:?}", codecs("optim/noise"));
         assert!(m.objects[0].len < m.total_bytes(), "{compression}: nothing was compressed");
     }
-    let (tier, _guard) = memory_tier();
-    let m = write(&*tier, 1, 0, 1);
+    let subject = memory_tier();
+    let m = write(&*subject.tier, 1, 0, 1);
     assert!(m.items.iter().flat_map(|i| &i.chunks).all(|c| c.codec == "raw"));
     for it in &m.items {
         if let Some(c) = it.chunks.first() {

@@ -17,10 +17,12 @@ use std::sync::{Arc, Weak};
 use memmap2::{MmapMut, MmapOptions};
 use parking_lot::Mutex;
 
-use crate::blobs::{Blobs, FsBlobs};
+use crate::blobs::FsBlobs;
 use crate::error::{Error, Result};
-use crate::format::{self, ChunkMeta, Manifest, ObjectMeta};
+use crate::format::{self, ChunkMeta, CommitRecord, Manifest, ObjectMeta};
 use crate::scheduler::Link;
+use crate::tier::gc::{self, GcOptions, Removal, Target};
+use crate::tier::layout::StepLayout;
 use crate::tier::{ChunkSource, Tier};
 
 const POOL_DIR: &str = ".pool";
@@ -59,7 +61,8 @@ pub type View = MmapMut;
 pub struct MemoryTier {
     name: String,
     root: PathBuf,
-    blobs: FsBlobs,
+    /// The step layout over the root's files (manifests, commit records, part files).
+    layout: StepLayout,
     capacity: Option<u64>,
     /// Recyclable, pre-faulted segments of this process.
     pool: Mutex<Vec<Arc<Segment>>>,
@@ -134,24 +137,21 @@ fn dir_bytes(p: &Path, tier: &str) -> Result<u64> {
     Ok(n)
 }
 
-fn pid_alive(pid: i32) -> bool {
-    unsafe { libc::kill(pid, 0) == 0 || *libc::__errno_location() == libc::EPERM }
-}
-
 impl MemoryTier {
     pub fn open(name: &str, root: &Path, capacity: Option<u64>) -> Result<Arc<MemoryTier>> {
         fs::DirBuilder::new().recursive(true).mode(0o700).create(root.join(POOL_DIR)).map_err(|e| Error::io(name, root, e))?;
         let t = MemoryTier {
             name: name.into(),
             root: root.into(),
-            blobs: FsBlobs::new(name, root)?,
+            layout: StepLayout::new(name, Arc::new(FsBlobs::new(name, root)?)),
             capacity,
             pool: Mutex::new(vec![]),
             owned: Mutex::new(BTreeMap::new()),
             views: Mutex::new(HashMap::new()),
             local_ranks: parking_lot::RwLock::new(None),
         };
-        t.remove_dead_pools()?;
+        let dead = t.dead_pool_segments()?;
+        t.gc_apply(dead)?;
         Ok(Arc::new(t))
     }
 
@@ -169,15 +169,22 @@ impl MemoryTier {
     }
 
     /// Pool files are named `<pid>-<n>.seg`; those of processes that are gone hold memory
-    /// nobody will use again.
-    fn remove_dead_pools(&self) -> Result<()> {
-        for name in self.blobs.list(POOL_DIR)? {
-            let pid = name.split('-').next().and_then(|p| p.parse::<i32>().ok());
-            if pid.is_none_or(|p| !pid_alive(p)) {
-                self.blobs.delete(&format!("{POOL_DIR}/{name}"))?;
+    /// nobody will use again (removed when a store opens the tier, and by gc).
+    fn dead_pool_segments(&self) -> Result<Vec<Removal>> {
+        let mut out = vec![];
+        for name in self.layout.blobs().list(POOL_DIR)? {
+            let pid = name.split('-').next().and_then(|p| p.parse::<u32>().ok());
+            if pid.is_none_or(|p| !gc::pid_alive(p)) {
+                let path = self.root.join(POOL_DIR).join(&name);
+                let bytes = fs::symlink_metadata(&path).map(|m| m.blocks() * 512).unwrap_or(0);
+                let who = pid.map_or("an unknown process".to_string(), |p| format!("pid {p}"));
+                out.push(Removal::new(
+                    Target::Segment { key: format!("{POOL_DIR}/{name}"), bytes },
+                    format!("spare shared-memory segment of {who}, which is gone"),
+                ));
             }
         }
-        Ok(())
+        Ok(out)
     }
 
     fn pool_path(&self) -> PathBuf {
@@ -308,9 +315,7 @@ impl MemoryTier {
             // Saving a step again (a job that resumed from an older step redoes it): the old
             // commit and this rank's old manifest go before any of its data is replaced, so no
             // reader mixes old and new, and no stale manifest counts towards a new commit.
-            let key = format::step_dir(step);
-            self.blobs.delete(&format!("{key}/{}", format::COMMIT_NAME))?;
-            self.blobs.delete(&format!("{key}/{}", format::manifest_name(rank)))?;
+            self.layout.uncommit(step, rank)?;
         }
         let dst = dir.join(format::part_name(rank, part));
         let src = seg.path();
@@ -328,7 +333,17 @@ impl MemoryTier {
 
     /// Writes `m` (this tier's manifest of one rank) atomically: the rank's part is complete.
     pub fn publish(&self, m: &Manifest) -> Result<()> {
-        self.blobs.put(&format!("{}/{}", format::step_dir(m.step), format::manifest_name(m.rank)), &m.to_json())
+        self.layout.write_manifest(m)
+    }
+
+    /// Ranks whose manifest is in `step` (committed or not).
+    pub fn layout_ranks(&self, step: u64) -> Result<Vec<u32>> {
+        self.layout.ranks(step)
+    }
+
+    /// Removes one object of `step` (a part of a replica that never completed).
+    pub fn remove_object(&self, step: u64, name: &str) -> Result<()> {
+        self.layout.blobs().delete(&crate::tier::layout::key(step, name))
     }
 
     /// This process's segments of `step` (for the background jobs that persist them).
@@ -342,7 +357,7 @@ impl MemoryTier {
     }
 
     /// Maps a stored object for reading; the view keeps the file from being recycled.
-    pub fn view(&self, step: u64, object: &str) -> Result<Arc<View>> {
+    pub fn map_view(&self, step: u64, object: &str) -> Result<Arc<View>> {
         let path = self.root.join(format::step_dir(step)).join(object);
         let f = File::open(&path).map_err(|e| Error::io(&self.name, &path, e))?;
         let meta = f.metadata().map_err(|e| Error::io(&self.name, &path, e))?;
@@ -375,7 +390,7 @@ impl MemoryTier {
     /// segments go back to the pool (unless something still maps them), the rest is deleted.
     pub fn evict(&self, step: u64) -> Result<()> {
         let dir = format::step_dir(step);
-        self.blobs.delete(&format!("{dir}/{}", format::COMMIT_NAME))?;
+        self.layout.blobs().delete(&crate::tier::layout::key(step, format::COMMIT_NAME))?;
         let mine = self.owned.lock().remove(&step).unwrap_or_default();
         for seg in mine {
             let viewed = self.views.lock().get(&seg.ino).is_some_and(|w| w.strong_count() > 0);
@@ -387,23 +402,7 @@ impl MemoryTier {
                 }
             }
         }
-        self.blobs.delete_prefix(&dir)
-    }
-
-    /// Deletes committed steps beyond the newest `keep`, and uncommitted leftovers older
-    /// than the newest committed step (a rank that died mid-save). Returns evicted steps.
-    pub fn retain(&self, keep: usize) -> Result<Vec<u64>> {
-        let committed = self.committed_steps()?;
-        let victims = crate::tier::retention_victims(&committed, &self.all_steps()?, Some(keep));
-        for s in &victims {
-            self.evict(*s)?;
-        }
-        // Steps of ours that another rank on this host evicted (it deletes the whole step):
-        // drop our mappings of them, or their memory would stay mapped for ever.
-        let present = self.all_steps()?;
-        let oldest_kept = committed.iter().rev().take(keep).last().copied();
-        self.owned.lock().retain(|s, _| present.contains(s) || oldest_kept.is_none_or(|o| *s > o));
-        Ok(victims)
+        self.layout.blobs().delete_prefix(&dir)
     }
 
     /// Pre-faults pool segments for the given part sizes (the shape of the next step), as
@@ -445,14 +444,6 @@ impl Tier for MemoryTier {
         &self.name
     }
 
-    fn kind(&self) -> &'static str {
-        "memory"
-    }
-
-    fn blobs(&self) -> &dyn Blobs {
-        &self.blobs
-    }
-
     /// Copies a rank's step in from elsewhere (CLI `cp`, tests): one segment, raw layout.
     fn write_rank(&self, logical: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<Manifest> {
         let mut m = logical.clone();
@@ -483,17 +474,71 @@ impl Tier for MemoryTier {
     }
 
     fn read_stored(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8]) -> Result<()> {
-        let key = format!("{}/{}", format::step_dir(m.step), m.objects[c.object as usize].name);
-        self.blobs.get_range(&key, c.stored_offset, dst)
+        self.layout.read_stored(m, c, dst)
+    }
+
+    /// Commits once every rank that shares this host's root has written the step.
+    fn try_commit(&self, step: u64, world_size: u32) -> Result<bool> {
+        let local = self.local_ranks.read().clone();
+        self.layout.try_commit(step, world_size, local)
+    }
+
+    fn all_steps(&self) -> Result<Vec<u64>> {
+        self.layout.all_steps()
+    }
+
+    fn committed_steps(&self) -> Result<Vec<u64>> {
+        self.layout.committed_steps()
+    }
+
+    fn commit_record(&self, step: u64) -> Result<CommitRecord> {
+        self.layout.commit_record(step)
+    }
+
+    fn read_manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
+        self.layout.read_manifest(step, rank)
     }
 
     fn delete_step(&self, step: u64) -> Result<()> {
         self.evict(step)
     }
 
-    /// Commits once every rank that shares this host's root has written the step.
-    fn try_commit(&self, step: u64, world_size: u32) -> Result<bool> {
-        let local = self.local_ranks.read().clone();
-        crate::tier::commit_if_complete(self, step, world_size, local)
+    /// The layout's plan, and spare segments of processes that are gone.
+    fn gc_plan(&self, opts: &GcOptions) -> Result<Vec<Removal>> {
+        let mut plan = self.layout.gc_plan(opts)?;
+        plan.extend(self.dead_pool_segments()?);
+        Ok(plan)
+    }
+
+    /// Steps are evicted (this process's segments go back to its pool); the rest goes as
+    /// files.
+    fn gc_apply(&self, plan: Vec<Removal>) -> Result<Vec<Removal>> {
+        let mut done = vec![];
+        let mut files = vec![];
+        for r in plan {
+            match &r.target {
+                Target::Step(s) => {
+                    self.evict(*s)?;
+                    done.push(r);
+                }
+                Target::Segment { key, .. } => {
+                    self.layout.blobs().delete(key)?;
+                    done.push(r);
+                }
+                _ => files.push(r),
+            }
+        }
+        done.extend(self.layout.gc_apply(files)?);
+        // Steps of ours that another rank on this host evicted (it deletes the whole step):
+        // drop our mappings of them, or their memory would stay mapped for ever. Steps newer
+        // than the oldest one kept may still be on their way.
+        let present = self.all_steps()?;
+        let oldest_kept = self.committed_steps()?.first().copied();
+        self.owned.lock().retain(|s, _| present.contains(s) || oldest_kept.is_none_or(|o| *s > o));
+        Ok(done)
+    }
+
+    fn view(&self, step: u64, object: &str) -> Option<Result<Arc<View>>> {
+        Some(self.map_view(step, object))
     }
 }

@@ -1,17 +1,25 @@
-//! The `Tier` trait and what every tier shares: a step is a directory (key prefix) of
-//! per-rank data objects and manifests, made visible by a commit record written last.
+//! The `Tier` trait and what every tier shares: reading a chunk (decode, verify) and encoding
+//! a rank for a compressed tier. `layout` is the step layout that the blob-backed tiers
+//! (memory, fs, s3, gcs) keep their steps in, `gc` the one retention and cleanup rule, `open`
+//! turns a policy's tiers into `Tier`s.
 
 pub mod blob;
+pub mod gc;
+pub mod layout;
 pub mod memory;
+pub mod open;
 pub mod peer;
+
+use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::blobs::Blobs;
 use crate::codec;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{self, CommitRecord, Manifest};
-use crate::scheduler::Link;
+use crate::scheduler::{Link, Priority};
+use gc::{GcOptions, Removal};
+use memory::View;
 
 /// Raw bytes of one rank's step, chunk by chunk: where a tier copies from when it writes.
 pub trait ChunkSource: Sync {
@@ -26,12 +34,10 @@ pub trait ChunkSource: Sync {
     }
 }
 
-/// One storage tier. Every kind passes the conformance suite in `tier::conformance`.
+/// One storage tier. The Store reaches every tier through this trait only; every kind passes
+/// the conformance suite in `tier::conformance`.
 pub trait Tier: Send + Sync {
     fn name(&self) -> &str;
-    fn kind(&self) -> &'static str;
-    /// The step layout's storage (manifests, commit records, data objects of blob tiers).
-    fn blobs(&self) -> &dyn Blobs;
 
     /// Stores one rank's data for a step, then its manifest (atomically, last). `logical`
     /// describes items and chunks (stored offsets are ignored: each tier lays out its own).
@@ -41,93 +47,46 @@ pub trait Tier: Send + Sync {
     /// Reads the stored (encoded) bytes of one chunk into `dst` (`stored_len` bytes).
     fn read_stored(&self, m: &Manifest, chunk: &format::ChunkMeta, dst: &mut [u8]) -> Result<()>;
 
-    /// Removes a step; its commit record goes first, so no reader sees it half-deleted.
-    fn delete_step(&self, step: u64) -> Result<()> {
-        let dir = format::step_dir(step);
-        self.blobs().delete(&format!("{dir}/{}", format::COMMIT_NAME))?;
-        self.blobs().delete_prefix(&dir)
-    }
+    /// Makes `step` visible once every rank it needs has written it; true when it is. Each
+    /// rank calls this after writing its own part, so the last one to finish commits.
+    fn try_commit(&self, step: u64, world_size: u32) -> Result<bool>;
 
-    /// Writes the commit record if every rank's manifest is there. Each rank calls this
-    /// after writing its own manifest, so the last one to finish commits the step.
-    fn try_commit(&self, step: u64, world_size: u32) -> Result<bool> {
-        commit_if_complete(self, step, world_size, None)
-    }
-
-    /// All steps with a directory here, committed or not, oldest first.
-    fn all_steps(&self) -> Result<Vec<u64>> {
-        let mut v: Vec<u64> = self.blobs().list("")?.iter().filter_map(|n| format::parse_step_dir(n)).collect();
-        v.sort_unstable();
-        Ok(v)
-    }
+    /// All steps with something stored here, committed or not, oldest first.
+    fn all_steps(&self) -> Result<Vec<u64>>;
 
     /// Committed steps, oldest first.
-    fn committed_steps(&self) -> Result<Vec<u64>> {
-        let mut out = vec![];
-        for s in self.all_steps()? {
-            if self.blobs().exists(&format!("{}/{}", format::step_dir(s), format::COMMIT_NAME))? {
-                out.push(s);
-            }
-        }
-        Ok(out)
+    fn committed_steps(&self) -> Result<Vec<u64>>;
+
+    /// The commit record of a committed step (NotFound otherwise).
+    fn commit_record(&self, step: u64) -> Result<CommitRecord>;
+
+    /// Rank `rank`'s manifest of `step`, checked (NotFound when the rank wrote none here).
+    fn read_manifest(&self, step: u64, rank: u32) -> Result<Manifest>;
+
+    /// Removes a step, so that no reader sees it half-deleted.
+    fn delete_step(&self, step: u64) -> Result<()>;
+
+    /// What gc would remove now, and why (see `tier::gc`).
+    fn gc_plan(&self, opts: &GcOptions) -> Result<Vec<Removal>>;
+
+    /// Removes what a plan lists; returns what was removed.
+    fn gc_apply(&self, plan: Vec<Removal>) -> Result<Vec<Removal>>;
+
+    /// The scheduler priority of background jobs that write to this tier.
+    fn priority(&self) -> Priority {
+        Priority::Persist
     }
 
-    fn commit_record(&self, step: u64) -> Result<CommitRecord> {
-        let key = format!("{}/{}", format::step_dir(step), format::COMMIT_NAME);
-        let bytes = self.blobs().get(&key).map_err(|e| match e.kind {
-            ErrorKind::NotFound => Error::not_found(format!("tier '{}': step {step} is not committed", self.name())),
-            _ => e,
-        })?;
-        CommitRecord::from_json(&bytes, &self.blobs().describe(&key))
-    }
-
-    fn read_manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
-        let key = format!("{}/{}", format::step_dir(step), format::manifest_name(rank));
-        let bytes = self.blobs().get(&key).map_err(|e| match e.kind {
-            ErrorKind::NotFound => Error::not_found(format!("tier '{}': step {step} has no manifest for rank {rank}", self.name())),
-            _ => e,
-        })?;
-        let m = Manifest::from_json(&bytes, &self.blobs().describe(&key))?;
-        if m.step != step || m.rank != rank {
-            return Err(Error::integrity(format!(
-                "{}: manifest says step {} rank {}, expected step {step} rank {rank}",
-                self.blobs().describe(&key),
-                m.step,
-                m.rank
-            )));
-        }
-        Ok(m)
+    /// A zero-copy read view of object `object` of `step`, for a tier that keeps its objects
+    /// in this host's memory; None for every other tier.
+    fn view(&self, _step: u64, _object: &str) -> Option<Result<Arc<View>>> {
+        None
     }
 }
 
-/// Writes `step`'s commit record on `tier` once the manifest of every rank it covers is there:
-/// `ranks` (a host-local tier's ranks, recorded in the commit), else all of `world_size`.
-pub fn commit_if_complete<T: Tier + ?Sized>(tier: &T, step: u64, world_size: u32, ranks: Option<Vec<u32>>) -> Result<bool> {
-    let dir = format::step_dir(step);
-    let names = tier.blobs().list(&dir)?;
-    if names.iter().any(|n| n == format::COMMIT_NAME) {
-        return Ok(true);
-    }
-    let complete = match &ranks {
-        Some(rs) => rs.iter().all(|r| names.contains(&format::manifest_name(*r))),
-        None => (0..world_size).all(|r| names.contains(&format::manifest_name(r))),
-    };
-    if !complete {
-        return Ok(false);
-    }
-    let mut record = CommitRecord::new(step, world_size, tier.name());
-    record.ranks = ranks;
-    tier.blobs().put_if_absent(&format!("{dir}/{}", format::COMMIT_NAME), &serde_json::to_vec(&record).unwrap())?;
-    Ok(true)
-}
-
-/// What retention removes from a tier: committed steps beyond the newest `keep` (None keeps
-/// all), and uncommitted leftovers older than the newest committed step (a rank died mid-save).
-pub fn retention_victims(committed: &[u64], all: &[u64], keep: Option<usize>) -> Vec<u64> {
-    let newest = committed.last().copied();
-    let mut victims: Vec<u64> = keep.map(|k| committed.iter().rev().skip(k).copied().collect()).unwrap_or_default();
-    victims.extend(all.iter().copied().filter(|s| !committed.contains(s) && newest.is_some_and(|n| *s < n)));
-    victims
+/// Plans and applies gc on `tier` in one go: what was removed.
+pub fn run_gc(tier: &dyn Tier, opts: &GcOptions) -> Result<Vec<Removal>> {
+    tier.gc_apply(tier.gc_plan(opts)?)
 }
 
 /// Reads, decodes and verifies one chunk from `tier` into `dst` (its raw length). Errors name

@@ -1,24 +1,6 @@
-//! The peer data plane: a framed, versioned TCP protocol between hosts.
-//!
-//! Every connection starts with a challenge-response on a shared secret (HMAC-SHA256 over
-//! both sides' nonces, so each side proves it knows the secret) before any data moves.
-//! Frames are length-prefixed with a fixed 16-byte header; data frames carry the CRC32C of
-//! their payload, which is the chunk's checksum from the manifest, so a receiver verifies
-//! every chunk as it lands. A stranger, a wrong secret or a malformed frame ends that
-//! connection with a logged reason; the server itself never stops for it.
-//!
-//! ```text
-//! header: magic "TCL" + version (1) | kind u8 | 3 reserved bytes | payload length u64 LE
-//! HELLO    server -> client   32-byte server nonce
-//! AUTH     client -> server   32-byte client nonce + HMAC(secret, "client" | ns | nc)
-//! AUTH_OK  server -> client   HMAC(secret, "server" | nc | ns)
-//! REQUEST  JSON {"op": ...}   RESPONSE JSON   ERROR JSON {"kind", "message"}
-//! DATA     object u32 | offset u64 | crc32c u32 | bytes       END (no payload)
-//! ```
-
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::time::Duration;
+//! Frames: the fixed 16-byte header, data subheaders, error bodies and the handshake's MACs.
+//! Both halves of the protocol (`client`, blocking; `server`, async) encode and check frames
+//! only through this file.
 
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
@@ -65,7 +47,7 @@ impl Kind {
         })
     }
 
-    fn max_len(self) -> u64 {
+    pub fn max_len(self) -> u64 {
         match self {
             Kind::Hello => NONCE_LEN as u64,
             Kind::Auth => (NONCE_LEN + MAC_LEN) as u64,
@@ -129,12 +111,30 @@ pub fn encode_data_header(d: &DataHeader) -> [u8; DATA_SUBHEADER_LEN] {
     b
 }
 
+/// The header and subheader of a data frame carrying `len` payload bytes, in one buffer
+/// (written with one call before the payload).
+pub fn encode_data_head(d: &DataHeader, len: usize) -> [u8; HEADER_LEN + DATA_SUBHEADER_LEN] {
+    let mut head = [0u8; HEADER_LEN + DATA_SUBHEADER_LEN];
+    head[..HEADER_LEN].copy_from_slice(&encode_header(Kind::Data, (DATA_SUBHEADER_LEN + len) as u64));
+    head[HEADER_LEN..].copy_from_slice(&encode_data_header(d));
+    head
+}
+
 pub fn decode_data_header(b: &[u8; DATA_SUBHEADER_LEN]) -> DataHeader {
     DataHeader {
         object: u32::from_le_bytes(b[..4].try_into().unwrap()),
         offset: u64::from_le_bytes(b[4..12].try_into().unwrap()),
         crc32c: u32::from_le_bytes(b[12..16].try_into().unwrap()),
     }
+}
+
+/// The payload length of a control frame, the only kind a receiver reads whole; a data frame
+/// where a control frame belongs is a protocol error.
+pub fn control_len(h: &Header) -> Result<usize> {
+    if h.kind == Kind::Data {
+        return Err(Error::unavailable("unexpected data frame"));
+    }
+    Ok(h.len as usize)
 }
 
 /// The JSON body of an ERROR frame.
@@ -193,148 +193,6 @@ pub fn nonce() -> [u8; NONCE_LEN] {
     let mut n = [0u8; NONCE_LEN];
     getrandom::fill(&mut n).expect("the OS random source works");
     n
-}
-
-/// A blocking, authenticated client connection (the client side runs on the scheduler's
-/// and the copy pool's threads, which block anyway).
-pub struct Conn {
-    stream: TcpStream,
-    pub peer: String,
-}
-
-fn io_err(peer: &str, what: &str, e: std::io::Error) -> Error {
-    Error::unavailable(format!("peer {peer}: {what}: {e}"))
-}
-
-impl Conn {
-    pub fn connect(addr: &str, secret: &[u8], timeout: Duration) -> Result<Conn> {
-        let sock: SocketAddr = addr
-            .to_socket_addrs()
-            .map_err(|e| io_err(addr, "cannot resolve", e))?
-            .next()
-            .ok_or_else(|| Error::unavailable(format!("peer {addr}: resolves to no address")))?;
-        let stream = TcpStream::connect_timeout(&sock, timeout).map_err(|e| io_err(addr, "cannot connect", e))?;
-        stream.set_nodelay(true).ok();
-        stream.set_read_timeout(Some(timeout)).ok();
-        stream.set_write_timeout(Some(timeout)).ok();
-        let mut c = Conn { stream, peer: addr.to_string() };
-        c.handshake(secret)?;
-        Ok(c)
-    }
-
-    fn handshake(&mut self, secret: &[u8]) -> Result<()> {
-        let (h, server_nonce) = self.recv()?;
-        if h.kind != Kind::Hello || server_nonce.len() != NONCE_LEN {
-            return Err(Error::unavailable(format!("peer {}: expected HELLO, got {:?}", self.peer, h.kind)));
-        }
-        let cn = nonce();
-        let mut auth = cn.to_vec();
-        auth.extend_from_slice(&mac(secret, b"client", &server_nonce, &cn));
-        self.send(Kind::Auth, &auth)?;
-        let (h, body) = self.recv()?;
-        match h.kind {
-            Kind::AuthOk if verify_mac(secret, b"server", &cn, &server_nonce, &body) => Ok(()),
-            Kind::AuthOk => Err(Error::unavailable(format!(
-                "peer {}: the server does not know the shared secret (is it another job's port?)",
-                self.peer
-            ))),
-            Kind::Error => Err(self.wire_error(&body)),
-            k => Err(Error::unavailable(format!("peer {}: expected AUTH_OK, got {k:?}", self.peer))),
-        }
-    }
-
-    fn wire_error(&self, body: &[u8]) -> Error {
-        match serde_json::from_slice::<WireError>(body) {
-            Ok(w) => w.into_error(&self.peer),
-            Err(_) => Error::unavailable(format!("peer {}: unreadable error frame", self.peer)),
-        }
-    }
-
-    pub fn send(&mut self, kind: Kind, payload: &[u8]) -> Result<()> {
-        let peer = self.peer.clone();
-        self.stream.write_all(&encode_header(kind, payload.len() as u64)).map_err(|e| io_err(&peer, "send", e))?;
-        self.stream.write_all(payload).map_err(|e| io_err(&peer, "send", e))
-    }
-
-    /// Sends one data frame straight from `bytes` (a slice of a shared-memory segment).
-    pub fn send_data(&mut self, d: &DataHeader, bytes: &[u8]) -> Result<()> {
-        let peer = self.peer.clone();
-        let mut head = [0u8; HEADER_LEN + DATA_SUBHEADER_LEN];
-        head[..HEADER_LEN].copy_from_slice(&encode_header(Kind::Data, (DATA_SUBHEADER_LEN + bytes.len()) as u64));
-        head[HEADER_LEN..].copy_from_slice(&encode_data_header(d));
-        self.stream.write_all(&head).map_err(|e| io_err(&peer, "send", e))?;
-        self.stream.write_all(bytes).map_err(|e| io_err(&peer, "send", e))
-    }
-
-    fn recv_header(&mut self) -> Result<Header> {
-        let mut h = [0u8; HEADER_LEN];
-        let peer = self.peer.clone();
-        self.stream.read_exact(&mut h).map_err(|e| io_err(&peer, "receive", e))?;
-        decode_header(&h).map_err(|e| e.context(format!("peer {peer}")))
-    }
-
-    pub fn recv(&mut self) -> Result<(Header, Vec<u8>)> {
-        let h = self.recv_header()?;
-        if h.kind == Kind::Data {
-            return Err(Error::unavailable(format!("peer {}: unexpected data frame", self.peer)));
-        }
-        let mut body = vec![0u8; h.len as usize];
-        let peer = self.peer.clone();
-        self.stream.read_exact(&mut body).map_err(|e| io_err(&peer, "receive", e))?;
-        Ok((h, body))
-    }
-
-    /// Sends a JSON request and returns the JSON response (an ERROR frame becomes an Error).
-    pub fn request<T: Serialize, R: for<'de> Deserialize<'de>>(&mut self, req: &T) -> Result<R> {
-        self.send(Kind::Request, &serde_json::to_vec(req).unwrap())?;
-        self.response()
-    }
-
-    pub fn response<R: for<'de> Deserialize<'de>>(&mut self) -> Result<R> {
-        let (h, body) = self.recv()?;
-        match h.kind {
-            Kind::Response => {
-                serde_json::from_slice(&body).map_err(|e| Error::unavailable(format!("peer {}: malformed response: {e}", self.peer)))
-            }
-            Kind::Error => Err(self.wire_error(&body)),
-            k => Err(Error::unavailable(format!("peer {}: expected a response, got {k:?}", self.peer))),
-        }
-    }
-
-    /// Receives one data frame straight into `dst`, which must be exactly its length.
-    /// `verify`: check the frame's checksum here; a caller that checks the chunk against its
-    /// manifest right after (a restore) passes false, so the bytes are read once, not twice.
-    pub fn recv_data_into(&mut self, dst: &mut [u8], verify: bool) -> Result<DataHeader> {
-        let h = self.recv_header()?;
-        if h.kind == Kind::Error {
-            let mut body = vec![0u8; h.len as usize];
-            let peer = self.peer.clone();
-            self.stream.read_exact(&mut body).map_err(|e| io_err(&peer, "receive", e))?;
-            return Err(self.wire_error(&body));
-        }
-        if h.kind != Kind::Data || h.len != (DATA_SUBHEADER_LEN + dst.len()) as u64 {
-            return Err(Error::unavailable(format!(
-                "peer {}: expected a data frame of {} bytes, got {:?} of {}",
-                self.peer,
-                dst.len(),
-                h.kind,
-                h.len
-            )));
-        }
-        let mut sub = [0u8; DATA_SUBHEADER_LEN];
-        let peer = self.peer.clone();
-        self.stream.read_exact(&mut sub).map_err(|e| io_err(&peer, "receive", e))?;
-        self.stream.read_exact(dst).map_err(|e| io_err(&peer, "receive", e))?;
-        let d = decode_data_header(&sub);
-        if !verify {
-            return Ok(d);
-        }
-        let crc = crc32c::crc32c(dst);
-        if crc != d.crc32c {
-            return Err(Error::integrity(format!("peer {}: data frame checksum mismatch ({crc:08x} != {:08x})", self.peer, d.crc32c)));
-        }
-        Ok(d)
-    }
 }
 
 #[cfg(test)]

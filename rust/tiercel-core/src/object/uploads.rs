@@ -1,0 +1,172 @@
+//! Markers of multipart uploads: each upload in flight is recorded by a small object under
+//! `.uploads/` (key, upload id, host, pid), removed when the upload completes or is aborted.
+//! A writer killed meanwhile leaves its marker, and gc aborts such uploads: those of this
+//! host whose process is gone, those of other hosts once they are old. `tiercel gc` and the
+//! retention run after a persist list them (`abandoned`) and remove them (`abort`).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures_util::TryStreamExt;
+use object_store::path::Path as ObjPath;
+use object_store::{ObjectStore, ObjectStoreExt};
+
+use super::bucket::{Inner, ObjectBlobs};
+use super::settings::sanitize;
+use crate::blobs::Blobs;
+use crate::error::Result;
+use crate::tier::gc::{self, Removal, Target};
+
+/// Where multipart-upload markers live, under the tier's prefix. Not a step directory, so
+/// the step layout ignores it.
+pub const UPLOADS_DIR: &str = ".uploads";
+/// A marker whose writer cannot be checked (another host) counts as abandoned after this.
+pub const STALE_UPLOAD_AGE: Duration = Duration::from_secs(24 * 3600);
+
+static MARKER_SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// Upload ids this process is writing right now: its own markers of other ids are uploads it
+/// could not abort (the server was gone), which gc may abort now.
+pub(super) fn active_uploads() -> &'static parking_lot::Mutex<std::collections::HashSet<String>> {
+    static ACTIVE: OnceLock<parking_lot::Mutex<std::collections::HashSet<String>>> = OnceLock::new();
+    ACTIVE.get_or_init(Default::default)
+}
+
+/// This process's host as markers name it: host name and pid namespace.
+pub(super) fn host_id() -> String {
+    let mut buf = [0u8; 256];
+    let host = if unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) } == 0 {
+        let n = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    } else {
+        "unknown".into()
+    };
+    // Two containers may share a host name but not a pid namespace.
+    let ns = std::fs::read_link("/proc/self/ns/pid").map(|p| p.display().to_string()).unwrap_or_default();
+    format!("{host}/{ns}")
+}
+
+pub(super) fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// What a marker under `.uploads/` records about one running multipart upload.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub(super) struct UploadMarker {
+    key: String,
+    upload_id: String,
+    host: String,
+    pid: u32,
+    started: u64,
+}
+
+impl Inner {
+    /// Records upload `id` of `key` in a new marker; returns the marker's key.
+    pub(super) async fn record_upload(&self, key: &str, id: &str) -> Result<String> {
+        // Letters, digits, `.`, `-` only: a key that no store escapes.
+        let marker =
+            format!("{UPLOADS_DIR}/{}.{}.{}.json", key.replace('/', "--"), std::process::id(), MARKER_SEQ.fetch_add(1, Ordering::Relaxed));
+        let m = UploadMarker {
+            key: key.to_string(),
+            upload_id: id.to_string(),
+            host: self.host.clone(),
+            pid: std::process::id(),
+            started: unix_now(),
+        };
+        self.put(&marker, serde_json::to_vec(&m).expect("marker serializes").into()).await?;
+        Ok(marker)
+    }
+
+    /// The multipart uploads that killed writers left (see the module docs), as gc removals.
+    pub(super) async fn abandoned(&self) -> Result<Vec<Removal>> {
+        let dir = self.path(UPLOADS_DIR);
+        let markers: Vec<object_store::ObjectMeta> =
+            self.store.list(Some(&dir)).try_collect().await.map_err(|e| self.err("LIST", UPLOADS_DIR, e))?;
+        let now = unix_now();
+        let mut out = vec![];
+        for meta in markers {
+            let Some(name) = meta.location.filename().map(String::from) else { continue };
+            let marker_key = format!("{UPLOADS_DIR}/{name}");
+            let age = now.saturating_sub(meta.last_modified.timestamp().max(0) as u64);
+            // By the listed location itself: a name is not always a valid key again.
+            let got = match self.store.get(&meta.location).await {
+                Ok(r) => r.bytes().await,
+                Err(e) => Err(e),
+            };
+            let bytes = match got {
+                Ok(b) => b,
+                Err(object_store::Error::NotFound { .. }) => continue, // finished meanwhile
+                Err(e) => return Err(self.err("GET", &marker_key, e)),
+            };
+            let marker: Option<UploadMarker> = serde_json::from_slice(&bytes).ok();
+            let stale = match &marker {
+                Some(m) if m.host == self.host && m.pid == std::process::id() => !active_uploads().lock().contains(&m.upload_id),
+                Some(m) if m.host == self.host => !gc::pid_alive(m.pid) || age > STALE_UPLOAD_AGE.as_secs(),
+                _ => age > STALE_UPLOAD_AGE.as_secs(),
+            };
+            if !stale {
+                continue;
+            }
+            let location = meta.location.to_string();
+            out.push(match marker {
+                Some(m) => {
+                    let who = if m.host != self.host {
+                        format!("pid {} on {}", m.pid, m.host)
+                    } else if m.pid == std::process::id() {
+                        "this process (its abort had failed)".to_string()
+                    } else {
+                        format!("pid {} (gone)", m.pid)
+                    };
+                    let reason = format!("abandoned multipart upload of {} by {who}", self.describe(&m.key));
+                    Removal::new(Target::Upload { key: m.key, marker: location, upload_id: m.upload_id }, reason)
+                }
+                None => Removal::new(
+                    Target::Upload { key: marker_key.clone(), marker: location, upload_id: String::new() },
+                    format!("unreadable upload marker {}", self.describe(&marker_key)),
+                ),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Aborts an abandoned upload and removes its marker (an unreadable marker: just that).
+    /// False when the server refused the abort: the marker stays for the next run.
+    pub(super) async fn abort(&self, r: &Removal) -> Result<bool> {
+        let Target::Upload { key, marker, upload_id } = &r.target else { return Ok(false) };
+        if !upload_id.is_empty() {
+            match self.multipart.abort_multipart(&self.path(key), upload_id).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => {
+                    log::warn!(
+                        "tier '{}': cannot abort the abandoned upload of {}: {}",
+                        self.tier,
+                        self.describe(key),
+                        sanitize(&e.to_string(), &self.secrets)
+                    );
+                    return Ok(false);
+                }
+            }
+        }
+        let location = ObjPath::parse(marker).unwrap_or_else(|_| ObjPath::from(marker.as_str()));
+        match self.store.delete(&location).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(true),
+            Err(e) => Err(self.err("DELETE", marker, e)),
+        }
+    }
+}
+
+impl ObjectBlobs {
+    /// The multipart uploads recorded under `.uploads/` (running, or left by a killed
+    /// writer): (marker key, object key, upload id).
+    pub fn uploads(&self) -> Result<Vec<(String, String, String)>> {
+        let mut out = vec![];
+        for name in self.list(UPLOADS_DIR)? {
+            let key = format!("{UPLOADS_DIR}/{name}");
+            if let Ok(m) = serde_json::from_slice::<UploadMarker>(&self.get(&key)?) {
+                out.push((key, m.key, m.upload_id));
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,547 @@
+//! The validator: builds a `Policy` from a source tree and phrases every error as
+//! `source:line: key.path: message`, with a suggestion where one is likely.
+
+use std::fmt;
+
+use super::source::{line_of, Node, Value};
+use super::tier::*;
+use super::units::{parse_bandwidth, parse_size, Compression, DEFAULT_ZSTD_LEVEL};
+use super::{
+    Policy, CHUNK_ALIGN, DEFAULT_CHUNK_SIZE, DEFAULT_IO_THREADS, DEFAULT_MEMORY_KEEP, MAX_CHUNK_SIZE, MAX_DEFAULT_THREADS, MIN_CHUNK_SIZE,
+};
+use crate::error::{Error, Result};
+
+const TOP_KEYS: &[&str] = &["tier", "restore", "store"];
+pub(super) const TIER_KEYS: &[&str] = &[
+    "name",
+    "kind",
+    "root",
+    "url",
+    "every",
+    "keep",
+    "compression",
+    "bandwidth",
+    "capacity",
+    "replicas",
+    "placement",
+    "listen",
+    "secret",
+    "endpoint",
+    "region",
+    "allow_http",
+    "part_size",
+    "concurrency",
+    "timeout",
+    "retries",
+];
+/// Keys that only object-store tiers (s3, gcs) take.
+const OBJECT_KEYS: &[&str] = &["endpoint", "region", "allow_http", "part_size", "concurrency", "timeout", "retries"];
+/// Keys that only a peer tier takes.
+const PEER_KEYS: &[&str] = &["replicas", "placement", "listen", "secret"];
+const RESTORE_KEYS: &[&str] = &["order"];
+pub(super) const STORE_KEYS: &[&str] = &["chunk_size", "threads", "io_threads"];
+/// Where each key belongs, to point a key written in the wrong table to the right one.
+const SECTIONS: &[(&str, &[&str])] =
+    &[("the top level", TOP_KEYS), ("[[tier]]", TIER_KEYS), ("[restore]", RESTORE_KEYS), ("[store]", STORE_KEYS)];
+
+/// One `[[tier]]` table being read: its entries and the key path its errors name.
+struct TierTable<'n> {
+    node: &'n Node,
+    entries: &'n [(String, Node)],
+    path: String,
+}
+
+impl<'n> TierTable<'n> {
+    fn get(&self, key: &str) -> Option<&'n Node> {
+        self.entries.iter().find(|(k, _)| k == key).map(|(_, n)| n)
+    }
+
+    fn key_path(&self, key: &str) -> String {
+        format!("{}.{key}", self.path)
+    }
+
+    /// The node of `key` and its key path, if the table has it.
+    fn optional(&self, key: &str) -> Option<(&'n Node, String)> {
+        self.get(key).map(|n| (n, self.key_path(key)))
+    }
+
+    fn missing(&self, c: &Checker, key: &str, what: &str) -> Error {
+        c.at(self.node, &self.path, format!("missing `{key}` ({what})"))
+    }
+}
+
+/// Builds a `Policy` from a source tree and phrases its errors.
+pub(super) struct Checker<'a> {
+    pub(super) source: &'a str,
+    /// The TOML text, to turn positions into lines; `None` for JSON.
+    pub(super) text: Option<&'a str>,
+}
+
+impl Checker<'_> {
+    /// The 1-based line where `node` starts (TOML only).
+    fn line(&self, node: &Node) -> Option<usize> {
+        Some(line_of(self.text?, node.first_pos()?))
+    }
+
+    /// An error about `node`, found under key path `path`.
+    fn at(&self, node: &Node, path: &str, msg: impl fmt::Display) -> Error {
+        match self.line(node) {
+            Some(line) => Error::config(format!("{}:{line}: {path}: {msg}", self.source)),
+            None => Error::config(format!("{}: {path}: {msg}", self.source)),
+        }
+    }
+
+    fn expected(&self, node: &Node, path: &str, what: &str) -> Error {
+        self.at(node, path, format!("expected {what}, got {}", node.describe()))
+    }
+
+    fn table<'n>(&self, node: &'n Node, path: &str) -> Result<&'n [(String, Node)]> {
+        match &node.value {
+            Value::Table(entries) => Ok(entries),
+            _ => Err(self.expected(node, path, "a table")),
+        }
+    }
+
+    /// Rejects keys of `entries` that are not in `known`, suggesting what was probably meant.
+    fn check_keys(&self, entries: &[(String, Node)], path: &str, known: &[&str]) -> Result<()> {
+        let Some((key, node)) = entries.iter().find(|(k, _)| !known.contains(&k.as_str())) else {
+            return Ok(());
+        };
+        let hint = if let Some(close) = closest(key, known) {
+            format!("did you mean `{close}`?")
+        } else if let Some((section, _)) = SECTIONS.iter().find(|(_, keys)| keys.contains(&key.as_str())) {
+            format!("`{key}` belongs in {section}")
+        } else {
+            format!("known keys: {}", known.join(", "))
+        };
+        let at = if path.is_empty() { key.clone() } else { format!("{path}.{key}") };
+        Err(self.at(node, &at, format!("unknown key `{key}`; {hint}")))
+    }
+
+    fn string<'n>(&self, node: &'n Node, path: &str) -> Result<&'n str> {
+        match &node.value {
+            Value::Str(s) if !s.trim().is_empty() => Ok(s),
+            _ => Err(self.expected(node, path, "a non-empty string")),
+        }
+    }
+
+    fn positive_int(&self, node: &Node, path: &str) -> Result<u64> {
+        match node.value {
+            Value::Int(n) if n > 0 => Ok(n as u64),
+            _ => Err(self.expected(node, path, "a positive integer")),
+        }
+    }
+
+    fn count(&self, node: &Node, path: &str) -> Result<usize> {
+        let n = self.positive_int(node, path)?;
+        usize::try_from(n).map_err(|_| self.expected(node, path, "a smaller integer"))
+    }
+
+    /// A positive number of bytes: an integer, or a string read by `parse`, which reads `what`.
+    fn bytes(&self, node: &Node, path: &str, parse: fn(&str) -> std::result::Result<u64, String>, what: &str) -> Result<u64> {
+        let n = match &node.value {
+            Value::Str(s) => parse(s).map_err(|m| self.at(node, path, m))?,
+            Value::Int(n) if *n > 0 => *n as u64,
+            _ => return Err(self.expected(node, path, &format!("{what} or a positive integer"))),
+        };
+        if n == 0 {
+            return Err(self.expected(node, path, "a positive amount"));
+        }
+        Ok(n)
+    }
+
+    pub(super) fn policy(&self, root: &Node) -> Result<Policy> {
+        let entries = self.table(root, "top level")?;
+        self.check_keys(entries, "", TOP_KEYS)?;
+        let get = |key: &str| entries.iter().find(|(k, _)| k == key).map(|(_, n)| n);
+
+        let tier_nodes = match get("tier") {
+            Some(node) => match &node.value {
+                Value::List(items) if !items.is_empty() => items,
+                _ => return Err(self.expected(node, "tier", "a non-empty list of [[tier]] tables")),
+            },
+            None => {
+                return Err(Error::config(format!(
+                    "{}: no tiers: add at least one [[tier]] table (the first of kind \"memory\")",
+                    self.source
+                )))
+            }
+        };
+        let mut tiers: Vec<TierConfig> = Vec::with_capacity(tier_nodes.len());
+        for (i, node) in tier_nodes.iter().enumerate() {
+            let tier = self.tier(i, node, &tiers)?;
+            tiers.push(tier);
+        }
+
+        let restore_order = match get("restore") {
+            Some(node) => self.restore_order(node, &tiers)?,
+            None => None,
+        };
+        let mut policy = Policy {
+            source: self.source.to_string(),
+            restore_order: restore_order.unwrap_or_else(|| tiers.iter().map(|t| t.name.clone()).collect()),
+            tiers,
+            chunk_size: DEFAULT_CHUNK_SIZE,
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_DEFAULT_THREADS),
+            io_threads: DEFAULT_IO_THREADS,
+        };
+        if let Some(node) = get("store") {
+            self.store(node, &mut policy)?;
+        }
+        Ok(policy)
+    }
+
+    /// Tier `i`; `earlier` are the tiers before it, for the uniqueness and memory-tier rules.
+    fn tier(&self, i: usize, node: &Node, earlier: &[TierConfig]) -> Result<TierConfig> {
+        let bare_path = format!("tier[{i}]");
+        let entries = self.table(node, &bare_path)?;
+        let get = |key: &str| entries.iter().find(|(k, _)| k == key).map(|(_, n)| n);
+
+        let name_path = format!("{bare_path}.name");
+        let Some(name_node) = get("name") else {
+            // A misspelt `name` is the likelier story, and its message the more helpful one.
+            self.check_keys(entries, &bare_path, TIER_KEYS)?;
+            return Err(self.at(node, &bare_path, "missing `name` (a unique name such as \"ram\")"));
+        };
+        let name = self.string(name_node, &name_path)?;
+        if !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') {
+            return Err(self.expected(name_node, &name_path, "a name of letters, digits, `_` and `-`"));
+        }
+        if let Some(j) = earlier.iter().position(|t| t.name == name) {
+            return Err(self.at(name_node, &name_path, format!("duplicate tier name {name:?}, already used by tier[{j}]")));
+        }
+        // In a file the name helps find the table; in JSON the index is the whole address.
+        let path = if self.text.is_some() { format!("{bare_path} ({name:?})") } else { bare_path.clone() };
+        self.check_keys(entries, &path, TIER_KEYS)?;
+        let t = TierTable { node, entries, path };
+
+        let known_kinds = TierKind::ALL.iter().map(|k| format!("{:?}", k.as_str())).collect::<Vec<_>>().join(", ");
+        let kind_node = t.get("kind").ok_or_else(|| t.missing(self, "kind", &format!("one of {known_kinds}")))?;
+        let kind_name = self.string(kind_node, &t.key_path("kind"))?;
+        let kind = TierKind::from_name(kind_name)
+            .ok_or_else(|| self.at(kind_node, &t.key_path("kind"), format!("unknown kind {kind_name:?}; known kinds: {known_kinds}")))?;
+        // The blocking part of a save copies into shared memory, so that tier comes first, once.
+        match (i, kind) {
+            (0, TierKind::Memory) => {}
+            (0, _) => {
+                return Err(self.at(
+                    kind_node,
+                    &t.key_path("kind"),
+                    format!("the first tier must be kind \"memory\" (a save copies into shared memory first), got {kind_name:?}"),
+                ))
+            }
+            (_, TierKind::Memory) => {
+                return Err(self.at(
+                    kind_node,
+                    &t.key_path("kind"),
+                    format!("only one memory tier is allowed, and tier[0] ({:?}) is one", earlier[0].name),
+                ))
+            }
+            _ => {}
+        }
+        if kind != TierKind::Peer {
+            if let Some(key) = PEER_KEYS.iter().find(|k| t.get(k).is_some()) {
+                return Err(self.at(t.get(key).unwrap(), &t.key_path(key), format!("`{key}` is only valid for kind \"peer\"")));
+            }
+        }
+
+        let spec = match kind {
+            TierKind::Peer => TierSpec::Peer(self.peer(&t)?),
+            TierKind::Memory => {
+                TierSpec::Memory { root: self.location(&t, kind_name, "the shared-memory directory, e.g. \"/dev/shm/tiercel\"")?.1.into() }
+            }
+            TierKind::Fs => {
+                let (n, url) = self.location(&t, kind_name, "a directory path or file:// URL")?;
+                TierSpec::Fs { path: fs_path(url).map_err(|m| self.at(n, &t.key_path("url"), m))? }
+            }
+            TierKind::S3 | TierKind::Gcs => {
+                let scheme = if kind == TierKind::S3 { "s3" } else { "gs" };
+                let what = format!("the bucket and prefix, e.g. \"{scheme}://bucket/checkpoints/run1\"");
+                let (n, url) = self.location(&t, kind_name, &what)?;
+                let url = object_url(kind, url).map_err(|m| self.at(n, &t.key_path("url"), m))?;
+                let spec = ObjectSpec { url, options: self.object_options(kind, &t)? };
+                if kind == TierKind::S3 {
+                    TierSpec::S3(spec)
+                } else {
+                    TierSpec::Gcs(spec)
+                }
+            }
+        };
+        if matches!(kind, TierKind::Memory | TierKind::Fs) {
+            if let Some((key, node)) = entries.iter().find(|(k, _)| OBJECT_KEYS.contains(&k.as_str())) {
+                return Err(self.at(
+                    node,
+                    &t.key_path(key),
+                    format!("`{key}` is not valid for kind {kind_name:?}; it applies to \"s3\" and \"gcs\" tiers"),
+                ));
+            }
+        }
+
+        // Memory and peer tiers keep the newest few steps and store chunks raw; the others
+        // keep everything and compress.
+        let (default_keep, default_compression) = match kind {
+            TierKind::Memory | TierKind::Peer => (Some(DEFAULT_MEMORY_KEEP), Compression::none()),
+            TierKind::Fs | TierKind::S3 | TierKind::Gcs => (None, Compression::zstd(DEFAULT_ZSTD_LEVEL)),
+        };
+        Ok(TierConfig {
+            every: t.optional("every").map_or(Ok(1), |(n, p)| self.positive_int(n, &p))?,
+            keep: t.optional("keep").map_or(Ok(default_keep), |(n, p)| self.count(n, &p).map(Some))?,
+            // A peer tier refuses `compression` (see `peer`).
+            compression: match t.optional("compression") {
+                Some((n, p)) => Compression::parse(self.string(n, &p)?).map_err(|m| self.at(n, &p, m))?,
+                None => default_compression,
+            },
+            bandwidth: t
+                .optional("bandwidth")
+                .map(|(n, p)| self.bytes(n, &p, parse_bandwidth, "a bandwidth such as \"2GB/s\""))
+                .transpose()?,
+            // Only the memory tier enforces a capacity; a peer tier's replicas count against its.
+            capacity: match kind {
+                TierKind::Peer => None,
+                _ => t.optional("capacity").map(|(n, p)| self.bytes(n, &p, parse_size, "a size such as \"64GiB\"")).transpose()?,
+            },
+            name: name.to_string(),
+            spec,
+            line: self.line(node).unwrap_or(0),
+        })
+    }
+
+    /// The location of a memory (`root`), fs, s3 or gcs (`url`) tier: its node and text. The
+    /// other of the two keys is a mistake.
+    fn location<'n>(&self, t: &TierTable<'n>, kind_name: &str, what: &str) -> Result<(&'n Node, &'n str)> {
+        let (key, other) = if kind_name == "memory" { ("root", "url") } else { ("url", "root") };
+        if let Some(n) = t.get(other) {
+            return Err(self.at(n, &t.key_path(other), format!("`{other}` is not valid for kind {kind_name:?}; use `{key}`")));
+        }
+        let n = t.get(key).ok_or_else(|| t.missing(self, key, what))?;
+        Ok((n, self.string(n, &t.key_path(key))?))
+    }
+
+    /// The keys of a peer tier.
+    fn peer(&self, t: &TierTable) -> Result<PeerConfig> {
+        for key in ["root", "url"] {
+            if let Some(n) = t.get(key) {
+                return Err(self.at(
+                    n,
+                    &t.key_path(key),
+                    format!(
+                        "`{key}` is not valid for kind \"peer\": peer copies live under the memory tier's root; \
+                         set `listen` for the address to serve them on"
+                    ),
+                ));
+            }
+        }
+        let listen = match t.optional("listen") {
+            Some((n, p)) => {
+                let v = self.string(n, &p)?;
+                if v.parse::<std::net::SocketAddr>().is_err() {
+                    return Err(self.at(n, &p, format!("expected an address such as \"0.0.0.0:7070\", got {v:?}")));
+                }
+                v.to_string()
+            }
+            None => DEFAULT_PEER_LISTEN.to_string(),
+        };
+        let replicas = match t.optional("replicas") {
+            Some((n, p)) => {
+                let r = self.positive_int(n, &p)? as usize;
+                if r < 2 {
+                    return Err(self.at(n, &p, "a peer tier needs replicas >= 2 (this host's copy and at least one peer's)"));
+                }
+                r
+            }
+            None => DEFAULT_REPLICAS,
+        };
+        let placement = match t.optional("placement") {
+            Some((n, p)) => {
+                let v = self.string(n, &p)?;
+                if !["mixed", "group", "ring"].contains(&v) {
+                    return Err(self.at(n, &p, format!("expected \"mixed\", \"group\" or \"ring\", got {v:?}")));
+                }
+                v.to_string()
+            }
+            None => "mixed".to_string(),
+        };
+        let secret = t.optional("secret").map(|(n, p)| self.string(n, &p).map(String::from)).transpose()?;
+        if let Some((n, p)) = t.optional("compression") {
+            return Err(self.at(n, &p, "a peer tier stores raw chunks in memory; `compression` is not valid"));
+        }
+        Ok(PeerConfig { listen, replicas, placement, secret })
+    }
+
+    /// The object-store keys of an s3 or gcs tier.
+    fn object_options(&self, kind: TierKind, t: &TierTable) -> Result<ObjectOptions> {
+        let optional = |key: &str| t.optional(key);
+        let mut o = ObjectOptions::default();
+        if let Some((n, p)) = optional("endpoint") {
+            let e = self.string(n, &p)?.trim().trim_end_matches('/');
+            let rest = e.strip_prefix("http://").or_else(|| e.strip_prefix("https://"));
+            if !rest.is_some_and(|r| !r.is_empty() && !r.contains(char::is_whitespace)) {
+                return Err(self.expected(n, &p, "an http:// or https:// URL such as \"http://127.0.0.1:9000\""));
+            }
+            o.endpoint = Some(e.to_string());
+        }
+        if let Some((n, p)) = optional("region") {
+            if kind != TierKind::S3 {
+                return Err(self.at(n, &p, format!("`region` is not valid for kind {:?}; it applies to \"s3\" tiers", kind.as_str())));
+            }
+            o.region = Some(self.string(n, &p)?.trim().to_string());
+        }
+        if let Some((n, p)) = optional("allow_http") {
+            match n.value {
+                Value::Bool(b) => o.allow_http = Some(b),
+                _ => return Err(self.expected(n, &p, "true or false")),
+            }
+        }
+        if let Some((n, p)) = optional("part_size") {
+            let size = self.bytes(n, &p, parse_size, "a size such as \"16MiB\"")?;
+            if !(MIN_PART_SIZE..=MAX_PART_SIZE).contains(&size) {
+                return Err(self.at(
+                    n,
+                    &p,
+                    format!("expected a size between 5MiB (the smallest part S3 accepts) and 5GiB, got {}", n.describe()),
+                ));
+            }
+            o.part_size = size;
+        }
+        if let Some((n, p)) = optional("concurrency") {
+            let c = self.count(n, &p)?;
+            if c > MAX_CONCURRENCY {
+                return Err(self.expected(n, &p, &format!("a positive integer up to {MAX_CONCURRENCY}")));
+            }
+            o.concurrency = c;
+        }
+        if let Some((n, p)) = optional("timeout") {
+            o.timeout = Some(self.positive_int(n, &p)?);
+        }
+        if let Some((n, p)) = optional("retries") {
+            match n.value {
+                Value::Int(r) if (0..=100).contains(&r) => o.retries = Some(r as usize),
+                _ => return Err(self.expected(n, &p, "an integer from 0 to 100")),
+            }
+        }
+        Ok(o)
+    }
+
+    /// `[restore] order`, if given.
+    fn restore_order(&self, node: &Node, tiers: &[TierConfig]) -> Result<Option<Vec<String>>> {
+        let entries = self.table(node, "restore")?;
+        self.check_keys(entries, "restore", RESTORE_KEYS)?;
+        let Some((_, order)) = entries.iter().find(|(k, _)| k == "order") else {
+            return Ok(None);
+        };
+        let items = match &order.value {
+            Value::List(items) if !items.is_empty() => items,
+            _ => return Err(self.expected(order, "restore.order", "a non-empty list of tier names")),
+        };
+        let mut names: Vec<String> = Vec::with_capacity(items.len());
+        for (i, item) in items.iter().enumerate() {
+            let path = format!("restore.order[{i}]");
+            let name = self.string(item, &path)?;
+            if tiers.iter().all(|t| t.name != name) {
+                let known = tiers.iter().map(|t| format!("{:?}", t.name)).collect::<Vec<_>>().join(", ");
+                return Err(self.at(item, &path, format!("unknown tier {name:?}; the tiers are {known}")));
+            }
+            if names.iter().any(|n| n == name) {
+                return Err(self.at(item, &path, format!("tier {name:?} is listed twice")));
+            }
+            names.push(name.to_string());
+        }
+        Ok(Some(names))
+    }
+
+    /// `[store]` settings, over the defaults already in `policy`.
+    fn store(&self, node: &Node, policy: &mut Policy) -> Result<()> {
+        let entries = self.table(node, "store")?;
+        self.check_keys(entries, "store", STORE_KEYS)?;
+        for (key, value) in entries {
+            let path = format!("store.{key}");
+            match key.as_str() {
+                "chunk_size" => {
+                    let size = self.bytes(value, &path, parse_size, "a size such as \"4MiB\"")?;
+                    if size % CHUNK_ALIGN != 0 || !(MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&size) {
+                        return Err(self.expected(value, &path, "a multiple of 4096 bytes between 64KiB and 1GiB"));
+                    }
+                    policy.chunk_size = size;
+                }
+                "threads" => policy.threads = self.count(value, &path)?,
+                "io_threads" => policy.io_threads = self.count(value, &path)?,
+                _ => unreachable!("check_keys admits only STORE_KEYS"),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The directory an fs tier's `url` names: a plain path, or a local `file://` URL.
+pub(super) fn fs_path(url: &str) -> std::result::Result<String, String> {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Ok(url.to_string());
+    };
+    if scheme != "file" {
+        return Err(format!("expected a path or file:// URL for kind \"fs\", got {url:?}"));
+    }
+    // file:///abs/path and file://localhost/abs/path name a local path; file://host/... does not.
+    let path = rest.strip_prefix("localhost").unwrap_or(rest);
+    if !path.starts_with('/') {
+        return Err(format!("expected a local file:// URL such as \"file:///mnt/ckpt\", got {url:?}"));
+    }
+    Ok(path.to_string())
+}
+
+/// The `s3://bucket/prefix` or `gs://bucket/prefix` URL of an object-store tier, normalized
+/// (no trailing slash, no empty segments).
+fn object_url(kind: TierKind, url: &str) -> std::result::Result<String, String> {
+    let scheme = match kind {
+        TierKind::Gcs => "gs",
+        _ => "s3",
+    };
+    let example = format!("{scheme}://bucket/checkpoints/run1");
+    let Some(rest) = url.trim().strip_prefix(&format!("{scheme}://")) else {
+        let article = if scheme == "s3" { "an" } else { "a" };
+        return Err(format!("expected {article} {scheme}:// URL for kind {:?} such as {example:?}, got {url:?}", kind.as_str()));
+    };
+    let mut parts = rest.split('/').filter(|p| !p.is_empty());
+    let bucket = parts.next().unwrap_or("");
+    // What S3 and GCS both accept (GCS also takes `_` and longer dotted names).
+    let valid_bucket = (3..=222).contains(&bucket.len())
+        && bucket.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-._".contains(&b))
+        && bucket.as_bytes()[0].is_ascii_alphanumeric()
+        && bucket.as_bytes()[bucket.len() - 1].is_ascii_alphanumeric();
+    if !valid_bucket {
+        return Err(format!(
+            "expected a bucket name of lowercase letters, digits, `-` and `.` (3 or more) after {scheme}://, got {url:?} (e.g. {example:?})"
+        ));
+    }
+    let prefix: Vec<&str> = parts.collect();
+    if let Some(bad) = prefix.iter().find(|p| **p == "." || **p == ".." || p.contains(char::is_control)) {
+        return Err(format!("the prefix of {url:?} has an invalid segment {bad:?}"));
+    }
+    Ok(if prefix.is_empty() { format!("{scheme}://{bucket}") } else { format!("{scheme}://{bucket}/{}", prefix.join("/")) })
+}
+
+/// The known key closest to `key` by edit distance, if close enough to be a likely typo, or
+/// one that `key` abbreviates.
+pub(super) fn closest<'k>(key: &str, known: &[&'k str]) -> Option<&'k str> {
+    let key = key.to_lowercase();
+    let limit = (key.chars().count() / 3).max(2);
+    known
+        .iter()
+        .map(|k| (edit_distance(&key, k), *k))
+        .filter(|&(d, k)| (d <= limit && d < key.chars().count()) || (key.len() >= 3 && k.starts_with(&key)))
+        .min_by_key(|&(d, _)| d)
+        .map(|(_, k)| k)
+}
+
+/// Levenshtein distance.
+pub(super) fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            cur.push((prev[j] + usize::from(ca != *cb)).min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}

@@ -1,0 +1,94 @@
+//! The policy: which tiers a store writes to, fastest first, and how (`every`, `keep`,
+//! compression, bandwidth, capacity); the restore order; and store-wide settings.
+//!
+//! A policy comes from a TOML file or from a JSON object (a Python dict). Both are first read
+//! into one tree of nodes that remember where each value stood in the source (`source`), and
+//! then checked by one validator (`check`), so both forms accept the same schema and give the
+//! same errors. Every error names the source, the 1-based line (TOML only), the key path and
+//! what is expected, e.g. `tiercel.toml:12: tier[1] ("disk").keep: expected a positive
+//! integer, got -1`. `tier` holds one tier's settings (a `TierSpec` per kind), `units` sizes,
+//! bandwidths and compression strings.
+
+mod check;
+mod source;
+mod tier;
+mod units;
+
+use std::path::Path;
+
+pub use tier::{
+    ObjectOptions, ObjectSpec, PeerConfig, TierConfig, TierKind, TierSpec, DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, DEFAULT_PEER_LISTEN,
+    DEFAULT_REPLICAS,
+};
+pub use units::{parse_bandwidth, parse_size, Codec, Compression, DEFAULT_ZSTD_LEVEL};
+
+use crate::error::{Error, Result};
+use check::Checker;
+use source::{line_of, Node};
+
+/// Default chunk size: the unit of I/O, checksum and compression.
+pub const DEFAULT_CHUNK_SIZE: u64 = 4 << 20;
+const MIN_CHUNK_SIZE: u64 = 64 << 10;
+const MAX_CHUNK_SIZE: u64 = 1 << 30;
+/// Chunks are page-aligned so that they can be mapped and copied without splitting pages.
+const CHUNK_ALIGN: u64 = 4096;
+const DEFAULT_MEMORY_KEEP: usize = 2;
+const DEFAULT_IO_THREADS: usize = 2;
+/// More copy threads than this rarely helps a memory-bound copy and starves the trainer.
+const MAX_DEFAULT_THREADS: usize = 8;
+
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// The file path, or a label such as `<dict>`.
+    pub source: String,
+    /// In file order, fastest first; the first is the (only) memory tier.
+    pub tiers: Vec<TierConfig>,
+    pub restore_order: Vec<String>,
+    pub chunk_size: u64,
+    /// Copy threads for the blocking part of a save.
+    pub threads: usize,
+    /// Background scheduler workers.
+    pub io_threads: usize,
+}
+
+impl Policy {
+    /// Reads and validates a TOML policy file.
+    pub fn load(path: &Path) -> Result<Policy> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::config(format!("cannot read policy file {}: {e}", path.display())))?;
+        Self::from_toml(&text, &path.display().to_string())
+    }
+
+    pub fn from_toml(text: &str, source: &str) -> Result<Policy> {
+        let root: Node = toml::from_str(text).map_err(|e| {
+            // An error at the end of input (an unclosed array) is placed on the last line that
+            // has text, not on the empty line after the final newline.
+            let at = e.span().map(|s| line_of(text, s.start.min(text.trim_end().len())));
+            let line = at.map_or(String::new(), |l| format!("{l}:"));
+            // toml's messages may span lines ("invalid array\nexpected `]`"): keep it one line.
+            let message = e.message().trim().replace('\n', "; ");
+            // Quote the line, so the key is named even when toml's message does not.
+            let quoted = at.and_then(|l| text.lines().nth(l - 1)).map(|l| format!(" (line: `{}`)", l.trim())).unwrap_or_default();
+            Error::config(format!("{source}:{line} invalid TOML: {message}{quoted}"))
+        })?;
+        Checker { source, text: Some(text) }.policy(&root)
+    }
+
+    /// The same schema as a JSON object: `{"tier": [{...}], "restore": {"order": [...]},
+    /// "store": {...}}`.
+    pub fn from_json(text: &str, source: &str) -> Result<Policy> {
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| Error::config(format!("{source}: invalid JSON: {e}")))?;
+        Checker { source, text: None }.policy(&Node::from(value))
+    }
+
+    pub fn tier(&self, name: &str) -> Option<&TierConfig> {
+        self.tiers.iter().find(|t| t.name == name)
+    }
+
+    /// The first tier, which validation guarantees is the one memory tier.
+    pub fn memory_tier(&self) -> &TierConfig {
+        &self.tiers[0]
+    }
+}
+
+#[cfg(test)]
+mod tests;

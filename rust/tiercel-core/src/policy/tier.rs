@@ -1,0 +1,178 @@
+//! One `[[tier]]` of a policy: what every tier has (name, schedule, retention, compression,
+//! bandwidth, capacity) and, as an enum, what only its kind has.
+
+use super::units::Compression;
+
+/// The kinds of tier a policy may name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TierKind {
+    Memory,
+    Fs,
+    /// Replicas in the memory of m-1 peer hosts (GEMINI).
+    Peer,
+    /// An S3-compatible object store: `url = "s3://bucket/prefix"`.
+    S3,
+    /// Google Cloud Storage: `url = "gs://bucket/prefix"`.
+    Gcs,
+}
+
+impl TierKind {
+    /// Every kind a policy may name, in the order error messages list them.
+    pub(super) const ALL: &'static [TierKind] = &[TierKind::Memory, TierKind::Fs, TierKind::Peer, TierKind::S3, TierKind::Gcs];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TierKind::Memory => "memory",
+            TierKind::Fs => "fs",
+            TierKind::Peer => "peer",
+            TierKind::S3 => "s3",
+            TierKind::Gcs => "gcs",
+        }
+    }
+
+    /// An object store (s3, gcs): a bucket reached over HTTP.
+    pub fn is_object_store(self) -> bool {
+        matches!(self, TierKind::S3 | TierKind::Gcs)
+    }
+
+    pub(super) fn from_name(name: &str) -> Option<TierKind> {
+        Self::ALL.iter().find(|k| k.as_str() == name).copied()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct TierConfig {
+    pub name: String,
+    /// The kind and what only it has (its location first of all).
+    pub spec: TierSpec,
+    /// Keep a copy of every Nth step on this tier (`step % every == 0`).
+    pub every: u64,
+    /// How many steps to retain; `None` keeps all.
+    pub keep: Option<usize>,
+    /// How chunks are stored; always none for the memory and peer tiers.
+    pub compression: Compression,
+    /// Bytes per second.
+    pub bandwidth: Option<u64>,
+    /// Bytes (enforced on the memory tier).
+    pub capacity: Option<u64>,
+    /// 1-based line where this `[[tier]]` table starts (0 when not from TOML).
+    pub line: usize,
+}
+
+/// What a tier is, with the settings only its kind takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TierSpec {
+    /// Shared memory: `root`, a directory (under /dev/shm, so it outlives the process).
+    Memory { root: String },
+    /// A directory: `url` as a plain path (a file:// URL becomes its path).
+    Fs { path: String },
+    /// An S3-compatible object store: `url = "s3://bucket/prefix"`.
+    S3(ObjectSpec),
+    /// Google Cloud Storage: `url = "gs://bucket/prefix"`.
+    Gcs(ObjectSpec),
+    /// Replicas in the memory of m-1 peer hosts (GEMINI).
+    Peer(PeerConfig),
+}
+
+/// An object-store tier: its bucket and how to reach it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectSpec {
+    /// `s3://bucket/prefix` or `gs://bucket/prefix`, normalized (no trailing slash).
+    pub url: String,
+    pub options: ObjectOptions,
+}
+
+impl TierSpec {
+    pub fn kind(&self) -> TierKind {
+        match self {
+            TierSpec::Memory { .. } => TierKind::Memory,
+            TierSpec::Fs { .. } => TierKind::Fs,
+            TierSpec::S3(_) => TierKind::S3,
+            TierSpec::Gcs(_) => TierKind::Gcs,
+            TierSpec::Peer(_) => TierKind::Peer,
+        }
+    }
+
+    /// Where the tier lives, as messages and `tiercel ls` show it: the memory root, the fs
+    /// directory, the bucket URL, or the peer tier's listen address.
+    pub fn location(&self) -> &str {
+        match self {
+            TierSpec::Memory { root } => root,
+            TierSpec::Fs { path } => path,
+            TierSpec::S3(o) | TierSpec::Gcs(o) => &o.url,
+            TierSpec::Peer(p) => &p.listen,
+        }
+    }
+}
+
+impl TierConfig {
+    pub fn kind(&self) -> TierKind {
+        self.spec.kind()
+    }
+
+    pub fn location(&self) -> &str {
+        self.spec.location()
+    }
+}
+
+/// Default part size of an object-store tier's multipart uploads.
+pub const DEFAULT_PART_SIZE: u64 = 16 << 20;
+/// S3 refuses smaller parts (but the last); GCS's XML multipart API has the same rule.
+pub(super) const MIN_PART_SIZE: u64 = 5 << 20;
+pub(super) const MAX_PART_SIZE: u64 = 5 << 30;
+/// Default number of parts of one object uploaded at once.
+pub const DEFAULT_CONCURRENCY: usize = 4;
+pub(super) const MAX_CONCURRENCY: usize = 64;
+
+/// How an s3 or gcs tier reaches its bucket. What is `None` here comes from the environment
+/// and the SDK config files, as the AWS and Google SDKs read them (see `crate::object`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectOptions {
+    /// `endpoint`: the server's base URL (`http://127.0.0.1:9000`), for S3-compatible servers
+    /// and emulators.
+    pub endpoint: Option<String>,
+    /// `region` (s3 only).
+    pub region: Option<String>,
+    /// `allow_http`: permit plain-HTTP endpoints (implied by an `http://` endpoint).
+    pub allow_http: Option<bool>,
+    /// `part_size`: bytes per multipart part; objects up to this size go in one PUT.
+    pub part_size: u64,
+    /// `concurrency`: parts of one object in flight at once.
+    pub concurrency: usize,
+    /// `timeout`: seconds one HTTP request may take before it is retried.
+    pub timeout: Option<u64>,
+    /// `retries`: how often a failed request is retried (backoff from 0.1 s up to 15 s).
+    pub retries: Option<usize>,
+}
+
+impl Default for ObjectOptions {
+    fn default() -> Self {
+        ObjectOptions {
+            endpoint: None,
+            region: None,
+            allow_http: None,
+            part_size: DEFAULT_PART_SIZE,
+            concurrency: DEFAULT_CONCURRENCY,
+            timeout: None,
+            retries: None,
+        }
+    }
+}
+
+/// The keys of a `kind = "peer"` tier.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerConfig {
+    /// `listen`: the address this process serves its host's replicas on ("ip:port"; port 0
+    /// picks a free one).
+    pub listen: String,
+    /// m: copies of each host's data, its own included (GEMINI's m), so m-1 peers.
+    pub replicas: usize,
+    /// "mixed" (groups of m, a ring for the remainder), "group" or "ring".
+    pub placement: String,
+    /// The shared secret peers authenticate with; else $TIERCEL_PEER_SECRET, else one is
+    /// handed out through the coordinator.
+    pub secret: Option<String>,
+}
+
+pub const DEFAULT_PEER_LISTEN: &str = "0.0.0.0:0";
+pub const DEFAULT_REPLICAS: usize = 2;

@@ -1,0 +1,175 @@
+//! Units in a policy: byte sizes (`"8GiB"`), bandwidths (`"2GB/s"`) and compression
+//! strings (`"bytegroup+zstd:3"`), each parsed exactly or refused with what to write instead.
+
+use std::fmt;
+
+/// zstd's level when a policy says `zstd` without one.
+pub const DEFAULT_ZSTD_LEVEL: i32 = 3;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Codec {
+    None,
+    Zstd { level: i32 },
+}
+
+/// How a tier stores chunks. `bytegroup` means: for floating-point items, regroup the bytes
+/// of each value by significance before zstd (exponent bytes compress far better together);
+/// it only has an effect together with a codec.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Compression {
+    pub codec: Codec,
+    pub bytegroup: bool,
+}
+
+impl Compression {
+    pub fn none() -> Self {
+        Compression { codec: Codec::None, bytegroup: false }
+    }
+
+    pub(crate) fn zstd(level: i32) -> Self {
+        Compression { codec: Codec::Zstd { level }, bytegroup: false }
+    }
+
+    /// Parses `none` | `off` | `zstd` (level 3) | `zstd:N` | `bytegroup+zstd` |
+    /// `bytegroup+zstd:N`, where N is 1..=19 or a fast level -7..=-1.
+    pub fn parse(s: &str) -> std::result::Result<Self, String> {
+        const EXPECTED: &str = "expected \"none\", \"zstd\", \"zstd:N\" (N in 1..=19, or -7..=-1 \
+                                for fast levels) or \"bytegroup+zstd[:N]\"";
+        let s = s.trim();
+        if s == "none" || s == "off" {
+            return Ok(Self::none());
+        }
+        let (bytegroup, codec) = match s.strip_prefix("bytegroup+") {
+            Some(rest) => (true, rest),
+            None => (false, s),
+        };
+        let level = match codec.strip_prefix("zstd") {
+            Some("") => DEFAULT_ZSTD_LEVEL,
+            Some(level) => match level.strip_prefix(':').and_then(|n| n.parse::<i32>().ok()) {
+                Some(n) if (1..=19).contains(&n) || (-7..=-1).contains(&n) => n,
+                Some(n) => return Err(format!("zstd level must be in 1..=19 or -7..=-1, got {n}")),
+                None => return Err(format!("{EXPECTED}, got {s:?}")),
+            },
+            None => return Err(format!("{EXPECTED}, got {s:?}")),
+        };
+        Ok(Compression { bytegroup, ..Self::zstd(level) })
+    }
+}
+
+/// The canonical spelling, which [`Compression::parse`] reads back (`to_string()` comes with it).
+impl fmt::Display for Compression {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.codec {
+            Codec::None => f.write_str("none"),
+            Codec::Zstd { level } => {
+                let prefix = if self.bytegroup { "bytegroup+" } else { "" };
+                write!(f, "{prefix}zstd:{level}")
+            }
+        }
+    }
+}
+
+/// Parses a byte size: `"8GiB"`, `"512 MiB"`, `"1.5GB"`, `"4096"`. KB/MB/GB/TB are decimal
+/// (1000^n), KiB/MiB/GiB/TiB binary (1024^n).
+pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    parse_bytes(s).map_err(|why| format!("{s:?} is not a size ({why}); write e.g. \"8GiB\", \"1.5GB\" or 4096 (bytes)"))
+}
+
+/// Parses bytes per second: `"2GB/s"`, `"100MiB/s"`; `"2GB"` and a plain integer also work.
+pub fn parse_bandwidth(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    parse_bytes(t.strip_suffix("/s").unwrap_or(t))
+        .map_err(|why| format!("{s:?} is not a bandwidth ({why}); write e.g. \"2GB/s\" or \"100MiB/s\""))
+}
+
+/// A number with an optional unit, exactly in bytes. Returns why not, for the caller to wrap.
+fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (number, unit) = (&s[..split], s[split..].trim_start());
+    // Decimal arithmetic in integers, so that "1.5GiB" is exact and "1.5B" is refused.
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    let digits = format!("{whole}{fraction}");
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err("not a non-negative number".into());
+    }
+    let multiplier = unit_multiplier(unit)?;
+    let too_large = || "too large".to_string();
+    let mantissa: u128 = digits.parse().map_err(|_| too_large())?;
+    let scale = 10u128.checked_pow(fraction.len() as u32).ok_or_else(too_large)?;
+    let total = mantissa.checked_mul(multiplier.into()).ok_or_else(too_large)?;
+    if total % scale != 0 {
+        return Err("not a whole number of bytes".into());
+    }
+    u64::try_from(total / scale).map_err(|_| too_large())
+}
+
+fn unit_multiplier(unit: &str) -> std::result::Result<u64, String> {
+    if unit.is_empty() || unit == "B" {
+        return Ok(1);
+    }
+    let unknown = || format!("unknown unit `{unit}`: use B, KB, MB, GB, TB or KiB, MiB, GiB, TiB");
+    let mut chars = unit.chars();
+    let power = match chars.next().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => 1,
+        Some('M') => 2,
+        Some('G') => 3,
+        Some('T') => 4,
+        _ => return Err(unknown()),
+    };
+    match chars.as_str() {
+        "B" => Ok(1000u64.pow(power)),
+        "iB" | "ib" | "IB" | "Ib" => Ok(1024u64.pow(power)),
+        // Network speeds are often quoted in bits (10Gb/s = 1.25GB/s): refuse rather than guess.
+        "b" => Err(format!("`{unit}` means bits; write `{}B` for bytes", &unit[..1])),
+        _ => Err(unknown()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("8GiB"), Ok(8 << 30));
+        assert_eq!(parse_size("512 MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("1.5GB"), Ok(1_500_000_000));
+        assert_eq!(parse_size("1.5GiB"), Ok(3 << 29));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size(" 10B "), Ok(10));
+        assert_eq!(parse_size("1KB"), Ok(1000));
+        assert_eq!(parse_size("1kB"), Ok(1000));
+        assert_eq!(parse_size("1KiB"), Ok(1024));
+        assert_eq!(parse_size("2MB"), Ok(2_000_000));
+        assert_eq!(parse_size("2TiB"), Ok(2 << 40));
+        assert_eq!(parse_size("64gib"), Ok(64 << 30));
+        assert_eq!(parse_size("0.5KiB"), Ok(512));
+        assert_eq!(parse_size("0"), Ok(0));
+        for bad in ["", "abc", "-1GB", "1.5", "1.2.3GB", "8 XB", "8K", "8Gb", "1e9", "99999999999999999999GB"] {
+            let e = parse_size(bad).expect_err(bad);
+            assert!(e.contains("is not a size") && e.contains("8GiB"), "{bad}: {e}");
+        }
+        assert!(parse_size("8Gb").unwrap_err().contains("means bits; write `GB`"));
+        assert!(parse_size("0.1B").unwrap_err().contains("whole number of bytes"));
+    }
+
+    #[test]
+    fn compression_strings() {
+        let zstd = |level, bytegroup| Compression { codec: Codec::Zstd { level }, bytegroup };
+        assert_eq!(Compression::parse("none"), Ok(Compression::none()));
+        assert_eq!(Compression::parse("off"), Ok(Compression::none()));
+        assert_eq!(Compression::parse("zstd"), Ok(zstd(3, false)));
+        assert_eq!(Compression::parse("zstd:19"), Ok(zstd(19, false)));
+        assert_eq!(Compression::parse("zstd:-7"), Ok(zstd(-7, false)));
+        assert_eq!(Compression::parse("bytegroup+zstd"), Ok(zstd(3, true)));
+        assert_eq!(Compression::parse("bytegroup+zstd:1"), Ok(zstd(1, true)));
+        for bad in ["zstd:0", "zstd:20", "zstd:-8", "zstd:", "zstd:x", "zstd3", "lz4", "bytegroup", "bytegroup+none", ""] {
+            assert!(Compression::parse(bad).is_err(), "{bad:?} accepted");
+        }
+        for c in [Compression::none(), zstd(3, false), zstd(-2, false), zstd(9, true)] {
+            assert_eq!(Compression::parse(&c.to_string()), Ok(c));
+        }
+        assert_eq!(zstd(9, true).to_string(), "bytegroup+zstd:9");
+    }
+}

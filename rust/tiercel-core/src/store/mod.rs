@@ -1,0 +1,183 @@
+//! The Store: one per training process (rank). It copies a step into the memory tier (the
+//! only blocking part of a save), then commits, persists and evicts in the background through
+//! the scheduler; it reads a step back chunk by chunk from the first tier that has a valid copy.
+//!
+//! `save` holds the writer (the blocking copy) and the background flush, `handle` what a
+//! save has done where, `restore` the reader, `copy` the copy of a step between tiers.
+
+mod copy;
+mod handle;
+mod restore;
+mod save;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::policy::{Policy, TierConfig};
+use crate::scheduler::{Link, Scheduler};
+use crate::tier::gc::{self, GcOptions, Removal, Target};
+use crate::tier::memory::MemoryTier;
+use crate::tier::open::{open_tiers, Tiers};
+use crate::tier::peer::PeerTier;
+use crate::tier::{run_gc, Tier};
+
+pub use copy::copy_step;
+pub use handle::{SaveHandle, TierState};
+pub use restore::{ItemData, StepReader};
+pub use save::{ItemSpec, StepWriter};
+
+pub struct TierSlot {
+    pub config: TierConfig,
+    pub tier: Arc<dyn Tier>,
+    pub link: Arc<Link>,
+}
+
+pub struct Store {
+    pub policy: Policy,
+    pub rank: u32,
+    pub world_size: u32,
+    memory: Arc<MemoryTier>,
+    slots: Vec<TierSlot>,
+    scheduler: Arc<Scheduler>,
+    copy_pool: rayon::ThreadPool,
+    peer: Option<Arc<PeerTier>>,
+}
+
+/// The slot of the memory tier, into which every save copies first: policy validation puts
+/// the one memory tier first (`Policy::memory_tier`).
+const MEMORY_SLOT: usize = 0;
+
+impl Store {
+    pub fn open(policy: Policy, rank: u32, world_size: u32) -> Result<Arc<Store>> {
+        if world_size == 0 || rank >= world_size {
+            return Err(Error::invalid(format!("rank {rank} is not in a world of size {world_size}")));
+        }
+        let Tiers { all, memory, peer } = open_tiers(&policy, rank)?;
+        let slots = policy
+            .tiers
+            .iter()
+            .zip(all)
+            .map(|(cfg, tier)| TierSlot { link: Link::new(&cfg.name, cfg.bandwidth), config: cfg.clone(), tier })
+            .collect();
+        let copy_pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(policy.threads)
+            .thread_name(|i| format!("tiercel-copy-{i}"))
+            .build()
+            .map_err(|e| Error::invalid(format!("cannot start copy threads: {e}")))?;
+        let scheduler = Scheduler::new(policy.io_threads);
+        Ok(Arc::new(Store { policy, rank, world_size, memory, slots, scheduler, copy_pool, peer }))
+    }
+
+    pub fn slots(&self) -> &[TierSlot] {
+        &self.slots
+    }
+
+    pub fn slot(&self, name: &str) -> Result<&TierSlot> {
+        self.slots.iter().find(|s| s.config.name == name).ok_or_else(|| {
+            let names: Vec<_> = self.slots.iter().map(|s| s.config.name.as_str()).collect();
+            Error::invalid(format!("no tier named '{name}' in {} (tiers: {})", self.policy.source, names.join(", ")))
+        })
+    }
+
+    pub fn memory(&self) -> &Arc<MemoryTier> {
+        &self.memory
+    }
+
+    /// The memory tier's slot.
+    fn memory_slot(&self) -> &TierSlot {
+        &self.slots[MEMORY_SLOT]
+    }
+
+    /// The slots a flushed step goes to next (every one but the memory tier's), with their
+    /// indices.
+    fn later_slots(&self) -> impl Iterator<Item = (usize, &TierSlot)> {
+        self.slots.iter().enumerate().filter(|(i, _)| *i != MEMORY_SLOT)
+    }
+
+    /// The peer tier, when the policy has one.
+    pub fn peer(&self) -> Option<&Arc<PeerTier>> {
+        self.peer.as_ref()
+    }
+
+    /// Committed steps per tier, in policy order.
+    pub fn steps(&self) -> Result<Vec<(String, Vec<u64>)>> {
+        self.slots.iter().map(|s| Ok((s.config.name.clone(), s.tier.committed_steps()?))).collect()
+    }
+
+    /// Steps this rank could restore from some tier in restore order, newest last. A tier
+    /// that cannot be listed right now is skipped (logged): restore falls back past it.
+    pub fn restorable_steps(&self) -> Vec<u64> {
+        let mut all = std::collections::BTreeSet::new();
+        for name in &self.policy.restore_order {
+            let Ok(slot) = self.slot(name) else { continue };
+            match slot.tier.committed_steps() {
+                Ok(v) => all.extend(v),
+                Err(e) => log::warn!("tier '{name}' cannot be listed, skipped: {e}"),
+            }
+        }
+        all.into_iter().collect()
+    }
+
+    /// Waits for every background job; then stops the workers and frees this process's
+    /// spare shared memory. Committed steps stay.
+    pub fn close(&self) {
+        self.scheduler.shutdown();
+        if let Some(p) = &self.peer {
+            p.shutdown();
+        }
+        self.memory.release_pool();
+    }
+
+    /// Blocks until the background queue is empty.
+    pub fn flush(&self) {
+        self.scheduler.wait_idle();
+    }
+
+    pub fn scheduler(&self) -> &Arc<Scheduler> {
+        &self.scheduler
+    }
+
+    /// Retention on one tier, as after every save: `keep`, uncommitted leftovers, abandoned
+    /// uploads (see `tier::gc`). Returns the removed steps.
+    pub fn retain(&self, slot: &TierSlot) -> Result<Vec<u64>> {
+        let done = run_gc(&*slot.tier, &GcOptions { keep: slot.config.keep, temp_age: None })?;
+        for r in done.iter().filter(|r| r.step().is_none()) {
+            log::info!("tier '{}': removed {}", slot.config.name, r.reason);
+        }
+        Ok(gc::steps_of(&done))
+    }
+
+    /// What `gc` would remove from tier `name` now: retention, and temporary files of dead
+    /// writers at least `temp_age` old.
+    pub fn gc_plan(&self, name: &str, temp_age: Duration) -> Result<Vec<Removal>> {
+        let slot = self.slot(name)?;
+        slot.tier.gc_plan(&GcOptions { keep: slot.config.keep, temp_age: Some(temp_age) })
+    }
+
+    /// Aborts the abandoned uploads of tier `name` (object stores) and nothing else; one line
+    /// per upload, as `tiercel gc` prints them.
+    pub fn sweep_uploads(&self, name: &str) -> Result<Vec<String>> {
+        let slot = self.slot(name)?;
+        let plan: Vec<Removal> = slot
+            .tier
+            .gc_plan(&GcOptions { keep: None, temp_age: None })?
+            .into_iter()
+            .filter(|r| matches!(r.target, Target::Upload { .. }))
+            .collect();
+        let done = slot.tier.gc_apply(plan)?;
+        Ok(done
+            .iter()
+            .map(|r| match &r.target {
+                Target::Upload { upload_id, .. } if upload_id.is_empty() => format!("removed the {}", r.reason),
+                _ => format!("aborted the {}", r.reason),
+            })
+            .collect())
+    }
+
+    /// Removes what `gc_plan` lists; returns what was removed.
+    pub fn gc(&self, name: &str, temp_age: Duration) -> Result<Vec<Removal>> {
+        let slot = self.slot(name)?;
+        run_gc(&*slot.tier, &GcOptions { keep: slot.config.keep, temp_age: Some(temp_age) })
+    }
+}

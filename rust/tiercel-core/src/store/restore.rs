@@ -1,0 +1,298 @@
+//! The restore path: `StepReader` opens one rank's step on the tiers in restore order that
+//! have it committed and reads items, or byte ranges of one item, zero-copy from the memory
+//! tier when it can, else chunk by chunk from the first tier with a valid copy.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use rayon::prelude::*;
+
+use super::Store;
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::{ChunkMeta, ItemMeta, Manifest};
+use crate::tier::memory::View;
+use crate::tier::read_chunk;
+
+/// One restored item: a zero-copy view of a memory-tier object, or bytes read into memory.
+pub enum ItemData {
+    View { view: Arc<View>, offset: usize, len: usize },
+    Owned(Vec<u8>),
+}
+
+impl ItemData {
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            ItemData::View { view, offset, len } => &view[*offset..*offset + *len],
+            ItemData::Owned(v) => v,
+        }
+    }
+}
+
+/// Reads one rank's step from the tiers in restore order that have it committed.
+pub struct StepReader {
+    pub step: u64,
+    pub rank: u32,
+    /// (tier index in store slots, that tier's manifest), in restore order.
+    pub(super) sources: Vec<(usize, Manifest)>,
+    pub(super) store: Arc<Store>,
+    /// Problems met on the way (a bad chunk read from the next tier instead, a tier whose
+    /// manifest could not be read), for logs and for the caller to show.
+    pub warnings: Mutex<Vec<String>>,
+}
+
+impl StepReader {
+    /// `tiers`: restrict to these tiers (in this order); default: the policy's restore order.
+    pub fn open(store: &Arc<Store>, step: u64, rank: u32, tiers: Option<&[String]>) -> Result<StepReader> {
+        let order: Vec<String> = tiers.map(|t| t.to_vec()).unwrap_or_else(|| store.policy.restore_order.clone());
+        let mut sources = vec![];
+        let mut warnings = vec![];
+        let mut seen = vec![];
+        let mut broken = false;
+        for name in &order {
+            let idx = store.slots.iter().position(|s| &s.config.name == name).ok_or_else(|| store.slot(name).err().unwrap())?;
+            let tier = &store.slots[idx].tier;
+            let record = match tier.commit_record(step) {
+                Ok(r) => r,
+                Err(e) if e.kind == ErrorKind::NotFound => continue,
+                Err(e) => {
+                    broken |= e.kind == ErrorKind::Integrity;
+                    warnings.push(e.message);
+                    continue;
+                }
+            };
+            if record.ranks.as_ref().is_some_and(|rs| !rs.contains(&rank)) {
+                continue; // a host-local commit of other ranks
+            }
+            seen.push(name.clone());
+            if rank >= record.world_size {
+                return Err(Error::invalid(format!(
+                    "tier '{name}': step {step} was saved by {} ranks; there is no rank {rank}",
+                    record.world_size
+                )));
+            }
+            match tier.read_manifest(step, rank) {
+                Ok(m) => sources.push((idx, m)),
+                Err(e) => warnings.push(e.message),
+            }
+        }
+        if sources.is_empty() {
+            let mut have = vec![];
+            for name in &order {
+                if let Ok(slot) = store.slot(name) {
+                    let steps = slot.tier.committed_steps().unwrap_or_default();
+                    have.push(format!("{name}: {steps:?}"));
+                }
+            }
+            let why = if warnings.is_empty() { String::new() } else { format!(" ({})", warnings.join("; ")) };
+            let kind = if seen.is_empty() && !broken { ErrorKind::NotFound } else { ErrorKind::Integrity };
+            return Err(Error::new(
+                kind,
+                format!("step {step} rank {rank} can be restored from no tier in {order:?}{why}; committed steps: {}", have.join(", ")),
+            ));
+        }
+        for w in &warnings {
+            log::warn!("{w}");
+        }
+        Ok(StepReader { step, rank, sources, store: store.clone(), warnings: Mutex::new(warnings) })
+    }
+
+    /// The manifest of the first tier that has the step.
+    pub fn manifest(&self) -> &Manifest {
+        &self.sources[0].1
+    }
+
+    pub fn tiers(&self) -> Vec<String> {
+        self.sources.iter().map(|(i, _)| self.store.slots[*i].config.name.clone()).collect()
+    }
+
+    /// Reads items (indices into `manifest().items`). Returns each item's data and the tier
+    /// it came from ("ram", or "ram+disk" when chunks had to come from several tiers).
+    pub fn read_items(&self, items: &[usize]) -> Result<Vec<(ItemData, String)>> {
+        let m = self.manifest();
+        for &i in items {
+            if i >= m.items.len() {
+                return Err(Error::invalid(format!("step {}: no item {i}", self.step)));
+            }
+        }
+        let mut views: HashMap<String, Arc<View>> = HashMap::new();
+        self.store.copy_pool.install(|| items.iter().map(|&i| self.read_span(i, 0, m.items[i].nbytes, &mut views)).collect())
+    }
+
+    /// Reads bytes `start..start + len` of item `item`, touching only the chunks that overlap
+    /// them (each still verified whole by its CRC32C, falling back chunk by chunk across tiers
+    /// like `read_items`). A zero-copy view when the item qualifies for one.
+    pub fn read_range(&self, item: usize, start: u64, len: u64) -> Result<(ItemData, String)> {
+        let it = self.manifest().items.get(item).ok_or_else(|| Error::invalid(format!("step {}: no item {item}", self.step)))?;
+        let end = start.checked_add(len).filter(|e| *e <= it.nbytes).ok_or_else(|| {
+            Error::invalid(format!(
+                "step {} rank {} item '{}': bytes {start}..{} lie outside its {} bytes",
+                self.step,
+                self.rank,
+                it.name,
+                start as u128 + len as u128,
+                it.nbytes
+            ))
+        })?;
+        let mut views = HashMap::new();
+        self.store.copy_pool.install(|| self.read_span(item, start, end, &mut views))
+    }
+
+    /// Bytes `start..end` of item `i`: zero-copy if it can, else chunk by chunk.
+    fn read_span(&self, i: usize, start: u64, end: u64, views: &mut HashMap<String, Arc<View>>) -> Result<(ItemData, String)> {
+        if let Some(v) = self.try_zero_copy(i, start, end, views)? {
+            return Ok(v);
+        }
+        self.read_owned(i, start, end)
+    }
+
+    /// The fast path: the first source offers views (the memory tier), the chunks of
+    /// `start..end` sit raw and contiguous in one object, and each of their checksums holds.
+    fn try_zero_copy(&self, i: usize, start: u64, end: u64, views: &mut HashMap<String, Arc<View>>) -> Result<Option<(ItemData, String)>> {
+        let (idx, m) = &self.sources[0];
+        let slot = &self.store.slots[*idx];
+        let it = &m.items[i];
+        let chunks = &it.chunks[overlapping(&it.chunks, start, end)];
+        let Some(first) = chunks.first() else {
+            return Ok(Some((ItemData::Owned(vec![]), slot.config.name.clone())));
+        };
+        // Where byte 0 of the item would lie if the item is stored contiguously.
+        let base = first.stored_offset.wrapping_sub(first.offset);
+        let contiguous = chunks
+            .iter()
+            .all(|c| c.codec == crate::codec::RAW && c.object == first.object && c.stored_offset == base.wrapping_add(c.offset));
+        if !contiguous {
+            return Ok(None);
+        }
+        let obj = &m.objects[first.object as usize].name;
+        let view = match views.get(obj) {
+            Some(v) => v.clone(),
+            None => match slot.tier.view(m.step, obj) {
+                None => return Ok(None), // a tier without views
+                Some(Ok(v)) => {
+                    views.insert(obj.clone(), v.clone());
+                    v
+                }
+                Some(Err(e)) => {
+                    self.warnings.lock().push(e.message);
+                    return Ok(None);
+                }
+            },
+        };
+        let last = chunks.last().expect("not empty");
+        if last.stored_offset + last.len > view.len() as u64 {
+            self.warnings
+                .lock()
+                .push(format!("tier '{}': step {} rank {} object {obj} is shorter than its manifest", slot.config.name, m.step, m.rank));
+            return Ok(None);
+        }
+        let ok = chunks.par_iter().all(|c| {
+            let s = c.stored_offset as usize;
+            crc32c::crc32c(&view[s..s + c.len as usize]) == c.crc32c
+        });
+        if !ok {
+            return Ok(None); // read_owned finds the bad chunks, says which, and falls back
+        }
+        // The first overlapping chunk starts at or before `start` (chunks tile the item).
+        let (offset, len) = ((first.stored_offset + (start - first.offset)) as usize, (end - start) as usize);
+        Ok(Some((ItemData::View { view, offset, len }, slot.config.name.clone())))
+    }
+
+    /// Reads bytes `start..end` of item `i`: every overlapping chunk from the first source
+    /// that has a valid copy of it. A chunk the range covers only in part is read whole (its
+    /// checksum covers all of it) and cut.
+    fn read_owned(&self, i: usize, start: u64, end: u64) -> Result<(ItemData, String)> {
+        let primary = &self.manifest().items[i];
+        let range = overlapping(&primary.chunks, start, end);
+        let mut buf = vec![0u8; (end - start) as usize];
+        let mut dsts: Vec<(usize, &mut [u8])> = vec![];
+        let mut rest = &mut buf[..];
+        for c in range {
+            let ch = &primary.chunks[c];
+            let n = (ch.offset + ch.len).min(end) - ch.offset.max(start);
+            let (a, b) = rest.split_at_mut(n as usize);
+            dsts.push((c, a));
+            rest = b;
+        }
+        let used: Vec<Result<usize>> = dsts
+            .into_par_iter()
+            .map(|(c, dst)| {
+                let ch = &primary.chunks[c];
+                if dst.len() as u64 == ch.len {
+                    return self.read_chunk_anywhere(primary, c, dst);
+                }
+                let mut whole = vec![0u8; ch.len as usize];
+                let s = self.read_chunk_anywhere(primary, c, &mut whole)?;
+                let from = (ch.offset.max(start) - ch.offset) as usize;
+                dst.copy_from_slice(&whole[from..from + dst.len()]);
+                Ok(s)
+            })
+            .collect();
+        let mut from: Vec<usize> = vec![];
+        for u in used {
+            let s = u?;
+            if !from.contains(&s) {
+                from.push(s);
+            }
+        }
+        from.sort_unstable();
+        let names: Vec<String> = from.iter().map(|s| self.store.slots[self.sources[*s].0].config.name.clone()).collect();
+        let label = if names.is_empty() { self.store.slots[self.sources[0].0].config.name.clone() } else { names.join("+") };
+        Ok((ItemData::Owned(buf), label))
+    }
+
+    /// Reads chunk `c` of `primary` (an item of the first source's manifest) into `dst` from
+    /// the first source with a matching copy that decodes and passes its checksum. Returns
+    /// the index of that source.
+    fn read_chunk_anywhere(&self, primary: &ItemMeta, c: usize, dst: &mut [u8]) -> Result<usize> {
+        let want = &primary.chunks[c];
+        let mut errs = vec![];
+        for (s, (idx, m)) in self.sources.iter().enumerate() {
+            let tier = &*self.store.slots[*idx].tier;
+            let found = m.items.iter().position(|x| x.name == primary.name).and_then(|j| {
+                let ch = m.items[j].chunks.get(c)?;
+                (ch.offset == want.offset && ch.len == want.len && ch.crc32c == want.crc32c).then_some(j)
+            });
+            let Some(j) = found else {
+                errs.push(format!("tier '{}' has no matching copy of item '{}' chunk {c}", tier.name(), primary.name));
+                continue;
+            };
+            match read_chunk(tier, m, j, c, dst) {
+                Ok(()) => {
+                    if s > 0 {
+                        let msg = format!(
+                            "step {} rank {} item '{}' chunk {c} read from tier '{}' after: {}",
+                            self.step,
+                            self.rank,
+                            primary.name,
+                            tier.name(),
+                            errs.join("; ")
+                        );
+                        log::warn!("{msg}");
+                        self.warnings.lock().push(msg);
+                    }
+                    return Ok(s);
+                }
+                Err(e) => errs.push(e.message),
+            }
+        }
+        Err(Error::integrity(format!(
+            "step {} rank {} item '{}' chunk {c}: no tier has a valid copy: {}",
+            self.step,
+            self.rank,
+            primary.name,
+            errs.join("; ")
+        )))
+    }
+}
+
+/// Indices of the chunks (in item order, each starting where the previous ended) that
+/// overlap bytes `start..end`; empty when the range is.
+fn overlapping(chunks: &[ChunkMeta], start: u64, end: u64) -> std::ops::Range<usize> {
+    if start >= end {
+        return 0..0;
+    }
+    let first = chunks.partition_point(|c| c.offset + c.len <= start);
+    let last = chunks.partition_point(|c| c.offset < end);
+    first..last.max(first)
+}

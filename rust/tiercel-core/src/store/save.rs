@@ -1,0 +1,324 @@
+//! The save path: `StepWriter` lays a rank's step out in memory-tier segments and copies it
+//! in (the only part that blocks training); `flush_step`, in the background, checksums,
+//! publishes and commits it there, then hands it to every other tier's job.
+
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use super::{SaveHandle, Store, TierState};
+use crate::error::{Error, Result};
+use crate::format::{self, ChunkMeta, ItemMeta, Manifest, ObjectMeta, ShardInfo};
+use crate::scheduler::{Job, Priority, Start};
+use crate::tier::memory::Segment;
+use crate::tier::{ChunkSource, Tier};
+
+/// What a caller hands over about one item before the copy.
+#[derive(Debug, Clone)]
+pub struct ItemSpec {
+    pub name: String,
+    pub kind: String,
+    pub dtype: String,
+    pub shape: Vec<u64>,
+    pub nbytes: u64,
+    pub meta: serde_json::Value,
+    /// Set when the item is one shard of a global array.
+    pub shard: Option<ShardInfo>,
+}
+
+impl Store {
+    /// Starts saving `step` of this rank.
+    pub fn begin(self: &Arc<Self>, step: u64) -> StepWriter {
+        StepWriter {
+            store: self.clone(),
+            manifest: Manifest::new(step, self.rank, self.world_size, &self.memory_slot().config.name, self.policy.chunk_size),
+            parts: vec![],
+            filled: vec![],
+            finished: false,
+        }
+    }
+}
+
+/// Builds one step of this rank in the memory tier, `put` by `put`.
+pub struct StepWriter {
+    store: Arc<Store>,
+    manifest: Manifest,
+    parts: Vec<Arc<Segment>>,
+    filled: Vec<bool>,
+    finished: bool,
+}
+
+/// Raw bytes of chunks stored raw in memory-tier segments.
+struct SegmentSource<'a> {
+    manifest: &'a Manifest,
+    segments: &'a [Arc<Segment>],
+}
+
+impl ChunkSource for SegmentSource<'_> {
+    fn read_raw(&self, item: usize, chunk: usize, dst: &mut [u8]) -> Result<()> {
+        let c = &self.manifest.items[item].chunks[chunk];
+        let seg = &self.segments[c.object as usize];
+        let start = c.stored_offset as usize;
+        dst.copy_from_slice(&seg.bytes()[start..start + c.len as usize]);
+        Ok(())
+    }
+
+    fn raw_slice(&self, item: usize, chunk: usize) -> Option<&[u8]> {
+        let c = &self.manifest.items[item].chunks[chunk];
+        let start = c.stored_offset as usize;
+        Some(&self.segments[c.object as usize].bytes()[start..start + c.len as usize])
+    }
+}
+
+/// A raw pointer that may cross to the copy threads; the caller keeps its memory alive
+/// and unchanged for the duration of the copy.
+#[derive(Clone, Copy)]
+struct SendPtr(*const u8);
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl StepWriter {
+    pub fn step(&self) -> u64 {
+        self.manifest.step
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// Lays out a put's items in a new segment. Returns the part index and, per item, its
+    /// global item index and byte offset in the segment.
+    pub fn add_part(&mut self, name: &str, tree: serde_json::Value, items: Vec<ItemSpec>) -> Result<(usize, Vec<(usize, u64)>)> {
+        let step = self.manifest.step;
+        if self.manifest.trees.iter().any(|(n, _)| n == name) {
+            return Err(Error::invalid(format!("step {step}: '{name}' was already put in this step")));
+        }
+        for it in &items {
+            if let Some(shard) = &it.shard {
+                shard.check(&it.shape).map_err(|why| Error::invalid(format!("step {step}: item '{}': {why}", it.name)))?;
+            }
+        }
+        let mut pos = 0u64;
+        let mut places = vec![];
+        for it in &items {
+            pos = format::align_up(pos, format::ITEM_ALIGN);
+            places.push(pos);
+            pos += it.nbytes;
+        }
+        let part = self.parts.len();
+        let seg = self.store.memory.allocate(step, self.store.rank, part, pos)?;
+        let chunk_size = self.manifest.chunk_size;
+        let mut out = vec![];
+        for (spec, start) in items.into_iter().zip(places) {
+            let chunks = format::chunk_ranges(spec.nbytes, chunk_size)
+                .map(|(off, len)| ChunkMeta {
+                    offset: off,
+                    len,
+                    crc32c: 0,
+                    object: part as u32,
+                    stored_offset: start + off,
+                    stored_len: len,
+                    codec: crate::codec::RAW.into(),
+                })
+                .collect();
+            out.push((self.manifest.items.len(), start));
+            self.filled.push(spec.nbytes == 0);
+            self.manifest.items.push(ItemMeta {
+                name: spec.name,
+                kind: spec.kind,
+                dtype: spec.dtype,
+                shape: spec.shape,
+                nbytes: spec.nbytes,
+                meta: spec.meta,
+                shard: spec.shard,
+                chunks,
+            });
+        }
+        self.manifest.objects.push(ObjectMeta { name: format::part_name(self.store.rank, part), len: pos });
+        self.manifest.trees.push((name.into(), tree));
+        self.parts.push(seg);
+        Ok((part, out))
+    }
+
+    pub fn segment(&self, part: usize) -> Result<Arc<Segment>> {
+        self.parts.get(part).cloned().ok_or_else(|| Error::invalid(format!("no part {part} in step {}", self.step())))
+    }
+
+    /// Copies items from contiguous host memory into their segment on the copy threads.
+    /// `srcs`: (item index, source address). Checksums are computed later, in the
+    /// background: fusing them into the copy measured no faster than a second pass, and the
+    /// copy is the only part of a save that blocks training.
+    ///
+    /// # Safety
+    /// Each source address must point to `nbytes` readable bytes of that item that stay
+    /// alive and unchanged until this returns.
+    pub unsafe fn copy_items(&mut self, srcs: &[(usize, usize)]) -> Result<()> {
+        for &(i, _) in srcs {
+            if i >= self.manifest.items.len() {
+                return Err(Error::invalid(format!("no item {i} in step {}", self.step())));
+            }
+        }
+        let tasks: Vec<(SendPtr, SendPtr, usize)> = srcs
+            .iter()
+            .flat_map(|&(i, src)| {
+                let it = &self.manifest.items[i];
+                let parts = &self.parts;
+                it.chunks.iter().map(move |ch| {
+                    let dst = unsafe { parts[ch.object as usize].ptr().add(ch.stored_offset as usize) };
+                    (SendPtr(unsafe { (src as *const u8).add(ch.offset as usize) }), SendPtr(dst), ch.len as usize)
+                })
+            })
+            .collect();
+        self.store.copy_pool.install(|| {
+            tasks.par_iter().for_each(|&(src, dst, len)| unsafe {
+                std::ptr::copy_nonoverlapping(src.0, dst.0 as *mut u8, len);
+            })
+        });
+        for &(i, _) in srcs {
+            self.filled[i] = true;
+        }
+        Ok(())
+    }
+
+    /// Marks items the caller wrote into the segment itself (device tensors, non-contiguous
+    /// arrays copied by their framework).
+    pub fn mark_written(&mut self, items: &[usize]) -> Result<()> {
+        for &i in items {
+            let step = self.manifest.step;
+            *self.filled.get_mut(i).ok_or_else(|| Error::invalid(format!("no item {i} in step {step}")))? = true;
+        }
+        Ok(())
+    }
+
+    /// Ends the blocking part. In the background, in order: checksum every chunk, publish
+    /// this rank's manifest on the memory tier (committing the step there once every rank
+    /// has), persist to the tiers whose `every` selects this step, evict beyond `keep`, and
+    /// pre-fault segments for the next step. The returned handle tells what is done where.
+    pub fn commit(mut self) -> Result<Arc<SaveHandle>> {
+        if let Some(i) = self.filled.iter().position(|f| !f) {
+            return Err(Error::invalid(format!(
+                "step {}: item '{}' was laid out but never written",
+                self.step(),
+                self.manifest.items[i].name
+            )));
+        }
+        self.finished = true;
+        let store = self.store.clone();
+        let manifest = std::mem::take(&mut self.manifest);
+        let parts = std::mem::take(&mut self.parts);
+        let handle = SaveHandle::new(manifest.step, &store.slots);
+        let (store2, handle2) = (store.clone(), handle.clone());
+        store.scheduler.submit(Job {
+            link: store.memory_slot().link.clone(),
+            priority: Priority::Flush,
+            size: manifest.total_bytes(),
+            label: format!("step {}", manifest.step),
+            supersede_key: None,
+            run: Box::new(move |_| flush_step(store2, handle2, manifest, parts)),
+        });
+        Ok(handle)
+    }
+}
+
+/// The background half of a save (see `StepWriter::commit`).
+fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest, parts: Vec<Arc<Segment>>) {
+    let step = manifest.step;
+    let mem = store.memory_slot();
+    let mem_name = mem.config.name.clone();
+    handle.set(&mem_name, TierState::Running);
+    let work = manifest.chunk_refs();
+    let crcs: Vec<u32> = store.copy_pool.install(|| {
+        work.par_iter()
+            .map(|&(i, c)| {
+                let ch = &manifest.items[i].chunks[c];
+                let start = ch.stored_offset as usize;
+                crc32c::crc32c(&parts[ch.object as usize].bytes()[start..start + ch.len as usize])
+            })
+            .collect()
+    });
+    for (&(i, c), crc) in work.iter().zip(crcs) {
+        manifest.items[i].chunks[c].crc32c = crc;
+    }
+    let res = store.memory.publish(&manifest).and_then(|_| store.memory.try_commit(step, store.world_size));
+    match res {
+        Ok(committed) => handle.set(&mem_name, if committed { TierState::Done } else { TierState::Written }),
+        Err(e) => {
+            let e = e.context(format!("step {step} rank {}", store.rank));
+            log::error!("{e}");
+            handle.set(&mem_name, TierState::Failed(e.message.clone()));
+            for (_, slot) in store.later_slots() {
+                handle.set(&slot.config.name, TierState::Skipped(format!("the memory tier failed: {}", e.message)));
+            }
+            return;
+        }
+    }
+    let manifest = Arc::new(manifest);
+    for (idx, slot) in store.later_slots() {
+        if step % slot.config.every != 0 {
+            handle.set(&slot.config.name, TierState::NotScheduled);
+            continue;
+        }
+        let (store2, handle2, manifest2, parts2) = (store.clone(), handle.clone(), manifest.clone(), parts.clone());
+        let name = slot.config.name.clone();
+        store.scheduler.submit(Job {
+            link: slot.link.clone(),
+            priority: slot.tier.priority(),
+            size: manifest.total_bytes(),
+            label: format!("step {step}"),
+            supersede_key: Some(format!("persist:{name}")),
+            run: Box::new(move |start| {
+                if let Start::Superseded { by } = start {
+                    handle2.set(&name, TierState::Skipped(format!("a newer save ({by}) replaced it while it waited")));
+                    return;
+                }
+                handle2.set(&name, TierState::Running);
+                let slot = &store2.slots[idx];
+                let src = SegmentSource { manifest: &manifest2, segments: &parts2 };
+                let res = slot.tier.write_rank(&manifest2, &src, &slot.link).and_then(|_| slot.tier.try_commit(step, store2.world_size));
+                drop(parts2);
+                match res {
+                    Ok(committed) => {
+                        handle2.set(&name, if committed { TierState::Done } else { TierState::Written });
+                        if let Err(e) = store2.retain(slot) {
+                            log::warn!("tier '{name}': retention after step {step} failed: {e}");
+                        }
+                    }
+                    Err(e) => {
+                        let e = e.context(format!("persisting step {step} of rank {} to tier '{name}'", store2.rank));
+                        log::error!("{e}");
+                        handle2.set(&name, TierState::Failed(e.message));
+                    }
+                }
+            }),
+        });
+    }
+    let sizes: Vec<u64> = parts.iter().map(|p| p.len() as u64).collect();
+    drop(parts);
+    if let Err(e) = store.retain(mem) {
+        log::warn!("tier '{mem_name}': retention after step {step} failed: {e}");
+    }
+    if let Err(e) = store.memory.prefault(&sizes) {
+        log::warn!("tier '{mem_name}': pre-faulting for the next step failed: {e}");
+    }
+}
+
+impl Drop for StepWriter {
+    /// A writer dropped without commit (an exception in the `with` block) leaves nothing
+    /// behind: its segments are deleted, so no half-written step takes memory.
+    fn drop(&mut self) {
+        if !self.finished && !self.parts.is_empty() {
+            let step = self.manifest.step;
+            let rank = self.store.rank;
+            for (i, seg) in self.parts.drain(..).enumerate() {
+                let path = seg.path();
+                let _ = std::fs::remove_file(&path);
+                // Removes the step directory only if nothing else (another rank) is in it.
+                if let Some(dir) = path.parent() {
+                    let _ = std::fs::remove_dir(dir);
+                }
+                log::debug!("step {step} rank {rank}: discarded part {i}");
+            }
+            self.store.memory.forget(step);
+        }
+    }
+}

@@ -1,0 +1,170 @@
+//! The step layout of docs/format.md on named byte objects (`Blobs`): one directory (key
+//! prefix) per step, per-rank data objects and manifests, a commit record written last. The
+//! tiers that keep their steps this way (memory, fs, s3, gcs) implement `Tier` through it;
+//! a tier that keeps them elsewhere (peer) does not use it at all.
+
+use std::sync::Arc;
+
+use super::gc::{self, GcOptions, Removal, Target};
+use crate::blobs::Blobs;
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::{self, ChunkMeta, CommitRecord, Manifest};
+
+pub struct StepLayout {
+    tier: String,
+    blobs: Arc<dyn Blobs>,
+}
+
+/// The key of object `name` of `step`.
+pub fn key(step: u64, name: &str) -> String {
+    format!("{}/{name}", format::step_dir(step))
+}
+
+impl StepLayout {
+    pub fn new(tier: &str, blobs: Arc<dyn Blobs>) -> StepLayout {
+        StepLayout { tier: tier.into(), blobs }
+    }
+
+    /// The objects underneath (manifests, commit records, data objects).
+    pub fn blobs(&self) -> &dyn Blobs {
+        &*self.blobs
+    }
+
+    /// All steps with a directory here, committed or not, oldest first.
+    pub fn all_steps(&self) -> Result<Vec<u64>> {
+        let mut v: Vec<u64> = self.blobs.list("")?.iter().filter_map(|n| format::parse_step_dir(n)).collect();
+        v.sort_unstable();
+        Ok(v)
+    }
+
+    /// Committed steps, oldest first.
+    pub fn committed_steps(&self) -> Result<Vec<u64>> {
+        let mut out = vec![];
+        for s in self.all_steps()? {
+            if self.blobs.exists(&key(s, format::COMMIT_NAME))? {
+                out.push(s);
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn commit_record(&self, step: u64) -> Result<CommitRecord> {
+        let k = key(step, format::COMMIT_NAME);
+        let bytes = self.blobs.get(&k).map_err(|e| match e.kind {
+            ErrorKind::NotFound => Error::not_found(format!("tier '{}': step {step} is not committed", self.tier)),
+            _ => e,
+        })?;
+        CommitRecord::from_json(&bytes, &self.blobs.describe(&k))
+    }
+
+    pub fn read_manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
+        let k = key(step, &format::manifest_name(rank));
+        let bytes = self.blobs.get(&k).map_err(|e| match e.kind {
+            ErrorKind::NotFound => Error::not_found(format!("tier '{}': step {step} has no manifest for rank {rank}", self.tier)),
+            _ => e,
+        })?;
+        let m = Manifest::from_json(&bytes, &self.blobs.describe(&k))?;
+        if m.step != step || m.rank != rank {
+            return Err(Error::integrity(format!(
+                "{}: manifest says step {} rank {}, expected step {step} rank {rank}",
+                self.blobs.describe(&k),
+                m.step,
+                m.rank
+            )));
+        }
+        Ok(m)
+    }
+
+    /// Writes a rank's manifest (atomically): its data is complete.
+    pub fn write_manifest(&self, m: &Manifest) -> Result<()> {
+        self.blobs.put(&key(m.step, &format::manifest_name(m.rank)), &m.to_json())
+    }
+
+    /// Before a rank writes a step again: its commit and this rank's manifest go first, so
+    /// no reader mixes old and new data and no stale manifest counts towards a new commit.
+    pub fn uncommit(&self, step: u64, rank: u32) -> Result<()> {
+        self.blobs.delete(&key(step, format::COMMIT_NAME))?;
+        self.blobs.delete(&key(step, &format::manifest_name(rank)))
+    }
+
+    /// Ranks whose manifest is in `step`'s directory (committed or not).
+    pub fn ranks(&self, step: u64) -> Result<Vec<u32>> {
+        let mut v: Vec<u32> = self
+            .blobs
+            .list(&format::step_dir(step))?
+            .iter()
+            .filter_map(|n| n.strip_prefix("rank-")?.strip_suffix(".manifest.json")?.parse().ok())
+            .collect();
+        v.sort_unstable();
+        Ok(v)
+    }
+
+    /// Writes `step`'s commit record once the manifest of every rank it covers is there:
+    /// `ranks` (a host-local tier's ranks, recorded in the commit), else all of `world_size`.
+    /// Each rank tries after writing its own manifest, so the last one to finish commits.
+    pub fn try_commit(&self, step: u64, world_size: u32, ranks: Option<Vec<u32>>) -> Result<bool> {
+        let dir = format::step_dir(step);
+        let names = self.blobs.list(&dir)?;
+        if names.iter().any(|n| n == format::COMMIT_NAME) {
+            return Ok(true);
+        }
+        let complete = match &ranks {
+            Some(rs) => rs.iter().all(|r| names.contains(&format::manifest_name(*r))),
+            None => (0..world_size).all(|r| names.contains(&format::manifest_name(r))),
+        };
+        if !complete {
+            return Ok(false);
+        }
+        let mut record = CommitRecord::new(step, world_size, &self.tier);
+        record.ranks = ranks;
+        self.blobs.put_if_absent(&key(step, format::COMMIT_NAME), &serde_json::to_vec(&record).expect("record serializes"))?;
+        Ok(true)
+    }
+
+    /// Removes a step; its commit record goes first, so no reader sees it half-deleted.
+    pub fn delete_step(&self, step: u64) -> Result<()> {
+        self.blobs.delete(&key(step, format::COMMIT_NAME))?;
+        self.blobs.delete_prefix(&format::step_dir(step))
+    }
+
+    /// Reads the stored bytes of one chunk: `stored_len` bytes at `stored_offset` of its object.
+    pub fn read_stored(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8]) -> Result<()> {
+        self.blobs.get_range(&key(m.step, &m.objects[c.object as usize].name), c.stored_offset, dst)
+    }
+
+    /// The gc plan of this layout: steps by the rule of `tier::gc`, then what dead writers
+    /// left in the objects underneath (temporary files, abandoned uploads), except inside
+    /// steps the plan removes anyway.
+    pub fn gc_plan(&self, opts: &GcOptions) -> Result<Vec<Removal>> {
+        let mut plan = gc::step_removals(&self.committed_steps()?, &self.all_steps()?, opts.keep);
+        let gone = gc::steps_of(&plan);
+        // A temporary file inside a step that goes anyway is not listed twice; an upload is:
+        // it must be aborted, whatever happens to its step.
+        let in_gone_step = |r: &Removal| match &r.target {
+            Target::TempFile { key, .. } => format::parse_step_dir(key.split('/').next().unwrap_or("")).is_some_and(|s| gone.contains(&s)),
+            _ => false,
+        };
+        let leftovers = self.blobs.leftovers(opts.temp_age)?;
+        plan.extend(leftovers.into_iter().filter(|r| !in_gone_step(r)));
+        Ok(plan)
+    }
+
+    /// Removes what `plan` lists; returns what was removed. Uploads go before steps: a step
+    /// removed here may be the one such an upload was writing.
+    pub fn gc_apply(&self, plan: Vec<Removal>) -> Result<Vec<Removal>> {
+        let (steps, others): (Vec<Removal>, Vec<Removal>) = plan.into_iter().partition(|r| r.step().is_some());
+        let mut done = vec![];
+        for r in others {
+            if self.blobs.remove_leftover(&r)? {
+                done.push(r);
+            }
+        }
+        for r in steps {
+            if let Target::Step(s) = r.target {
+                self.delete_step(s)?;
+                done.push(r);
+            }
+        }
+        Ok(done)
+    }
+}

@@ -1,0 +1,88 @@
+//! From a policy's tiers to `Tier`s: the one place that knows which kind is built how.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::blob::BlobTier;
+use super::memory::MemoryTier;
+use super::peer::{PeerOptions, PeerTier};
+use super::Tier;
+use crate::blobs::FsBlobs;
+use crate::error::{Error, Result};
+use crate::object::ObjectBlobs;
+use crate::placement::Strategy;
+use crate::policy::{PeerConfig, Policy, TierConfig, TierSpec};
+
+/// How long a peer waits for a connection, a request or its answer.
+const PEER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The tiers of one policy, opened for one rank, in policy order.
+pub struct Tiers {
+    /// Every tier, in policy order; the memory tier first (policy validation puts it there).
+    pub all: Vec<Arc<dyn Tier>>,
+    /// The memory tier, which a save writes into directly (its segments).
+    pub memory: Arc<MemoryTier>,
+    /// The peer tier, if any, which needs to learn where the other ranks are.
+    pub peer: Option<Arc<PeerTier>>,
+}
+
+/// Opens every tier of `policy` for `rank`. A peer tier keeps the replicas it holds for other
+/// hosts under the memory tier's root.
+pub fn open_tiers(policy: &Policy, rank: u32) -> Result<Tiers> {
+    let mem_cfg = policy.memory_tier();
+    let TierSpec::Memory { root } = &mem_cfg.spec else {
+        return Err(Error::config(format!("{}: the first tier must be kind \"memory\"", policy.source)));
+    };
+    let memory = MemoryTier::open(&mem_cfg.name, root.as_ref(), mem_cfg.capacity).map_err(|e| opening(mem_cfg, e))?;
+    let mut all: Vec<Arc<dyn Tier>> = vec![memory.clone()];
+    let mut peer = None;
+    for cfg in &policy.tiers[1..] {
+        all.push(match &cfg.spec {
+            TierSpec::Peer(p) => {
+                let t = open_peer(cfg, p, rank, &memory)?;
+                peer = Some(t.clone());
+                t
+            }
+            _ => open_tier(cfg)?,
+        });
+    }
+    Ok(Tiers { all, memory, peer })
+}
+
+/// Opens one tier that needs nothing but its own settings (every kind but peer, which needs
+/// the rank and the memory tier: see `open_tiers`).
+pub fn open_tier(cfg: &TierConfig) -> Result<Arc<dyn Tier>> {
+    let at = |e: Error| opening(cfg, e);
+    Ok(match &cfg.spec {
+        TierSpec::Memory { root } => MemoryTier::open(&cfg.name, root.as_ref(), cfg.capacity).map_err(at)?,
+        TierSpec::Fs { path } => {
+            let blobs = FsBlobs::new(&cfg.name, path.as_ref()).map_err(at)?;
+            Arc::new(BlobTier::new(&cfg.name, Arc::new(blobs), cfg.compression))
+        }
+        spec @ (TierSpec::S3(_) | TierSpec::Gcs(_)) => {
+            let blobs = ObjectBlobs::open(&cfg.name, spec).map_err(at)?;
+            Arc::new(BlobTier::new(&cfg.name, Arc::new(blobs), cfg.compression))
+        }
+        TierSpec::Peer(_) => {
+            return Err(Error::invalid(format!("tier '{}': a peer tier is opened by its Store (it needs the rank)", cfg.name)))
+        }
+    })
+}
+
+fn opening(cfg: &TierConfig, e: Error) -> Error {
+    e.context(format!("opening tier '{}' ({})", cfg.name, cfg.location()))
+}
+
+/// Opens a peer tier for `rank`: its replica store lives under the memory tier's root.
+fn open_peer(cfg: &TierConfig, p: &PeerConfig, rank: u32, memory: &MemoryTier) -> Result<Arc<PeerTier>> {
+    let secret = p.secret.clone().or_else(|| std::env::var("TIERCEL_PEER_SECRET").ok()).map(String::into_bytes);
+    let opts = PeerOptions {
+        listen: p.listen.clone(),
+        replicas: p.replicas,
+        strategy: Strategy::parse(&p.placement)?,
+        keep: cfg.keep.unwrap_or(2),
+        secret,
+        timeout: PEER_TIMEOUT,
+    };
+    PeerTier::open(&cfg.name, rank, memory.root(), opts).map_err(|e| e.context(format!("opening tier '{}'", cfg.name)))
+}

@@ -1,0 +1,203 @@
+//! The peer tier between processes on loopback: replication, restore with holder fallback,
+//! what strangers and corrupt frames get.
+
+use std::io::{Read, Write};
+
+use super::*;
+use crate::format;
+use crate::transport::messages::{Reply, Request};
+use crate::transport::{self, DataHeader, Kind};
+
+struct VecSource(Vec<Vec<u8>>);
+impl ChunkSource for VecSource {
+    fn read_raw(&self, item: usize, chunk: usize, dst: &mut [u8]) -> Result<()> {
+        let off = chunk * 1024;
+        dst.copy_from_slice(&self.0[item][off..off + dst.len()]);
+        Ok(())
+    }
+}
+
+fn manifest(step: u64, rank: u32, data: &[Vec<u8>]) -> Manifest {
+    let mut m = Manifest::new(step, rank, 2, "ram", 1024);
+    let mut pos = 0;
+    for (i, d) in data.iter().enumerate() {
+        let chunks = format::chunk_ranges(d.len() as u64, 1024)
+            .map(|(off, len)| ChunkMeta {
+                offset: off,
+                len,
+                crc32c: crc32c::crc32c(&d[off as usize..(off + len) as usize]),
+                object: 0,
+                stored_offset: pos + off,
+                stored_len: len,
+                codec: "raw".into(),
+            })
+            .collect();
+        m.items.push(format::ItemMeta {
+            name: format!("m/{i}"),
+            kind: "array".into(),
+            dtype: "uint8".into(),
+            shape: vec![d.len() as u64],
+            nbytes: d.len() as u64,
+            meta: serde_json::Value::Null,
+            shard: None,
+            chunks,
+        });
+        pos = format::align_up(pos + d.len() as u64, 64);
+    }
+    m.objects.push(format::ObjectMeta { name: format::part_name(rank, 0), len: pos });
+    m
+}
+
+fn pair(secret: &[u8]) -> (tempfile::TempDir, Arc<PeerTier>, Arc<PeerTier>) {
+    let dir = tempfile::Builder::new().prefix("tiercel-peer-test").tempdir_in("/dev/shm").unwrap();
+    let open = |rank: u32, host: &str| {
+        PeerTier::open(
+            "peer",
+            rank,
+            &dir.path().join(host),
+            PeerOptions {
+                listen: "127.0.0.1:0".into(),
+                replicas: 2,
+                strategy: Strategy::Mixed,
+                keep: 2,
+                secret: Some(secret.to_vec()),
+                timeout: Duration::from_secs(5),
+            },
+        )
+        .unwrap()
+    };
+    let (a, b) = (open(0, "hostA"), open(1, "hostB"));
+    let hosts = vec!["hostA".to_string(), "hostB".to_string()];
+    let addrs = vec![a.local_addr().to_string(), b.local_addr().to_string()];
+    a.set_cluster(&hosts, &addrs).unwrap();
+    b.set_cluster(&hosts, &addrs).unwrap();
+    (dir, a, b)
+}
+
+/// A peer that dies mid-transfer: the rest of the chunks come from another holder.
+#[test]
+fn a_holder_dying_mid_restore_is_replaced_by_another() {
+    let dir = tempfile::Builder::new().prefix("tiercel-peer-test").tempdir_in("/dev/shm").unwrap();
+    let tiers: Vec<Arc<PeerTier>> = (0..3)
+        .map(|r| {
+            PeerTier::open(
+                "peer",
+                r,
+                &dir.path().join(format!("h{r}")),
+                PeerOptions {
+                    listen: "127.0.0.1:0".into(),
+                    replicas: 3,
+                    strategy: Strategy::Mixed,
+                    keep: 2,
+                    secret: Some(b"s".to_vec()),
+                    timeout: Duration::from_secs(5),
+                },
+            )
+            .unwrap()
+        })
+        .collect();
+    let hosts: Vec<String> = (0..3).map(|h| format!("h{h}")).collect();
+    let addrs: Vec<String> = tiers.iter().map(|t| t.local_addr().to_string()).collect();
+    for t in &tiers {
+        t.set_cluster(&hosts, &addrs).unwrap();
+    }
+    let data = vec![(0..8192u32).map(|i| (i % 251) as u8).collect::<Vec<u8>>()];
+    let m = manifest(1, 0, &data);
+    tiers[0].write_rank(&m, &VecSource(data.clone()), &Link::new("p", None)).unwrap();
+    let got = tiers[0].read_manifest(1, 0).unwrap();
+    let first = tiers[0].manifests.lock().get(&(1, 0)).unwrap().1.clone();
+    let n = got.items[0].chunks.len();
+    assert!(n >= 4);
+    let mut buf = vec![0u8; 8192];
+    for (c, ch) in got.items[0].chunks.iter().enumerate() {
+        if c == n / 2 {
+            // The holder that served so far goes away in the middle of the restore.
+            let dead = tiers.iter().find(|t| t.local_addr().to_string() == first).unwrap();
+            dead.shutdown();
+        }
+        crate::tier::read_chunk(&*tiers[0], &got, 0, c, &mut buf[ch.offset as usize..(ch.offset + ch.len) as usize]).unwrap();
+    }
+    assert_eq!(buf, data[0]);
+    for t in &tiers {
+        t.shutdown();
+    }
+}
+
+#[test]
+fn replicate_and_read_back() {
+    let (_dir, a, b) = pair(b"secret");
+    let data = vec![(0..3000u32).map(|i| (i * 7) as u8).collect::<Vec<u8>>(), vec![5u8; 10], vec![]];
+    let m = manifest(3, 0, &data);
+    let link = Link::new("peer", None);
+    a.write_rank(&m, &VecSource(data.clone()), &link).unwrap();
+    // Rank 0's copy now lives on host B; rank 0 sees it through its peer tier.
+    assert_eq!(a.committed_steps().unwrap(), vec![3]);
+    let got = a.read_manifest(3, 0).unwrap();
+    assert_eq!(got.items, m.items);
+    for (i, it) in got.items.iter().enumerate() {
+        let mut buf = vec![0u8; it.nbytes as usize];
+        for (c, ch) in it.chunks.iter().enumerate() {
+            crate::tier::read_chunk(&*a, &got, i, c, &mut buf[ch.offset as usize..(ch.offset + ch.len) as usize]).unwrap();
+        }
+        assert_eq!(buf, data[i]);
+    }
+    // Host B holds it; host A holds nothing of its own rank.
+    assert_eq!(b.replicas.all_steps().unwrap(), vec![3]);
+    // Retention on the holder: keep = 2.
+    for step in 4..7 {
+        a.write_rank(&manifest(step, 0, &data), &VecSource(data.clone()), &link).unwrap();
+    }
+    assert_eq!(a.committed_steps().unwrap(), vec![5, 6]);
+    a.shutdown();
+    b.shutdown();
+}
+
+#[test]
+fn strangers_and_garbage_are_refused_and_the_server_lives_on() {
+    let (_dir, a, b) = pair(b"right");
+    let addr = b.local_addr().to_string();
+    // 1. Garbage instead of AUTH.
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    let mut hello = [0u8; transport::HEADER_LEN + transport::NONCE_LEN];
+    s.read_exact(&mut hello).unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut rest = vec![];
+    let _ = s.read_to_end(&mut rest); // the server closes the connection
+                                      // 2. A client with the wrong secret is told so and gets nothing.
+    let e = Conn::connect(&addr, b"wrong", Duration::from_secs(5)).err().expect("refused");
+    assert!(e.message.contains("secret") || e.message.contains("authentication"), "{}", e.message);
+    // 3. A huge length prefix is refused before anything is allocated.
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    s.read_exact(&mut hello).unwrap();
+    s.write_all(&transport::encode_header(Kind::Auth, 64)[..8]).unwrap();
+    s.write_all(&u64::MAX.to_le_bytes()).unwrap();
+    let _ = s.read_to_end(&mut rest);
+    // 4. An authenticated client sending a malformed request and a bad data frame.
+    let mut c = Conn::connect(&addr, b"right", Duration::from_secs(5)).unwrap();
+    c.send(Kind::Request, b"{not json").unwrap();
+    assert!(c.recv().is_err(), "connection dropped after a malformed request");
+    // The server still serves the real client.
+    let data = vec![vec![1u8; 5000]];
+    a.write_rank(&manifest(1, 0, &data), &VecSource(data.clone()), &Link::new("p", None)).unwrap();
+    assert_eq!(a.committed_steps().unwrap(), vec![1]);
+    a.shutdown();
+    b.shutdown();
+}
+
+#[test]
+fn corrupt_data_frame_is_rejected_and_leaves_no_replica() {
+    let (_dir, a, b) = pair(b"k");
+    let data = vec![vec![9u8; 2048]];
+    let m = manifest(2, 0, &data);
+    let mut c = Conn::connect(&b.local_addr().to_string(), b"k", Duration::from_secs(5)).unwrap();
+    let _: Reply = c.request(&Request::Put { step: 2, rank: 0, manifest: m.clone() }).unwrap();
+    let ch = &m.items[0].chunks[0];
+    let bad = vec![8u8; ch.len as usize];
+    c.send_data(&DataHeader { object: 0, offset: ch.stored_offset, crc32c: ch.crc32c }, &bad).unwrap();
+    c.send(Kind::End, &[]).unwrap();
+    let e = c.response::<Reply>().unwrap_err();
+    assert!(e.message.contains("corrupted"), "{}", e.message);
+    assert!(a.committed_steps().unwrap().is_empty());
+    a.shutdown();
+    b.shutdown();
+}
