@@ -251,7 +251,7 @@ def test_gc_removes_leftovers_beyond_keep_and_stale_tmp(env: Env):
     assert "ram: removed step 3 (committed; beyond keep 1)" in out
     assert "disk: removed step 1 (uncommitted leftover)" in out
     assert "disk: removed step 2 (committed; beyond keep 1)" in out
-    assert f"disk: removed step-{4:012d}/{stale.name} (stale temporary file" in out
+    assert f"disk: removed temp file step-{4:012d}/{stale.name} (stale temporary file: its writer (pid 999999999) is gone, 3 B)" in out
     assert out.splitlines()[-1] == "gc: removed 5 steps and 1 temporary file"
 
     assert sorted(p.name for p in env.shm.glob("step-*")) == [f"step-{4:012d}"]
@@ -395,13 +395,14 @@ def test_json_on_every_command_and_options_anywhere(env: Env, capsys):
 
     tighter = str(env.write_policy(env.tmp / "keep1.toml", ram_keep=1, disk_keep=1))
     gc = doc("gc", "--dry-run", "--json", "--policy", tighter)
-    assert (gc["dry_run"], gc["steps"], gc["temporary_files"], gc["aborted_uploads"]) == (True, 3, 0, 0)
+    assert gc["dry_run"] is True and gc["counts"] == {"steps": 3, "temp_files": 0, "uploads": 0, "segments": 0}
     by_tier = {t["name"]: t for t in gc["tiers"]}
-    assert by_tier["ram"]["steps"] == [{"step": 2, "reason": "committed; beyond keep 1"},
-                                       {"step": 3, "reason": "committed; beyond keep 1"}]
-    assert [s["step"] for s in by_tier["disk"]["steps"]] == [2]
+    step = {"what": "step", "path": None, "bytes": None}
+    assert by_tier["ram"]["removals"] == [step | {"step": 2, "reason": "committed; beyond keep 1"},
+                                          step | {"step": 3, "reason": "committed; beyond keep 1"}]
+    assert [r["step"] for r in by_tier["disk"]["removals"]] == [2]
     gc = doc("gc", "--json", "--policy", tighter)
-    assert gc["dry_run"] is False and gc["steps"] == 3
+    assert gc["dry_run"] is False and gc["counts"]["steps"] == 3
     assert doc("ls", "--json", "--policy", tighter)["tiers"][0]["steps"][0]["step"] == 4
 
     pl = doc("placement", "--hosts", "8", "--replicas", "2", "--failures", "2", "--json")

@@ -118,12 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--to", dest="dest", required=True, metavar="TIER", help="the tier to copy it to")
     s.set_defaults(func=cmd_cp)
 
-    s = sub.add_parser("gc", help="apply `keep`, remove uncommitted leftovers and stale temporary files",
-                       description="On each tier: aborts multipart uploads that killed writers left (s3, gcs), "
-                                   "removes committed steps beyond `keep` and uncommitted steps older "
-                                   "than the newest committed one, then temporary files (\".tmp-\" in the name) in "
-                                   "step directories whose writer is gone.")
-    s.add_argument("--dry-run", action="store_true", help="only print what would be removed (uploads are not checked)")
+    s = sub.add_parser("gc", help="apply `keep`, remove uncommitted leftovers and what dead writers left",
+                       description="On each tier: removes committed steps beyond `keep` and uncommitted steps older "
+                                   "than the newest committed one, temporary files (\".tmp-\" in the name) whose "
+                                   "writer is gone, spare shared-memory segments of dead processes, and multipart "
+                                   "uploads that killed writers left (s3, gcs).")
+    s.add_argument("--dry-run", action="store_true", help="only print what would be removed")
     s.add_argument("--tmp-age", type=float, default=DEFAULT_TMP_AGE, metavar="SECONDS",
                    help=f"leave temporary files younger than this (default: {DEFAULT_TMP_AGE:.0f})")
     s.set_defaults(func=cmd_gc)
