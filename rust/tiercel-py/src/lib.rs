@@ -171,6 +171,12 @@ impl Store {
         self.inner.policy.chunk_size
     }
 
+    /// `[store] pickle`: "warn", "error" or "allow".
+    #[getter]
+    fn pickle(&self) -> &'static str {
+        self.inner.policy.pickle.as_str()
+    }
+
     /// The tiers in policy order, as dicts.
     fn tiers<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         self.inner

@@ -7,7 +7,8 @@ use super::source::{line_of, Node, Value};
 use super::tier::*;
 use super::units::{parse_bandwidth, parse_size, Compression, DEFAULT_ZSTD_LEVEL};
 use super::{
-    Policy, CHUNK_ALIGN, DEFAULT_CHUNK_SIZE, DEFAULT_IO_THREADS, DEFAULT_MEMORY_KEEP, MAX_CHUNK_SIZE, MAX_DEFAULT_THREADS, MIN_CHUNK_SIZE,
+    PickleMode, Policy, CHUNK_ALIGN, DEFAULT_CHUNK_SIZE, DEFAULT_IO_THREADS, DEFAULT_MEMORY_KEEP, MAX_CHUNK_SIZE, MAX_DEFAULT_THREADS,
+    MIN_CHUNK_SIZE,
 };
 use crate::error::{Error, Result};
 
@@ -39,7 +40,7 @@ const OBJECT_KEYS: &[&str] = &["endpoint", "region", "allow_http", "part_size", 
 /// Keys that only a peer tier takes.
 const PEER_KEYS: &[&str] = &["replicas", "placement", "listen", "secret"];
 const RESTORE_KEYS: &[&str] = &["order"];
-pub(super) const STORE_KEYS: &[&str] = &["chunk_size", "threads", "io_threads"];
+pub(super) const STORE_KEYS: &[&str] = &["chunk_size", "threads", "io_threads", "pickle"];
 /// Where each key belongs, to point a key written in the wrong table to the right one.
 const SECTIONS: &[(&str, &[&str])] =
     &[("the top level", TOP_KEYS), ("[[tier]]", TIER_KEYS), ("[restore]", RESTORE_KEYS), ("[store]", STORE_KEYS)];
@@ -184,6 +185,7 @@ impl Checker<'_> {
             chunk_size: DEFAULT_CHUNK_SIZE,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_DEFAULT_THREADS),
             io_threads: DEFAULT_IO_THREADS,
+            pickle: PickleMode::default(),
         };
         if let Some(node) = get("store") {
             self.store(node, &mut policy)?;
@@ -465,6 +467,11 @@ impl Checker<'_> {
                 }
                 "threads" => policy.threads = self.count(value, &path)?,
                 "io_threads" => policy.io_threads = self.count(value, &path)?,
+                "pickle" => {
+                    let s = self.string(value, &path)?;
+                    policy.pickle = PickleMode::parse(s)
+                        .ok_or_else(|| self.expected(value, &path, "\"warn\" (the default), \"error\" or \"allow\""))?;
+                }
                 _ => unreachable!("check_keys admits only STORE_KEYS"),
             }
         }
