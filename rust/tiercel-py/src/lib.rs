@@ -198,9 +198,15 @@ impl Store {
             .collect()
     }
 
-    /// Committed steps per tier: [(tier, [steps])].
-    fn steps(&self, py: Python<'_>) -> PyResult<Vec<(String, Vec<u64>)>> {
-        py.allow_threads(|| self.inner.steps()).map_err(err)
+    /// Committed steps per tier: [(tier, [steps] or None, None or why it cannot be listed)].
+    fn steps(&self, py: Python<'_>) -> Vec<(String, Option<Vec<u64>>, Option<String>)> {
+        py.allow_threads(|| self.inner.steps())
+            .into_iter()
+            .map(|(name, r)| match r {
+                Ok(steps) => (name, Some(steps), None),
+                Err(e) => (name, None, Some(e.to_string())),
+            })
+            .collect()
     }
 
     /// Every step on a tier, committed or not.

@@ -101,8 +101,10 @@ impl Store {
     }
 
     /// Committed steps per tier, in policy order.
-    pub fn steps(&self) -> Result<Vec<(String, Vec<u64>)>> {
-        self.slots.iter().map(|s| Ok((s.config.name.clone(), s.tier.committed_steps()?))).collect()
+    pub fn steps(&self) -> Vec<(String, Result<Vec<u64>>)> {
+        // Per tier: one that cannot be listed (a server down) gives its error and hides none
+        // of the others.
+        self.slots.iter().map(|s| (s.config.name.clone(), s.tier.committed_steps())).collect()
     }
 
     /// Steps this rank could restore from some tier in restore order, newest last. A tier
