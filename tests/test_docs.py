@@ -185,6 +185,21 @@ def test_snippets_run(doc: str, tmp_path: Path):
     assert ran == [b.where for b in blocks(doc) if b.runs]
 
 
+def test_the_readme_policy_works_on_one_machine(tmp_path: Path):
+    """The README's snippets against the README's own policy, whose peer tier wants two hosts:
+    on this one machine it runs degraded, and every save, wait and restore still succeeds."""
+    readme = blocks("README.md")
+    policy = next(b for b in readme if b.lang == "toml").code
+    assert 'kind = "peer"' in policy
+    shm = new_shm_root("docs-readme-")
+    try:
+        ran = run_isolated("test_docs", "run_document", [asdict(b) for b in readme], str(tmp_path), str(shm), policy,
+                           timeout=600)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert ran == [b.where for b in readme if b.runs]
+
+
 # -- in the child interpreter ------------------------------------------------------------------
 
 
@@ -220,12 +235,12 @@ def check_policy(b: Block, text: str, world: Path, shm: Path) -> None:
     tiercel.Store(path, rank=0, world_size=1).close()
 
 
-def run_document(block_dicts: list[dict], world_dir: str, shm_dir: str) -> list[str]:
-    """Runs a document's blocks in order in `world_dir`; returns where each one that ran is.
-    Raises, naming the block, at the first one that fails."""
+def run_document(block_dicts: list[dict], world_dir: str, shm_dir: str, policy: str = WORLD_POLICY) -> list[str]:
+    """Runs a document's blocks in order in `world_dir` (its ./tiercel.toml: `policy`);
+    returns where each one that ran is. Raises, naming the block, at the first that fails."""
     world, shm = Path(world_dir), Path(shm_dir)
     os.chdir(world)
-    (world / "tiercel.toml").write_text(map_paths(WORLD_POLICY, world, shm))
+    (world / "tiercel.toml").write_text(map_paths(policy, world, shm))
     bin_dir = world / "bin"
     bin_dir.mkdir()
     shim = bin_dir / "tiercel"

@@ -66,6 +66,11 @@ impl Store {
             .build()
             .map_err(|e| Error::invalid(format!("cannot start copy threads: {e}")))?;
         let scheduler = Scheduler::new(policy.io_threads);
+        if let (Some(p), 1) = (&peer, world_size) {
+            // A job of one process is on one host: fewer than any `replicas`, so the peer tier
+            // runs degraded from the start (a larger job learns its hosts in `set_cluster`).
+            p.set_cluster(&["this host".to_string()], &[p.local_addr().to_string()])?;
+        }
         Ok(Arc::new(Store { policy, rank, world_size, memory, slots, scheduler, copy_pool, peer }))
     }
 
@@ -98,6 +103,12 @@ impl Store {
     /// The peer tier, when the policy has one.
     pub fn peer(&self) -> Option<&Arc<PeerTier>> {
         self.peer.as_ref()
+    }
+
+    /// Why tier `name` cannot take a step now, if it cannot: a peer tier on fewer hosts than
+    /// its `replicas` ("not enough hosts (1 < 2)"). Saves skip it with that reason.
+    pub fn degraded(&self, name: &str) -> Option<String> {
+        self.peer.as_ref().filter(|p| p.name() == name).and_then(|p| p.degraded())
     }
 
     /// Committed steps per tier, in policy order.

@@ -67,8 +67,9 @@ impl StepReader {
             seen.push(name.clone());
             if rank >= record.world_size {
                 return Err(Error::invalid(format!(
-                    "tier '{name}': step {step} was saved by {} ranks; there is no rank {rank}",
-                    record.world_size
+                    "tier '{name}': step {step} was saved by {} rank{}; there is no rank {rank}",
+                    record.world_size,
+                    if record.world_size == 1 { "" } else { "s" }
                 )));
             }
             match tier.read_manifest(step, rank) {

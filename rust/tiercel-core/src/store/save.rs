@@ -258,6 +258,10 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
             handle.set(&slot.config.name, TierState::NotScheduled);
             continue;
         }
+        if let Some(why) = store.degraded(&slot.config.name) {
+            handle.set(&slot.config.name, TierState::Skipped(why));
+            continue;
+        }
         let (store2, handle2, manifest2, parts2) = (store.clone(), handle.clone(), manifest.clone(), parts.clone());
         let name = slot.config.name.clone();
         store.scheduler.submit(Job {
