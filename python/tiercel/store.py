@@ -147,6 +147,14 @@ class Store:
                 out.errors[name] = error
         return out
 
+    def metrics(self) -> dict[str, dict[str, Any]]:
+        """What this process has done per tier: {"disk": {"steps_written": 12, "bytes_written":
+        ..., "write_seconds": ..., "write_bytes_per_second": ..., "steps_read": ...,
+        "bytes_read": ..., "last_step": 40, "lag_steps": 3, "lag_seconds": 9.5, "queue_depth":
+        1, "skips": 2, "failures": 0}, ...}; `None` where nothing is known yet.
+        tiercel.metrics has them as Prometheus text and serves them."""
+        return {m.pop("tier"): m for m in self._core.metrics()}
+
     def latest_step(self) -> int | None:
         """The newest step that every rank can restore from some tier (collective when the
         job has several ranks), or None.

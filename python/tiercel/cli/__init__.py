@@ -8,6 +8,7 @@
     tiercel rm STEP --tier T [--json]
     tiercel export STEP DIR --format deepspeed|orbax|dcp [--json]
     tiercel placement --hosts N --replicas M [--failures K] [--json]
+    tiercel stats --url HOST:PORT [--url ...] [--json]
     tiercel --version
 
 `--policy FILE` and `--json` go before or after the command. The policy comes from
@@ -30,6 +31,7 @@ from .context import (
     EXIT_NOT_FOUND,
     EXIT_OK,
     EXIT_USAGE,
+    CommandError,
     Ctx,
     UsageError,
 )
@@ -39,6 +41,7 @@ from .gc import DEFAULT_TMP_AGE, cmd_gc
 from .inspect import cmd_inspect
 from .ls import cmd_ls
 from .output import json_out
+from .stats import cmd_stats
 from .verify import cmd_verify
 
 EPILOG = """\
@@ -151,6 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replicas", type=int, required=True, metavar="M")
     s.add_argument("--failures", type=int, metavar="K")
     s.set_defaults(func=cmd_placement, needs_store=False)
+
+    s = sub.add_parser("stats", help="a running job's metrics per tier (what tiercel.metrics.serve serves)",
+                       description="Reads the metrics that tiercel.metrics.serve(store, port) serves from each "
+                                   "process of a running job and shows them per tier and rank: steps and bytes "
+                                   "written, write rate, last step, lag behind the newest save, queue depth, "
+                                   "skips, failures, bytes read. Needs no policy.")
+    s.add_argument("--url", action="append", required=True, metavar="HOST:PORT",
+                   help="a process's metrics address (http://host:port/metrics); repeat for several ranks")
+    s.set_defaults(func=cmd_stats, needs_store=False)
     return p
 
 
@@ -204,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(e), EXIT_NOT_FOUND, args.json, type(e).__name__)
     except _core.IntegrityError as e:
         return _fail(str(e), EXIT_CORRUPT, args.json, type(e).__name__)
-    except _core.TiercelError as e:
+    except (_core.TiercelError, CommandError) as e:
         return _fail(str(e), EXIT_ERROR, args.json, type(e).__name__)
     except KeyboardInterrupt:
         return _fail("interrupted", 130, args.json, "KeyboardInterrupt")

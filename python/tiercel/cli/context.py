@@ -22,6 +22,10 @@ class UsageError(Exception):
     """A mistake on the command line (exit code 2)."""
 
 
+class CommandError(Exception):
+    """A command could not do its work for a reason outside tiercel's tiers (exit code 4)."""
+
+
 #: Why the command leaves a peer tier alone: its replicas live in the memory of the job's
 #: hosts and are reached through the job's running processes, which the command does not join.
 PEER_SKIPPED = "not looked at: a peer tier's replicas are reached through the job's own processes"

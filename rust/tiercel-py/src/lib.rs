@@ -209,6 +209,33 @@ impl Store {
             .collect()
     }
 
+    /// What this process has done per tier, in policy order: [{"tier", "steps_written",
+    /// "bytes_written", "write_seconds", "write_bytes_per_second", "steps_read", "bytes_read",
+    /// "last_step", "lag_steps", "lag_seconds", "queue_depth", "skips", "failures"}].
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        self.inner
+            .metrics()
+            .into_iter()
+            .map(|m| {
+                let d = PyDict::new(py);
+                d.set_item("tier", m.tier)?;
+                d.set_item("steps_written", m.steps_written)?;
+                d.set_item("bytes_written", m.bytes_written)?;
+                d.set_item("write_seconds", m.write_seconds)?;
+                d.set_item("write_bytes_per_second", m.write_bytes_per_second)?;
+                d.set_item("steps_read", m.steps_read)?;
+                d.set_item("bytes_read", m.bytes_read)?;
+                d.set_item("last_step", m.last_step)?;
+                d.set_item("lag_steps", m.lag_steps)?;
+                d.set_item("lag_seconds", m.lag_seconds)?;
+                d.set_item("queue_depth", m.queue_depth)?;
+                d.set_item("skips", m.skips)?;
+                d.set_item("failures", m.failures)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
     /// Every step on a tier, committed or not.
     fn all_steps(&self, py: Python<'_>, tier: &str) -> PyResult<Vec<u64>> {
         let slot = self.inner.slot(tier).map_err(err)?;

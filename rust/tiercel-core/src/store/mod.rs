@@ -7,6 +7,7 @@
 
 mod copy;
 mod handle;
+mod metrics;
 mod restore;
 mod save;
 
@@ -24,6 +25,7 @@ use crate::tier::{run_gc, Tier};
 
 pub use copy::copy_step;
 pub use handle::{SaveHandle, TierState};
+pub use metrics::{Metrics, TierMetrics};
 pub use restore::{ItemData, StepReader};
 pub use save::{ItemSpec, StepWriter};
 
@@ -42,6 +44,7 @@ pub struct Store {
     scheduler: Arc<Scheduler>,
     copy_pool: rayon::ThreadPool,
     peer: Option<Arc<PeerTier>>,
+    metrics: Metrics,
 }
 
 /// The slot of the memory tier, into which every save copies first: policy validation puts
@@ -71,7 +74,8 @@ impl Store {
             // runs degraded from the start (a larger job learns its hosts in `set_cluster`).
             p.set_cluster(&["this host".to_string()], &[p.local_addr().to_string()])?;
         }
-        Ok(Arc::new(Store { policy, rank, world_size, memory, slots, scheduler, copy_pool, peer }))
+        let metrics = Metrics::new(policy.tiers.iter().map(|t| t.name.clone()));
+        Ok(Arc::new(Store { policy, rank, world_size, memory, slots, scheduler, copy_pool, peer, metrics }))
     }
 
     pub fn slots(&self) -> &[TierSlot] {
@@ -103,6 +107,11 @@ impl Store {
     /// The peer tier, when the policy has one.
     pub fn peer(&self) -> Option<&Arc<PeerTier>> {
         self.peer.as_ref()
+    }
+
+    /// What this process has done per tier, in policy order (see `metrics`).
+    pub fn metrics(&self) -> Vec<TierMetrics> {
+        self.metrics.snapshot()
     }
 
     /// Why tier `name` cannot take a step now, if it cannot: a peer tier on fewer hosts than
