@@ -10,7 +10,6 @@ import os
 import shutil
 
 import pytest
-
 from test_multirank import run_ranks
 
 WORKER = r"""

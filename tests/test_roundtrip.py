@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import enum
 import json
-import math
 from dataclasses import dataclass, field
 from decimal import Decimal
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 import tiercel
+
 from conftest import (
     TESTS_DIR,
     allowing_pickle,
