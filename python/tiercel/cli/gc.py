@@ -19,11 +19,14 @@ DEFAULT_TMP_AGE = 600.0
 KINDS = {"step": "steps", "temp file": "temp_files", "upload": "uploads", "segment": "segments"}
 
 
-def _line(r: dict[str, Any]) -> str:
+def _line(r: dict[str, Any], dry_run: bool) -> str:
+    if r["what"] == "upload":  # the reason names the upload: "abandoned multipart upload of s3://..."
+        return f"{'would abort' if dry_run else 'aborted'} the {r['reason']}"
+    verb = "would remove" if dry_run else "removed"
     if r["what"] == "step":
-        return f"step {r['step']} ({r['reason']})"
+        return f"{verb} step {r['step']} ({r['reason']})"
     size = f", {fmt_bytes(r['bytes'])}" if r["bytes"] is not None else ""
-    return f"{r['what']} {r['path']} ({r['reason']}{size})"
+    return f"{verb} {r['what']} {r['path']} ({r['reason']}{size})"
 
 
 def cmd_gc(ctx: Ctx) -> int:
@@ -55,11 +58,12 @@ def cmd_gc(ctx: Ctx) -> int:
         if t["skipped"]:
             print(f"{t['name']}: {t['skipped']}")
         for r in t["removals"]:
-            print(f"{t['name']}: {verb} {_line(r)}")
+            print(f"{t['name']}: {_line(r, a.dry_run)}")
     c = doc["counts"]
     if removals:
-        extra = "".join(f", {count(c[key], word)}" for key, word in (("uploads", "abandoned upload"),
-                                                                      ("segments", "spare segment")) if c[key])
+        extra = f", {count(c['segments'], 'spare segment')}" if c["segments"] else ""
+        if c["uploads"]:
+            extra += f", {'would abort' if a.dry_run else 'aborted'} {count(c['uploads'], 'abandoned upload')}"
         print(f"gc: {verb} {count(c['steps'], 'step')} and {count(c['temp_files'], 'temporary file')}{extra}")
     else:
         print("gc: nothing to remove")
