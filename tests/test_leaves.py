@@ -164,6 +164,14 @@ def test_steps_and_depth_are_checked_at_the_call(store):
         ok = [ok]
     store.save(2, {"ok": ok}).wait(60)
     assert_same(store.restore(2), {"ok": ok})
+def test_exceptions_pickle_and_live_in_tiercel(store):
+    try:
+        store.reader(99)
+    except tiercel.NotFoundError as e:
+        err = e
+    assert type(err).__module__ == "tiercel"
+    again = pickle.loads(pickle.dumps(err))
+    assert type(again) is tiercel.NotFoundError and str(again) == str(err)
 
 
 def test_pickle_policy_warns_forbids_or_allows(make_store, policy):

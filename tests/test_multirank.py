@@ -5,6 +5,7 @@ one rank's copy of the newest step is gone."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import time
@@ -98,10 +99,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(script: str, args: list[str], tmp_path, world: int = WORLD, env_of=None, tag: str = "rank") -> None:
+def run_ranks(script: str, args: list[str], tmp_path, world: int = WORLD, env_of=None, tag: str = "rank",
+              killed: bool = False) -> None:
     """Starts `world` ranks of `script` as a launcher would (torch.distributed env vars,
     one free port); `env_of(rank)` adds per-rank variables. Fails the test with every rank's
-    log when one fails or the job outlasts TIMEOUT."""
+    log when one fails or the job outlasts TIMEOUT. `killed`: every rank is meant to end by
+    SIGKILL (a crash the test stages); a rank that exits otherwise fails the test."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -118,8 +121,9 @@ def run_ranks(script: str, args: list[str], tmp_path, world: int = WORLD, env_of
             except subprocess.TimeoutExpired:
                 failed.append(f"rank {rank} timed out after {TIMEOUT} s")
                 break
-            if p.returncode != 0:
-                failed.append(f"rank {rank} exited with {p.returncode}")
+            want = -signal.SIGKILL if killed else 0
+            if p.returncode != want:
+                failed.append(f"rank {rank} exited with {p.returncode}, not {want}")
     finally:
         for p, out in procs:
             if p.poll() is None:

@@ -49,7 +49,13 @@ class SaveHandle:
         states = self.states()
         failed = {t: s for t, s in states.items() if s.startswith("failed")}
         if failed:
-            raise TierUnavailableError(f"step {self.step}: " + "; ".join(f"tier '{t}' {s}" for t, s in failed.items()))
+            # Raised as what the (first) failure was, with its fields: an integrity problem is
+            # an IntegrityError, a full disk a TierUnavailableError, ...
+            msg = f"step {self.step}: " + "; ".join(f"tier '{t}' {s}" for t, s in failed.items())
+            first = next(iter(dict(self._core.errors()).values()), None)
+            if first is None:
+                raise TierUnavailableError(msg)
+            raise type(first)(msg, **first.fields()) from first
         return states
 
     def __repr__(self) -> str:
@@ -189,6 +195,18 @@ class Reader:
         buf, tier = self._core.read_range(it.index, start, length)
         self._account(tier, length, t0)
         return np.frombuffer(memoryview(buf), dtype=np.uint8) if length else np.empty(0, dtype=np.uint8)
+
+    def read_many(self, items: list[Item]) -> list[np.ndarray]:
+        """Every byte of several items, as uint8 arrays, in one call: the core maps each
+        shared-memory object once for all of them and reads chunks in parallel (one `read`
+        per item maps its object again each time)."""
+        t0 = time.perf_counter()
+        out = []
+        for it, (buf, tier) in zip(items, self._core.read_items([it.index for it in items])):
+            self._account(tier, it.nbytes, t0)
+            t0 = time.perf_counter()
+            out.append(np.frombuffer(memoryview(buf), dtype=np.uint8) if it.nbytes else np.empty(0, dtype=np.uint8))
+        return out
 
     def value(self, item: Item | int | str) -> Any:
         """One item rebuilt by the leaf handler that wrote it (an array, a tensor, bytes)."""

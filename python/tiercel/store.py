@@ -63,6 +63,10 @@ class Store:
             self._core = _core.Store(rank, world_size, path=str(Path(policy)))
         self.rank: int = rank
         self.world_size: int = world_size
+        #: This process's host, the failure domain: $TIERCEL_HOST, else the machine's name.
+        self.host: str = os.environ.get("TIERCEL_HOST") or socket.gethostname()
+        #: Every rank's host, by rank (learned when the store joins its cluster).
+        self.hosts: list[str] = [self.host] * world_size
         self.last_restore: RestoreInfo | None = None
         self._skipped: list[str] = []
         self._closed = False
@@ -88,7 +92,7 @@ class Store:
                     "(or jax.distributed) before opening the Store, or pass coordinator="
                 )
             return  # without one, all ranks are taken to share one host
-        host = os.environ.get("TIERCEL_HOST") or socket.gethostname()
+        host = self.host
         addr = secret = None
         if has_peer:
             listen = self._core.peer_address()
@@ -100,7 +104,7 @@ class Store:
             if not self._core.peer_has_secret() and self.rank == 0:
                 secret = secrets.token_hex(32)
         everyone = self.coordinator.all_gather((host, addr, secret))
-        hosts = [e[0] for e in everyone]
+        self.hosts = hosts = [e[0] for e in everyone]
         self._core.set_local_ranks([r for r, h in enumerate(hosts) if h == host])
         if has_peer:
             shared = everyone[0][2]

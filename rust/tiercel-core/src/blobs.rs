@@ -161,6 +161,8 @@ impl Blobs for FsBlobs {
         f.read_exact_at(dst, offset).map_err(|e| {
             if e.kind() == std::io::ErrorKind::UnexpectedEof {
                 Error::integrity(format!("tier '{}': {} is shorter than its manifest says", self.tier, p.display()))
+                    .with_tier(&self.tier)
+                    .with_path(p.display().to_string())
             } else {
                 self.err(&p, e)
             }

@@ -172,6 +172,10 @@ impl Manifest {
 
     /// Decodes and checks a manifest read from `where_` (a path or key, for the message).
     pub fn from_json(bytes: &[u8], where_: &str) -> Result<Self> {
+        Self::parse(bytes, where_).map_err(|e| e.with_path(where_))
+    }
+
+    fn parse(bytes: &[u8], where_: &str) -> Result<Self> {
         let m: Manifest =
             serde_json::from_slice(bytes).map_err(|e| Error::integrity(format!("{where_}: not a valid tiercel manifest: {e}")))?;
         if m.format != MANIFEST_FORMAT {
@@ -248,6 +252,10 @@ impl CommitRecord {
     }
 
     pub fn from_json(bytes: &[u8], where_: &str) -> Result<Self> {
+        Self::parse(bytes, where_).map_err(|e| e.with_path(where_))
+    }
+
+    fn parse(bytes: &[u8], where_: &str) -> Result<Self> {
         let c: CommitRecord =
             serde_json::from_slice(bytes).map_err(|e| Error::integrity(format!("{where_}: not a valid commit record: {e}")))?;
         if c.format != COMMIT_FORMAT || c.version > FORMAT_VERSION {

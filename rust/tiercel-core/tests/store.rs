@@ -451,6 +451,24 @@ fn read_range_reads_only_the_chunks_it_needs() {
     store.close();
 }
 
+/// A background failure keeps its error whole: kind, message and fields.
+#[test]
+fn a_failed_persist_keeps_its_error() {
+    let dirs = Dirs::new();
+    let store = Store::open(dirs.policy("", Some("compression = \"none\""), "chunk_size = \"64KiB\""), 0, 1).unwrap();
+    save_wait(&store, 1, &step_items(1));
+    std::fs::remove_dir_all(dirs.disk()).unwrap();
+    std::fs::write(dirs.disk(), b"in the way").unwrap();
+    let h = save_wait(&store, 2, &step_items(2));
+    assert_eq!(state(&h, "ram"), TierState::Done);
+    let TierState::Failed(e) = state(&h, "disk") else { panic!("{:?}", h.states()) };
+    assert_eq!(e.kind, ErrorKind::TierUnavailable, "{e}");
+    assert_eq!((e.tier.as_deref(), e.step, e.rank), (Some("disk"), Some(2), Some(0)));
+    assert!(e.path.as_deref().is_some_and(|p| p.starts_with(&dirs.disk().display().to_string())), "{e:?}");
+    assert!(e.message.starts_with("persisting step 2 of rank 0 to tier 'disk': "), "{e}");
+    store.close();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Known core bugs: the behaviour these check is what the API promises; each is ignored until
 // the fix named in its reason lands (then drop the `ignore`).

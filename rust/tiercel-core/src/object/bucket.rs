@@ -111,7 +111,7 @@ impl Inner {
     pub(super) fn err(&self, op: &str, key: &str, e: object_store::Error) -> Error {
         let what = self.describe(key);
         let text = sanitize(&e.to_string(), &self.secrets);
-        match e {
+        let e = match e {
             object_store::Error::NotFound { .. } => Error::not_found(format!("tier '{}': {what}: not found", self.tier)),
             object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. } => Error::unavailable(format!(
                 "tier '{}': {op} {what}: {text} (check the credentials: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or \
@@ -122,7 +122,8 @@ impl Inner {
                 Some(m) => Error::unavailable(format!("{m} ({op} {what})")),
                 None => Error::unavailable(format!("tier '{}': {op} {what}: {text}", self.tier)),
             },
-        }
+        };
+        e.with_tier(&self.tier).with_path(what)
     }
 
     pub(super) async fn put(&self, key: &str, payload: PutPayload) -> Result<()> {
@@ -153,6 +154,8 @@ impl Inner {
                 want.end,
                 have.map_or("none".to_string(), |h| format!("{h}"))
             ))
+            .with_tier(&self.tier)
+            .with_path(self.describe(key))
         };
         if dst.is_empty() {
             return match self.head_size(key).await? {

@@ -86,9 +86,15 @@ impl Checker<'_> {
 
     /// An error about `node`, found under key path `path`.
     fn at(&self, node: &Node, path: &str, msg: impl fmt::Display) -> Error {
-        match self.line(node) {
+        let e = match self.line(node) {
             Some(line) => Error::config(format!("{}:{line}: {path}: {msg}", self.source)),
             None => Error::config(format!("{}: {path}: {msg}", self.source)),
+        };
+        // A TOML policy is a file (its path is the source); a JSON one is a label.
+        if self.text.is_some() {
+            e.with_path(self.source)
+        } else {
+            e
         }
     }
 

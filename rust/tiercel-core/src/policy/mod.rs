@@ -91,7 +91,8 @@ impl PickleMode {
 impl Policy {
     /// Reads and validates a TOML policy file.
     pub fn load(path: &Path) -> Result<Policy> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::config(format!("cannot read policy file {}: {e}", path.display())))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::config(format!("cannot read policy file {}: {e}", path.display())).with_path(path.display().to_string()))?;
         Self::from_toml(&text, &path.display().to_string())
     }
 
@@ -105,7 +106,7 @@ impl Policy {
             let message = e.message().trim().replace('\n', "; ");
             // Quote the line, so the key is named even when toml's message does not.
             let quoted = at.and_then(|l| text.lines().nth(l - 1)).map(|l| format!(" (line: `{}`)", l.trim())).unwrap_or_default();
-            Error::config(format!("{source}:{line} invalid TOML: {message}{quoted}"))
+            Error::config(format!("{source}:{line} invalid TOML: {message}{quoted}")).with_path(source)
         })?;
         Checker { source, text: Some(text) }.policy(&root)
     }

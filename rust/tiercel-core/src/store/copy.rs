@@ -25,7 +25,9 @@ pub fn copy_step(store: &Arc<Store>, step: u64, from: &str, to: &str, progress: 
         progress(rank + 1, record.world_size);
     }
     if !dst_slot.tier.try_commit(step, record.world_size)? {
-        return Err(Error::integrity(format!("tier '{to}': step {step} did not commit after copying every rank")));
+        return Err(Error::integrity(format!("tier '{to}': step {step} did not commit after copying every rank"))
+            .with_tier(to)
+            .with_step(step));
     }
     Ok(())
 }

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use super::TierSlot;
+use crate::error::Error;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TierState {
@@ -18,7 +19,8 @@ pub enum TierState {
     /// `every` does not select this step for the tier.
     NotScheduled,
     Skipped(String),
-    Failed(String),
+    /// The error, kind and fields kept: a background failure surfaces as what it was.
+    Failed(Error),
 }
 
 impl TierState {
@@ -33,7 +35,7 @@ impl TierState {
             TierState::Done => "committed".into(),
             TierState::NotScheduled => "not scheduled".into(),
             TierState::Skipped(r) => format!("skipped: {r}"),
-            TierState::Failed(e) => format!("failed: {e}"),
+            TierState::Failed(e) => format!("failed: {}", e.message),
         }
     }
 }

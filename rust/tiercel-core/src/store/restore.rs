@@ -43,6 +43,10 @@ pub struct StepReader {
     /// Counted as a step read (of its first source) once something is read, not on open:
     /// a restore opens readers just to see whether a step can be read.
     counted: AtomicBool,
+    /// Objects of the first source mapped so far (memory tier), by name: mapped once for the
+    /// reader's life, so reading many items or ranges of one part does not map (and
+    /// pre-populate) the whole part again each time.
+    views: Mutex<HashMap<String, Arc<View>>>,
 }
 
 impl StepReader {
@@ -74,7 +78,9 @@ impl StepReader {
                     "tier '{name}': step {step} was saved by {} rank{}; there is no rank {rank}",
                     record.world_size,
                     if record.world_size == 1 { "" } else { "s" }
-                )));
+                ))
+                .with_tier(name.as_str())
+                .at(step, rank));
             }
             match tier.read_manifest(step, rank) {
                 Ok(m) => sources.push((idx, m)),
@@ -94,12 +100,21 @@ impl StepReader {
             return Err(Error::new(
                 kind,
                 format!("step {step} rank {rank} can be restored from no tier in {order:?}{why}; committed steps: {}", have.join(", ")),
-            ));
+            )
+            .at(step, rank));
         }
         for w in &warnings {
             log::warn!("{w}");
         }
-        Ok(StepReader { step, rank, sources, store: store.clone(), warnings: Mutex::new(warnings), counted: AtomicBool::new(false) })
+        Ok(StepReader {
+            step,
+            rank,
+            sources,
+            store: store.clone(),
+            warnings: Mutex::new(warnings),
+            counted: AtomicBool::new(false),
+            views: Mutex::new(HashMap::new()),
+        })
     }
 
     /// The manifest of the first tier that has the step.
@@ -117,18 +132,24 @@ impl StepReader {
         let m = self.manifest();
         for &i in items {
             if i >= m.items.len() {
-                return Err(Error::invalid(format!("step {}: no item {i}", self.step)));
+                return Err(Error::invalid(format!("step {}: no item {i}", self.step)).at(self.step, self.rank));
             }
         }
-        let mut views: HashMap<String, Arc<View>> = HashMap::new();
-        self.store.copy_pool.install(|| items.iter().map(|&i| self.read_span(i, 0, m.items[i].nbytes, &mut views)).collect())
+        let mut views = self.take_views();
+        let out = self.store.copy_pool.install(|| items.iter().map(|&i| self.read_span(i, 0, m.items[i].nbytes, &mut views)).collect());
+        self.views.lock().extend(views);
+        out
     }
 
     /// Reads bytes `start..start + len` of item `item`, touching only the chunks that overlap
     /// them (each still verified whole by its CRC32C, falling back chunk by chunk across tiers
     /// like `read_items`). A zero-copy view when the item qualifies for one.
     pub fn read_range(&self, item: usize, start: u64, len: u64) -> Result<(ItemData, String)> {
-        let it = self.manifest().items.get(item).ok_or_else(|| Error::invalid(format!("step {}: no item {item}", self.step)))?;
+        let it = self
+            .manifest()
+            .items
+            .get(item)
+            .ok_or_else(|| Error::invalid(format!("step {}: no item {item}", self.step)).at(self.step, self.rank))?;
         let end = start.checked_add(len).filter(|e| *e <= it.nbytes).ok_or_else(|| {
             Error::invalid(format!(
                 "step {} rank {} item '{}': bytes {start}..{} lie outside its {} bytes",
@@ -138,9 +159,20 @@ impl StepReader {
                 start as u128 + len as u128,
                 it.nbytes
             ))
+            .at(self.step, self.rank)
+            .with_item(&it.name)
         })?;
-        let mut views = HashMap::new();
-        self.store.copy_pool.install(|| self.read_span(item, start, end, &mut views))
+        let mut views = self.take_views();
+        let out = self.store.copy_pool.install(|| self.read_span(item, start, end, &mut views));
+        self.views.lock().extend(views);
+        out
+    }
+
+    /// The objects mapped so far, for one call to use (and hand back). Taken rather than
+    /// locked across the call: no lock is held while the copy pool runs, so concurrent calls
+    /// cannot deadlock in it (they map again at worst).
+    fn take_views(&self) -> HashMap<String, Arc<View>> {
+        std::mem::take(&mut *self.views.lock())
     }
 
     /// Bytes `start..end` of item `i`: zero-copy if it can, else chunk by chunk.
@@ -292,7 +324,10 @@ impl StepReader {
             self.rank,
             primary.name,
             errs.join("; ")
-        )))
+        ))
+        .at(self.step, self.rank)
+        .with_item(&primary.name)
+        .with_chunk(c as u64))
     }
 }
 

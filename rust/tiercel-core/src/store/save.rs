@@ -92,11 +92,13 @@ impl StepWriter {
     pub fn add_part(&mut self, name: &str, tree: serde_json::Value, items: Vec<ItemSpec>) -> Result<(usize, Vec<(usize, u64)>)> {
         let step = self.manifest.step;
         if self.manifest.trees.iter().any(|(n, _)| n == name) {
-            return Err(Error::invalid(format!("step {step}: '{name}' was already put in this step")));
+            return Err(Error::invalid(format!("step {step}: '{name}' was already put in this step")).with_step(step));
         }
         for it in &items {
             if let Some(shard) = &it.shard {
-                shard.check(&it.shape).map_err(|why| Error::invalid(format!("step {step}: item '{}': {why}", it.name)))?;
+                shard
+                    .check(&it.shape)
+                    .map_err(|why| Error::invalid(format!("step {step}: item '{}': {why}", it.name)).with_step(step).with_item(&it.name))?;
             }
         }
         let mut pos = 0u64;
@@ -197,11 +199,10 @@ impl StepWriter {
     /// pre-fault segments for the next step. The returned handle tells what is done where.
     pub fn commit(mut self) -> Result<Arc<SaveHandle>> {
         if let Some(i) = self.filled.iter().position(|f| !f) {
-            return Err(Error::invalid(format!(
-                "step {}: item '{}' was laid out but never written",
-                self.step(),
-                self.manifest.items[i].name
-            )));
+            let item = &self.manifest.items[i].name;
+            return Err(Error::invalid(format!("step {}: item '{item}' was laid out but never written", self.step()))
+                .with_step(self.step())
+                .with_item(item));
         }
         self.finished = true;
         let store = self.store.clone();
@@ -249,13 +250,13 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
             handle.set(&mem_name, if committed { TierState::Done } else { TierState::Written })
         }
         Err(e) => {
-            let e = e.context(format!("step {step} rank {}", store.rank));
+            let e = e.context(format!("step {step} rank {}", store.rank)).with_tier(&mem_name).at(step, store.rank);
             log::error!("{e}");
             store.metrics.tier(MEMORY_SLOT).failed();
-            handle.set(&mem_name, TierState::Failed(e.message.clone()));
             for (_, slot) in store.later_slots() {
                 handle.set(&slot.config.name, TierState::Skipped(format!("the memory tier failed: {}", e.message)));
             }
+            handle.set(&mem_name, TierState::Failed(e));
             return;
         }
     }
@@ -313,10 +314,13 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
                         }
                     }
                     Err(e) => {
-                        let e = e.context(format!("persisting step {step} of rank {} to tier '{name}'", store2.rank));
+                        let e = e
+                            .context(format!("persisting step {step} of rank {} to tier '{name}'", store2.rank))
+                            .with_tier(&name)
+                            .at(step, store2.rank);
                         log::error!("{e}");
                         counters.failed();
-                        handle2.set(&name, TierState::Failed(e.message));
+                        handle2.set(&name, TierState::Failed(e));
                     }
                 }
             }),

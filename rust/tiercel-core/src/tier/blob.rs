@@ -75,6 +75,10 @@ impl Tier for BlobTier {
         self.layout.read_manifest(step, rank)
     }
 
+    fn ranks_written(&self, step: u64) -> Result<Vec<u32>> {
+        self.layout.ranks(step)
+    }
+
     fn delete_step(&self, step: u64) -> Result<()> {
         self.layout.delete_step(step)
     }

@@ -53,8 +53,9 @@ impl StepLayout {
         let bytes = self.blobs.get(&k).map_err(|e| match e.kind {
             ErrorKind::NotFound => Error::not_found(format!("tier '{}': step {step} is not committed", self.tier)),
             _ => e,
-        })?;
-        CommitRecord::from_json(&bytes, &self.blobs.describe(&k))
+        });
+        let at = |e: Error| e.with_tier(&self.tier).with_step(step).with_path(self.blobs.describe(&k));
+        CommitRecord::from_json(&bytes.map_err(at)?, &self.blobs.describe(&k)).map_err(at)
     }
 
     pub fn read_manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
@@ -62,15 +63,16 @@ impl StepLayout {
         let bytes = self.blobs.get(&k).map_err(|e| match e.kind {
             ErrorKind::NotFound => Error::not_found(format!("tier '{}': step {step} has no manifest for rank {rank}", self.tier)),
             _ => e,
-        })?;
-        let m = Manifest::from_json(&bytes, &self.blobs.describe(&k))?;
+        });
+        let at = |e: Error| e.with_tier(&self.tier).at(step, rank).with_path(self.blobs.describe(&k));
+        let m = Manifest::from_json(&bytes.map_err(at)?, &self.blobs.describe(&k)).map_err(at)?;
         if m.step != step || m.rank != rank {
-            return Err(Error::integrity(format!(
+            return Err(at(Error::integrity(format!(
                 "{}: manifest says step {} rank {}, expected step {step} rank {rank}",
                 self.blobs.describe(&k),
                 m.step,
                 m.rank
-            )));
+            ))));
         }
         Ok(m)
     }
@@ -149,22 +151,23 @@ impl StepLayout {
         Ok(plan)
     }
 
-    /// Removes what `plan` lists; returns what was removed. Uploads go before steps: a step
-    /// removed here may be the one such an upload was writing.
+    /// Removes what `plan` lists; returns what was removed, in plan order. Uploads go before
+    /// steps: a step removed here may be the one such an upload was writing.
     pub fn gc_apply(&self, plan: Vec<Removal>) -> Result<Vec<Removal>> {
-        let (steps, others): (Vec<Removal>, Vec<Removal>) = plan.into_iter().partition(|r| r.step().is_some());
+        let (steps, others): (Vec<_>, Vec<_>) = plan.into_iter().enumerate().partition(|(_, r)| r.step().is_some());
         let mut done = vec![];
-        for r in others {
+        for (i, r) in others {
             if self.blobs.remove_leftover(&r)? {
-                done.push(r);
+                done.push((i, r));
             }
         }
-        for r in steps {
+        for (i, r) in steps {
             if let Target::Step(s) = r.target {
                 self.delete_step(s)?;
-                done.push(r);
+                done.push((i, r));
             }
         }
-        Ok(done)
+        done.sort_by_key(|(i, _)| *i);
+        Ok(done.into_iter().map(|(_, r)| r).collect())
     }
 }

@@ -291,7 +291,10 @@ impl MemoryTier {
                     size_str(used),
                     size_str(cap),
                     size_str(freeable),
-                )));
+                ))
+                .with_tier(&self.name)
+                .at(step, rank)
+                .with_path(self.root.display().to_string()));
             }
             // Bind first: `evict` locks the pool again.
             let too_small = self.pool.lock().pop();
@@ -334,11 +337,6 @@ impl MemoryTier {
     /// Writes `m` (this tier's manifest of one rank) atomically: the rank's part is complete.
     pub fn publish(&self, m: &Manifest) -> Result<()> {
         self.layout.write_manifest(m)
-    }
-
-    /// Ranks whose manifest is in `step` (committed or not).
-    pub fn layout_ranks(&self, step: u64) -> Result<Vec<u32>> {
-        self.layout.ranks(step)
     }
 
     /// Removes one object of `step` (a part of a replica that never completed).
@@ -499,6 +497,10 @@ impl Tier for MemoryTier {
         self.layout.read_manifest(step, rank)
     }
 
+    fn ranks_written(&self, step: u64) -> Result<Vec<u32>> {
+        self.layout.ranks(step)
+    }
+
     fn delete_step(&self, step: u64) -> Result<()> {
         self.evict(step)
     }
@@ -511,24 +513,20 @@ impl Tier for MemoryTier {
     }
 
     /// Steps are evicted (this process's segments go back to its pool); the rest goes as
-    /// files.
+    /// files. What was removed comes back in plan order.
     fn gc_apply(&self, plan: Vec<Removal>) -> Result<Vec<Removal>> {
         let mut done = vec![];
-        let mut files = vec![];
         for r in plan {
             match &r.target {
-                Target::Step(s) => {
-                    self.evict(*s)?;
-                    done.push(r);
+                Target::Step(s) => self.evict(*s)?,
+                Target::Segment { key, .. } => self.layout.blobs().delete(key)?,
+                _ => {
+                    done.extend(self.layout.gc_apply(vec![r])?);
+                    continue;
                 }
-                Target::Segment { key, .. } => {
-                    self.layout.blobs().delete(key)?;
-                    done.push(r);
-                }
-                _ => files.push(r),
             }
+            done.push(r);
         }
-        done.extend(self.layout.gc_apply(files)?);
         // Steps of ours that another rank on this host evicted (it deletes the whole step):
         // drop our mappings of them, or their memory would stay mapped for ever. Steps newer
         // than the oldest one kept may still be on their way.

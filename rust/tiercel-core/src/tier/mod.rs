@@ -61,7 +61,12 @@ pub trait Tier: Send + Sync {
     fn commit_record(&self, step: u64) -> Result<CommitRecord>;
 
     /// Rank `rank`'s manifest of `step`, checked (NotFound when the rank wrote none here).
+    /// Readable before the step commits: a manifest marks that rank's part complete.
     fn read_manifest(&self, step: u64, rank: u32) -> Result<Manifest>;
+
+    /// Ranks whose part of `step` is complete here (their manifest is written), committed or
+    /// not: what a step that never committed is missing.
+    fn ranks_written(&self, step: u64) -> Result<Vec<u32>>;
 
     /// Removes a step, so that no reader sees it half-deleted.
     fn delete_step(&self, step: u64) -> Result<()>;
@@ -107,7 +112,7 @@ pub fn read_chunk(tier: &dyn Tier, m: &Manifest, item: usize, chunk: usize, dst:
         )
     };
     // A committed step whose data object is gone has lost data: an integrity problem.
-    let missing = |e: Error| if e.kind == ErrorKind::NotFound { Error::integrity(e.message) } else { e };
+    let missing = |e: Error| if e.kind == ErrorKind::NotFound { e.with_kind(ErrorKind::Integrity) } else { e };
     let res = (|| {
         if c.codec == codec::RAW {
             tier.read_stored(m, c, dst).map_err(missing)?;
@@ -122,7 +127,7 @@ pub fn read_chunk(tier: &dyn Tier, m: &Manifest, item: usize, chunk: usize, dst:
         }
         Ok(())
     })();
-    res.map_err(|e| e.context(ctx()))
+    res.map_err(|e| e.context(ctx()).with_tier(tier.name()).at(m.step, m.rank).with_item(&it.name).with_chunk(chunk as u64))
 }
 
 /// Chunks are encoded in batches of this many in parallel, then written in order, so a

@@ -8,7 +8,8 @@ use sha2::Sha256;
 
 use crate::error::{Error, ErrorKind, Result};
 
-pub const MAGIC: [u8; 4] = *b"TCL\x01";
+/// "TCL" and the protocol version: 2 since ERROR frames carry numeric kinds and fields.
+pub const MAGIC: [u8; 4] = *b"TCL\x02";
 pub const HEADER_LEN: usize = 16;
 pub const DATA_SUBHEADER_LEN: usize = 16;
 /// Control frames (JSON) larger than this are refused: a manifest of a very large model is
@@ -137,34 +138,47 @@ pub fn control_len(h: &Header) -> Result<usize> {
     Ok(h.len as usize)
 }
 
-/// The JSON body of an ERROR frame.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// The JSON body of an ERROR frame: the error's kind as its number (`ErrorKind::code`),
+/// its message and its fields, so that the client's error is the server's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WireError {
-    pub kind: String,
+    pub code: u8,
     pub message: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tier: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub item: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
 }
 
 impl WireError {
     pub fn from_error(e: &Error) -> WireError {
-        let kind = match e.kind {
-            ErrorKind::NotFound => "not_found",
-            ErrorKind::Integrity => "integrity",
-            ErrorKind::Capacity => "capacity",
-            ErrorKind::InvalidArgument => "invalid",
-            _ => "unavailable",
-        };
-        WireError { kind: kind.into(), message: e.message.clone() }
+        let e = e.clone();
+        WireError {
+            code: e.kind.code(),
+            message: e.message,
+            tier: e.tier,
+            step: e.step,
+            rank: e.rank,
+            item: e.item,
+            chunk: e.chunk,
+            path: e.path,
+        }
     }
 
+    /// The error as the client sees it: the server's, said to come from `peer`. An unknown
+    /// code (a newer peer) reads as the tier being unavailable.
     pub fn into_error(self, peer: &str) -> Error {
-        let kind = match self.kind.as_str() {
-            "not_found" => ErrorKind::NotFound,
-            "integrity" => ErrorKind::Integrity,
-            "capacity" => ErrorKind::Capacity,
-            "invalid" => ErrorKind::InvalidArgument,
-            _ => ErrorKind::TierUnavailable,
-        };
+        let kind = ErrorKind::from_code(self.code).unwrap_or(ErrorKind::TierUnavailable);
         Error::new(kind, format!("peer {peer}: {}", self.message))
+            .with_fields(self.tier, self.step, self.rank, self.item, self.chunk, self.path)
     }
 }
 
@@ -266,5 +280,23 @@ mod tests {
         assert!(!verify_mac(b"other", b"client", &a, &b, &m));
         assert!(!verify_mac(b"s3cret", b"server", &a, &b, &m));
         assert!(!verify_mac(b"s3cret", b"client", &b, &a, &m));
+    }
+
+    #[test]
+    fn errors_cross_the_wire_whole() {
+        let e = Error::integrity("chunk at object 0 offset 4096 arrived corrupted").with_tier("peer").at(7, 3).with_chunk(1);
+        let body = serde_json::to_vec(&WireError::from_error(&e)).unwrap();
+        assert_eq!(
+            std::str::from_utf8(&body).unwrap(),
+            r#"{"code":2,"message":"chunk at object 0 offset 4096 arrived corrupted","tier":"peer","step":7,"rank":3,"chunk":1}"#
+        );
+        let back = serde_json::from_slice::<WireError>(&body).unwrap().into_error("10.0.0.2:7070");
+        assert_eq!(
+            (back.kind, back.tier.as_deref(), back.step, back.rank, back.chunk),
+            (ErrorKind::Integrity, Some("peer"), Some(7), Some(3), Some(1))
+        );
+        assert_eq!(back.message, "peer 10.0.0.2:7070: chunk at object 0 offset 4096 arrived corrupted");
+        let unknown = WireError { code: 99, message: "x".into(), ..WireError::from_error(&Error::invalid("")) };
+        assert_eq!(unknown.into_error("p").kind, ErrorKind::TierUnavailable);
     }
 }

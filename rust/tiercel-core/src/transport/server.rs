@@ -220,7 +220,7 @@ async fn put(s: &mut TcpStream, handler: &Arc<dyn Handler>, step: u64, rank: u32
     let sizes: Vec<u64> = segs.iter().map(|s| s.len() as u64).collect();
     drop(segs);
     // On an error nothing more is drained: the connection is dropped, the partial replica too.
-    handler.end_put(&m, received).map_err(|e| e.context(format!("receiving step {step} of rank {rank}")))?;
+    handler.end_put(&m, received).map_err(|e| e.context(format!("receiving step {step} of rank {rank}")).at(step, rank))?;
     // Off the connection's path: allocating fresh shared memory runs at ~1 GB/s, writing
     // into touched pages at 10+.
     let handler = handler.clone();

@@ -246,7 +246,9 @@ impl PeerTier {
             m.step,
             m.rank,
             errs.join("; ")
-        )))
+        ))
+        .with_tier(&self.name)
+        .at(m.step, m.rank))
     }
 
     /// The manifest of `rank`'s `step` from the first holder that has it.
@@ -255,22 +257,34 @@ impl PeerTier {
             return Ok(hit.clone());
         }
         let mut errs = vec![];
-        let mut not_found = true;
+        let mut kinds = vec![];
         for addr in self.holders(rank)?.into_iter().flatten() {
             match self.with_conn(&addr, |c| c.manifest(step, rank)) {
                 Ok(Some(m)) if m.step == step && m.rank == rank => {
                     self.manifests.lock().insert((step, rank), (m.clone(), addr.clone()));
                     return Ok((m, addr));
                 }
-                Ok(_) => errs.push(format!("{addr}: wrong manifest")),
+                Ok(_) => {
+                    kinds.push(ErrorKind::Integrity);
+                    errs.push(format!("{addr}: wrong manifest"));
+                }
                 Err(e) => {
-                    not_found &= e.kind == ErrorKind::NotFound;
+                    kinds.push(e.kind);
                     errs.push(e.message)
                 }
             }
         }
+        // Nobody has it: not found. Someone has a bad copy, nobody a good one: integrity.
+        // Anything else (a holder that could not answer) may yet have it: unavailable.
+        let kind = if kinds.iter().all(|k| *k == ErrorKind::NotFound) {
+            ErrorKind::NotFound
+        } else if kinds.iter().all(|k| matches!(k, ErrorKind::NotFound | ErrorKind::Integrity)) {
+            ErrorKind::Integrity
+        } else {
+            ErrorKind::TierUnavailable
+        };
         let msg = format!("tier '{}': no peer holds step {step} of rank {rank} ({})", self.name, errs.join("; "));
-        Err(if not_found { Error::not_found(msg) } else { Error::unavailable(msg) })
+        Err(Error::new(kind, msg).with_tier(&self.name).at(step, rank))
     }
 
     /// Stops serving (on store close).
@@ -320,7 +334,9 @@ impl Tier for PeerTier {
                 Err(e) => errs.push(e.message),
             }
         }
-        Err(Error::unavailable(format!("tier '{}': no peer could send the chunk: {}", self.name, errs.join("; "))))
+        Err(Error::unavailable(format!("tier '{}': no peer could send the chunk: {}", self.name, errs.join("; ")))
+            .with_tier(&self.name)
+            .at(m.step, m.rank))
     }
 
     /// The peer tier commits per rank: `write_rank` returns only once every peer host has
@@ -363,6 +379,11 @@ impl Tier for PeerTier {
 
     fn read_manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
         self.fetch_manifest(step, rank).map(|(m, _)| m)
+    }
+
+    /// This rank's, when a peer holds its complete copy (the tier is per rank).
+    fn ranks_written(&self, step: u64) -> Result<Vec<u32>> {
+        Ok(if self.committed_steps()?.contains(&step) { vec![self.rank] } else { vec![] })
     }
 
     /// Peer copies are dropped by their holders' own retention (`keep`), not from here.

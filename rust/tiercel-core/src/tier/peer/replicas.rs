@@ -39,7 +39,7 @@ impl ReplicaStore {
         let all = self.replicas.all_steps()?;
         let mut complete = vec![];
         for &s in &all {
-            if !self.replicas.layout_ranks(s)?.is_empty() {
+            if !self.replicas.ranks_written(s)?.is_empty() {
                 complete.push(s);
             }
         }
@@ -122,7 +122,7 @@ impl Handler for ReplicaStore {
     fn list(&self, rank: u32) -> Result<Vec<u64>> {
         let mut out = vec![];
         for step in self.replicas.all_steps()? {
-            if self.replicas.layout_ranks(step)?.contains(&rank) {
+            if self.replicas.ranks_written(step)?.contains(&rank) {
                 out.push(step);
             }
         }

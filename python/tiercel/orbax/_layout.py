@@ -1,0 +1,187 @@
+"""How a pytree is laid out in a tiercel step, one put per Orbax item and rank.
+
+Each rank puts a dict:
+
+    {"format": "tiercel-orbax", "version": 1, "process_count": P,
+     "leaves": [{"key": "['params']['w']", "path": [["d", "params"], ["d", "w"]],
+                 "type": "jax" | "numpy" | "python" | "object",
+                 "shape": [...], "dtype": "float32",          # arrays
+                 "shards": [JaxShard, ...],                    # jax: this rank's distinct shards
+                 "value": ...}]}                               # the rest: rank 0 only
+
+jax.Array leaves: every process writes the shards it holds with replica_id 0, so each
+distinct shard is written once per replica group; a fully addressable array in a job of
+several processes (the same everywhere) is written by process 0 only, as numpy arrays and
+other values are. Every rank writes the leaf list itself (small, in its manifest), so the
+structure can be read from any rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from .._tree import unflatten
+from ..manifest import Item, Manifest
+from ._leaf import JaxShard, dtype_name
+
+FORMAT = "tiercel-orbax"
+VERSION = 1
+
+#: Path element kinds: dict key, sequence index, attribute, flattened index.
+_KEY_KINDS = {jax.tree_util.DictKey: "d", jax.tree_util.SequenceKey: "i", jax.tree_util.GetAttrKey: "a",
+              jax.tree_util.FlattenedIndexKey: "f"}
+_PY = (bool, int, float, str, type(None))
+
+
+def _encode_path(path: Sequence[Any]) -> list[list[Any]]:
+    out = []
+    for k in path:
+        kind = _KEY_KINDS.get(type(k), "d")
+        if kind == "d":
+            key = getattr(k, "key", k)
+            out.append(["d", key if type(key) in _PY else str(key)])
+        elif kind == "i":
+            out.append(["i", k.idx])
+        elif kind == "a":
+            out.append(["a", k.name])
+        else:
+            out.append(["f", k.key])
+    return out
+
+
+def leaf_records(state: Any, process_index: int, process_count: int) -> dict[str, Any]:
+    """The put value of this process for `state`. Starts the device-to-host transfers of
+    every shard it will store before returning, so they overlap."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    records = []
+    pending = []
+    for path, leaf in flat:
+        key = jax.tree_util.keystr(path)
+        rec: dict[str, Any] = {"key": key, "path": _encode_path(path)}
+        if isinstance(leaf, jax.Array):
+            rec.update(type="jax", shape=list(leaf.shape), dtype=dtype_name(leaf.dtype, key))
+            shards = []
+            if not (leaf.is_fully_addressable and process_count > 1 and process_index != 0):
+                for s in leaf.addressable_shards:
+                    if s.replica_id != 0:
+                        continue
+                    offsets = tuple(sl.indices(n)[0] for sl, n in zip(s.index, leaf.shape))
+                    shards.append(JaxShard(s.data, tuple(leaf.shape), offsets, 0))
+                    pending.append(s.data)
+            rec["shards"] = shards
+        elif isinstance(leaf, (np.ndarray, np.generic)) and _is_plain_dtype(leaf):
+            rec.update(type="numpy", shape=list(np.shape(leaf)), dtype=dtype_name(np.asarray(leaf).dtype, key))
+            rec["scalar"] = isinstance(leaf, np.generic)
+            rec["value"] = leaf if process_index == 0 else None
+        elif type(leaf) in _PY:
+            rec.update(type="python", value=leaf)
+        else:  # stored by tiercel's leaf registry (pickled, with a warning, if nothing claims it)
+            rec.update(type="object", value=leaf if process_index == 0 else None)
+        records.append(rec)
+    for x in pending:
+        if not all(d.platform == "cpu" for d in x.devices()):
+            x.copy_to_host_async()
+    return {"format": FORMAT, "version": VERSION, "process_count": process_count, "leaves": records}
+
+
+def _is_plain_dtype(x: Any) -> bool:
+    from .. import _dtypes
+
+    return _dtypes.numpy_name(np.asarray(x).dtype) is not None
+
+
+@dataclass
+class SavedLeaf:
+    """One leaf of a saved step, gathered from every rank's manifest (no bytes read)."""
+
+    key: str
+    path: list[list[Any]]
+    type: str
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    scalar: bool = False
+    #: Every stored piece of the leaf: (rank, item). A numpy leaf is one whole piece.
+    pieces: list[tuple[int, Item]] = field(default_factory=list)
+    #: Python values (and "object" leaves, as the item that holds them).
+    value: Any = None
+
+
+def is_layout(tree: dict[str, Any]) -> bool:
+    """Whether a put's tree (as the manifest keeps it) is a tiercel.orbax layout."""
+    if tree.get("t") != "dict":
+        return False
+    for k, v in tree["v"]:
+        if k == {"t": "str", "v": "format"}:
+            return bool(v == {"t": "str", "v": FORMAT})
+    return False
+
+
+def rank_records(m: Manifest, put: str) -> list[dict[str, Any]]:
+    """One rank's leaf records of one put, with manifest Items in place of the arrays (no
+    bytes read). Raises ValueError when the put is missing or not a tiercel.orbax layout."""
+    if put not in m.trees:
+        raise ValueError(f"rank {m.rank} put nothing under '{put}' (have: {', '.join(m.trees) or 'nothing'})")
+    value = unflatten(m.trees[put], list(m.items_of(put)))
+    if not isinstance(value, dict) or value.get("format") != FORMAT:
+        raise ValueError(f"'{put}' of rank {m.rank} was not saved by tiercel.orbax")
+    if value["version"] > VERSION:
+        raise ValueError(f"'{put}' was saved by a newer tiercel.orbax (layout version {value['version']} > {VERSION})")
+    return list(value["leaves"])
+
+
+def merge_layout(shares: Mapping[int, list[dict[str, Any]]]) -> list[SavedLeaf]:
+    """The leaves of one put from the records of some or all ranks ({rank: records}): the
+    pieces of every rank given, and the values that rank 0 alone stores if it is given."""
+    if not shares:
+        raise ValueError("no rank's records")
+    ranks = sorted(shares)
+    leaves = [
+        SavedLeaf(key=rec["key"], path=rec["path"], type=rec["type"], shape=tuple(rec.get("shape") or ()),
+                  dtype=rec.get("dtype", ""), scalar=bool(rec.get("scalar")), value=rec.get("value") if rec["type"] == "python" else None)
+        for rec in shares[ranks[0]]
+    ]
+    for rank in ranks:
+        recs = shares[rank]
+        if len(recs) != len(leaves) or any(r["key"] != leaf.key for r, leaf in zip(recs, leaves)):
+            raise ValueError(f"rank {rank} saved a different tree than rank {ranks[0]}")
+        for rec, leaf in zip(recs, leaves):
+            if rec["type"] == "jax":
+                leaf.pieces += [(rank, it) for it in rec["shards"]]
+            elif rank == 0 and rec["type"] == "numpy":
+                leaf.pieces.append((0, rec["value"]))
+            elif rank == 0 and rec["type"] == "object":
+                leaf.value = rec["value"]
+    return leaves
+
+
+def nested(leaves: Sequence[SavedLeaf], values: Sequence[Any]) -> Any:
+    """A tree of dicts (dict keys, attributes) and lists (sequence indices) from the saved
+    paths, as Orbax returns a checkpoint restored without a target."""
+    root: Any = None
+    for leaf, v in zip(leaves, values):
+        if not leaf.path:
+            return v
+        root = _insert(root, leaf.path, v)
+    return _lists(root)
+
+
+def _insert(node: Any, path: list[list[Any]], v: Any) -> Any:
+    if node is None:
+        node = {}
+    kind, key = path[0]
+    k = ("i", key) if kind == "i" else key
+    node[k] = v if len(path) == 1 else _insert(node.get(k), path[1:], v)
+    return node
+
+
+def _lists(node: Any) -> Any:
+    """Turns the {("i", n): ...} dicts built for sequences into lists."""
+    if not isinstance(node, dict):
+        return node
+    if node and all(isinstance(k, tuple) for k in node):
+        return [_lists(node[k]) for k in sorted(node, key=lambda k: k[1])]
+    return {k: _lists(v) for k, v in node.items()}

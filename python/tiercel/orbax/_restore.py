@@ -1,0 +1,236 @@
+"""Restoring a saved pytree into any target: each process reads only the byte ranges its
+target shards need (tiercel._sharding plans them), from the fastest tier that has them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from .. import _dtypes
+from .._sharding import Box, CoverageError, Plan, box_of_index, box_shape, plan
+from ..errors import InvalidArgumentError, NotFoundError, TiercelError
+from ..manifest import Item
+from ..step import Reader, RestoreInfo
+from ..store import Store
+from ._layout import SavedLeaf, merge_layout, nested, rank_records
+
+
+@dataclass
+class BoxPlan:
+    """How to fill one box of an array leaf: its shape and dtype, and the ranges to read of
+    the saved pieces (keyed (rank, item index))."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    plan: Plan[tuple[int, int]]
+    items: dict[tuple[int, int], Item]
+
+
+class SavedStep:
+    """One Orbax item of one committed step, as the ranks that saved it laid it out. Opening
+    it reads manifests only; a rank's bytes are read when a target box needs them.
+
+    `collective`: every process of the job opens it at once (as Orbax restores). Process p
+    reads the manifests of saved ranks p, p + P, ... (P processes) and the processes swap
+    what those say through the coordinator: no process has to reach every rank's manifest
+    (a replacement host may reach its own rank's only, through its peers), and each manifest
+    is read once per job."""
+
+    def __init__(self, store: Store, step: int, put: str, tiers: list[str] | None = None, collective: bool = False):
+        self.step = step
+        self.put = put
+        self._store = store
+        self._tiers = tiers
+        self._readers: dict[int, Reader] = {}
+        #: Per leaf: ((rank, item index), offsets, shape) of every saved piece.
+        self._boxes: dict[str, list[tuple[tuple[int, int], tuple[int, ...], tuple[int, ...]]]] = {}
+        many = collective and store.world_size > 1 and store.coordinator is not None
+        p, n = (store.rank, store.world_size) if many else (0, 1)
+        try:
+            mine: tuple[str, Any] = ("ok", self._share(p, n))
+        except (TiercelError, ValueError) as e:
+            mine = ("error", f"process {p}: {e}")
+        results = store.coordinator.all_gather(mine) if many and store.coordinator is not None else [mine]
+        errors = [str(r) for ok, r in results if ok == "error"]
+        if errors:
+            raise NotFoundError(f"step {step} '{put}': " + "; ".join(errors))
+        shares: dict[int, list[dict[str, Any]]] = {}
+        for _, (_, records) in results:
+            shares.update(records)
+        #: Ranks that saved the step (process 0 always has a rank to read, so it knows).
+        self.world_size: int = results[0][1][0]
+        self.leaves = merge_layout(shares)
+
+    def _share(self, p: int, n: int) -> tuple[int | None, dict[int, list[dict[str, Any]]]]:
+        """(ranks that saved the step, {rank: leaf records}) for saved ranks p, p + n, ..."""
+        try:
+            first = self.reader(p)
+        except InvalidArgumentError:  # more processes now than ranks then: nothing to read here
+            return None, {}
+        world = first.manifest.world_size
+        return world, {r: rank_records(self.reader(r).manifest, self.put) for r in range(p, world, n)}
+
+    def reader(self, rank: int) -> Reader:
+        if rank not in self._readers:
+            self._readers[rank] = self._store.reader(self.step, rank=rank, tiers=self._tiers)
+        return self._readers[rank]
+
+    def info(self, seconds: float) -> RestoreInfo:
+        """Where this restore's bytes came from, over every rank's reader."""
+        info = RestoreInfo(step=self.step, seconds=seconds)
+        for r in self._readers.values():
+            for tier, n in r.info.tiers.items():
+                info.tiers[tier] = info.tiers.get(tier, 0) + n
+            info.nbytes += r.info.nbytes
+            info.warnings += r.info.warnings
+        return info
+
+    # -- values ---------------------------------------------------------------------------------
+
+    def plan_box(self, leaf: SavedLeaf, box: Box) -> BoxPlan:
+        """Which byte ranges of which saved pieces fill `box` of an array leaf (no reads)."""
+        dtype = _dtypes.numpy_dtype(leaf.dtype)
+        items = {(rank, it.index): it for rank, it in leaf.pieces}
+        if leaf.key not in self._boxes:
+            self._boxes[leaf.key] = []
+            for rank, it in leaf.pieces:
+                shard = it.shard
+                self._boxes[leaf.key].append(((rank, it.index), shard.offsets if shard else (0,) * len(it.shape), it.shape))
+        saved = self._boxes[leaf.key]
+        # Ranges closer than a chunk are read as one: the tiers read whole chunks anyway.
+        max_waste = self._store._core.chunk_size
+        try:
+            p = plan(saved, box, dtype.itemsize, max_waste)
+        except CoverageError as e:
+            raise NotFoundError(f"step {self.step} '{self.put}' leaf {leaf.key}: {e} (saved by {self.world_size} ranks)") from None
+        return BoxPlan(box_shape(box), dtype, p, items)
+
+    def fill(self, bp: BoxPlan) -> np.ndarray:
+        """The box's elements as a numpy array of the saved dtype. A box that is one whole
+        saved piece comes back without a copy (from RAM: a view of shared memory)."""
+        reads = bp.plan.reads
+        if len(reads) == 1:
+            (rank, index), r = reads[0]
+            if r.shape == bp.shape and r.nbytes == bp.items[(rank, index)].nbytes:
+                buf = self.reader(rank).read(bp.items[(rank, index)], r.start, r.nbytes)
+                return np.frombuffer(buf, dtype=bp.dtype).reshape(bp.shape)
+        out = np.empty(bp.shape, dtype=bp.dtype)
+        for (rank, index), r in reads:
+            buf = self.reader(rank).read(bp.items[(rank, index)], r.start, r.nbytes)
+            out[r.dst] = np.ndarray(r.shape, dtype=bp.dtype, buffer=buf, strides=r.strides)
+        return out
+
+    def value(self, leaf: SavedLeaf) -> Any:
+        """A non-array leaf as saved: a Python value, or the value of an "object" item."""
+        if leaf.type == "object":
+            return self.reader(0).value(leaf.value)
+        return leaf.value
+
+
+def _full(shape: Sequence[int]) -> Box:
+    return tuple((0, int(n)) for n in shape)
+
+
+def _sharding_of(target: Any) -> Any:
+    """The sharding to restore into: a jax.ShapeDtypeStruct's or a jax.Array's, else None."""
+    sharding = getattr(target, "sharding", None)
+    if isinstance(target, (jax.Array, jax.ShapeDtypeStruct)) and isinstance(sharding, jax.sharding.Sharding):
+        return sharding
+    return None
+
+
+@dataclass
+class _Leaf:
+    """One target leaf on its way: the boxes it needs (each with the devices that hold it)."""
+
+    saved: SavedLeaf
+    target: Any
+    boxes: list[tuple[BoxPlan, list[Any]]]
+
+
+def _prepare(saved: SavedStep, leaf: SavedLeaf, target: Any) -> _Leaf:
+    if leaf.type not in ("jax", "numpy"):
+        return _Leaf(leaf, target, [])
+    sharding = _sharding_of(target)
+    if isinstance(target, (np.ndarray, jax.Array, jax.ShapeDtypeStruct)) and tuple(target.shape) != leaf.shape:
+        raise InvalidArgumentError(f"step {saved.step} leaf {leaf.key}: the target has shape {tuple(target.shape)}, "
+                                   f"the checkpoint {leaf.shape}")
+    if sharding is None:
+        return _Leaf(leaf, target, [(saved.plan_box(leaf, _full(leaf.shape)), [])])
+    # Each addressable device's box, read once however many replicas hold it.
+    devices: dict[Box, list[Any]] = {}
+    for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
+        devices.setdefault(box_of_index(index, leaf.shape), []).append(device)
+    return _Leaf(leaf, target, [(saved.plan_box(leaf, box), devs) for box, devs in devices.items()])
+
+
+def _cast(x: np.ndarray, dtype: Any) -> np.ndarray:
+    return x if dtype is None or x.dtype == np.dtype(dtype) else x.astype(dtype)
+
+
+def _build(saved: SavedStep, job: _Leaf) -> Any:
+    """The leaf's value: a jax.Array in the target's sharding, a numpy array (a numpy or
+    unsharded target, or none), or the saved value of a non-array leaf."""
+    leaf, target = job.saved, job.target
+    if leaf.type not in ("jax", "numpy"):
+        return saved.value(leaf)
+    dtype = getattr(target, "dtype", None) if isinstance(target, (np.ndarray, jax.Array, jax.ShapeDtypeStruct)) else None
+    sharding = _sharding_of(target)
+    if sharding is None:
+        arr = _cast(saved.fill(job.boxes[0][0]), dtype)
+        return arr[()] if leaf.scalar else arr
+    arrays = []
+    for bp, devices in job.boxes:
+        host = _cast(saved.fill(bp), dtype)
+        arrays += [jax.device_put(host, d) for d in devices]
+    return jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
+
+
+def restore_tree(saved: SavedStep, target: Any, multi_process: bool, on_leaf: Callable[[int, int], Any] | None = None) -> Any:
+    """The saved tree, into the structure and shardings of `target` (an abstract or concrete
+    pytree), or, with no target, as nested dicts/lists of numpy arrays and values. Plans every
+    leaf first, reads ahead, then builds the values."""
+    if target is None:
+        if multi_process:
+            raise InvalidArgumentError(
+                f"step {saved.step}: Restore() without a target returns numpy global arrays, which only a single-process "
+                "job can use; pass Restore(abstract_state) with the shardings to restore into, e.g. "
+                "jax.tree.map(ocp.utils.to_shape_dtype_struct, state)"
+            )
+        pairs = [(leaf, None) for leaf in saved.leaves]
+    else:
+        by_key = {leaf.key: leaf for leaf in saved.leaves}
+        flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+        keys = [jax.tree_util.keystr(p) for p, _ in flat]
+        missing = [k for k in keys if k not in by_key]
+        if missing:
+            raise NotFoundError(
+                f"step {saved.step} '{saved.put}' has no leaf {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
+                f"of the target (saved leaves: {', '.join(list(by_key)[:10])}{' ...' if len(by_key) > 10 else ''})"
+            )
+        pairs = [(by_key[k], t) for k, (_, t) in zip(keys, flat)]
+    jobs = [_prepare(saved, leaf, t) for leaf, t in pairs]
+    values = []
+    for i, job in enumerate(jobs):
+        values.append(_build(saved, job))
+        if on_leaf:
+            on_leaf(i + 1, len(jobs))
+    if target is None:
+        return nested(saved.leaves, values)
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def read_structure(store: Store, step: int, put: str) -> list[SavedLeaf]:
+    """The leaves of a saved item (keys, shapes, dtypes, Python values) from the manifest of
+    this process's rank alone (rank 0's when the step has fewer ranks): no collective."""
+    try:
+        reader = store.reader(step, rank=store.rank)
+    except InvalidArgumentError:
+        reader = store.reader(step, rank=0)
+    try:
+        return merge_layout({reader.rank: rank_records(reader.manifest, put)})
+    except ValueError as e:
+        raise NotFoundError(f"step {step}: {e}") from None

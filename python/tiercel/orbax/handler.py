@@ -1,0 +1,306 @@
+"""TiercelCheckpointHandler: an Orbax AsyncCheckpointHandler that keeps the bytes of a pytree
+in tiercel's tiers, and its Save / Restore CheckpointArgs.
+
+Orbax keeps its step directories; for each step the item's directory holds only a small
+marker (`tiercel.json`) that process 0 writes once the memory tier has the step. The arrays
+themselves are in the tiers of the handler's policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint import future as ocp_future
+
+from .. import _dtypes
+from ..errors import InvalidArgumentError, NotFoundError, TiercelError, TierUnavailableError
+from ..step import RestoreInfo, SaveHandle
+from ..store import PolicyLike, Store
+from ._layout import FORMAT, VERSION, leaf_records, nested
+from ._restore import SavedStep, read_structure, restore_tree
+
+#: The marker in each Orbax item directory of a step saved by this handler.
+MARKER = "tiercel.json"
+_TMP = ".orbax-checkpoint-tmp"
+# Orbax step directory names: "12", "prefix_12", each with a temporary suffix while saving.
+_STEP_NAME = re.compile(r"^(?:.*_)?(\d+)(?:\.orbax-checkpoint-tmp.*)?$")
+
+
+def _item_of(directory: epath.Path) -> str:
+    """The Orbax item name ("state") of an item directory, temporary or final."""
+    return directory.name.split(_TMP, 1)[0]
+
+
+def _step_of(directory: epath.Path) -> int:
+    m = _STEP_NAME.match(directory.parent.name)
+    if m is None:
+        raise InvalidArgumentError(
+            f"cannot tell the step from Orbax's directory {directory}: expected a step directory named like "
+            "'12' or 'prefix_12'; pass the step explicitly: tiercel.orbax.Save(state, step=N) / Restore(..., step=N)"
+        )
+    return int(m.group(1))
+
+
+def _read_marker(directory: epath.Path) -> dict[str, Any] | None:
+    path = directory / MARKER
+    try:
+        marker = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise InvalidArgumentError(f"{path}: unreadable tiercel marker: {e}") from None
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+        raise InvalidArgumentError(f"{path} is not a tiercel.orbax marker")
+    return marker
+
+
+def wait_for_tier(handle: SaveHandle, tier: str, timeout: float) -> str:
+    """Waits until this rank's part of the step is in `tier` ("committed", or "written" while
+    other ranks of the host are still copying); raises if the tier failed or skipped it."""
+    deadline = time.monotonic() + timeout
+    pause = 0.0005
+    while True:
+        state = handle.states().get(tier, "missing")
+        if state in ("committed", "written"):
+            return state
+        if state.startswith(("failed", "skipped", "missing", "not scheduled")):
+            raise TierUnavailableError(f"step {handle.step}: tier '{tier}' {state}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"step {handle.step}: tier '{tier}' still {state} after {timeout:.0f} s: {handle.states()}")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
+def _barrier(store: Store, name: str, timeout: float) -> None:
+    """Waits until every process of the job got here: JAX's coordination service barrier when
+    the Store's job is the JAX job (one round trip, no device collective), else an all-gather
+    through the Store's coordinator."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is not None and jax.process_count() == store.world_size:
+        client.wait_at_barrier(name, int(timeout * 1000))
+    elif store.coordinator is not None:
+        store.coordinator.all_gather(name)
+
+
+class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
+    """Saves and restores a pytree of jax.Arrays (any sharding), numpy arrays, Python scalars
+    and strings through a tiercel Store.
+
+    `policy`: a tiercel policy (TOML path or dict; default $TIERCEL_POLICY or ./tiercel.toml),
+    or pass an open `store=`. The Store is opened on first use, by every process (it joins
+    the job through jax.distributed's client when that is initialized).
+
+    `timeout`: seconds a save's future waits for the memory tier before it fails.
+    """
+
+    def __init__(self, policy: PolicyLike | None = None, *, store: Store | None = None, timeout: float = 600.0):
+        self._policy = policy
+        self._store = store
+        self._own_store = store is None
+        self._timeout = timeout
+        self._saved: tuple[int, str] | None = None
+        self._saves = 0  # saves started: names each save's barrier alike on every process
+        #: tiercel's handle of the last save: `states()` per tier, `wait()` for all tiers.
+        self.last_save: SaveHandle | None = None
+        #: Where the last restore's bytes came from (tiers, bytes, seconds, warnings).
+        self.last_restore: RestoreInfo | None = None
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = Store(self._policy)
+        return self._store
+
+    # -- save -----------------------------------------------------------------------------------
+
+    async def async_save(self, directory: epath.Path, args: Save | None = None) -> list[ocp_future.Future] | None:
+        """Copies this process's shards into the memory tier (the only part that blocks) and
+        returns a future that completes once the memory tier has them; replication and
+        persistence go on in tiercel's background."""
+        return self._start_save(epath.Path(directory), args)
+
+    def save(self, directory: epath.Path, args: Save | None = None) -> None:
+        for f in self._start_save(epath.Path(directory), args):
+            f.result()
+
+    def _start_save(self, directory: epath.Path, args: Save | None) -> list[ocp_future.Future]:
+        if not isinstance(args, Save):
+            raise InvalidArgumentError(f"TiercelCheckpointHandler saves tiercel.orbax.Save(state), got {type(args).__name__}")
+        step = args.step if args.step is not None else _step_of(directory)
+        put = _item_of(directory)
+        if self._saved is not None and self._saved[0] == step and self._saved[1] != put:
+            raise InvalidArgumentError(
+                f"step {step}: this handler already saved item '{self._saved[1]}'; one handler stores one item per step: "
+                f"register another TiercelCheckpointHandler for '{put}', or save both in one pytree"
+            )
+        store = self.store
+        self._drop_stale(step)
+        try:
+            value = leaf_records(args.item, store.rank, store.world_size)
+        except TypeError as e:
+            raise InvalidArgumentError(f"step {step} '{put}': {e}") from None
+        with store.writer(step) as w:
+            w.put(put, value)
+        assert w.handle is not None
+        self._saved = (step, put)
+        self.last_save = w.handle
+        memory = store.tiers()[0]["name"]
+        marker = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "item": put,
+            "world_size": store.world_size,
+            "tiers": [t["name"] for t in store.tiers()],
+        }
+        commit = self._commit(w.handle, memory, directory, marker, store.rank == 0)
+        return [ocp_future.CommitFutureAwaitingContractedSignals(commit, name="tiercel_save")]
+
+    def _drop_stale(self, step: int) -> None:
+        """Orbax saves `step` anew, but tiercel may still hold a step of that number from an
+        abandoned run (Orbax deleted it, or max_to_keep dropped it, and training went back):
+        every process removes the copies it sees, then all wait for each other, so that no
+        tier ever mixes ranks of the old and the new step. Peer copies are replaced by the
+        new step's replication."""
+        store = self.store
+        for t in store.tiers():
+            if t["kind"] == "peer":
+                continue
+            try:
+                store._core.commit_record(t["name"], step)
+            except NotFoundError:
+                continue
+            except TiercelError:
+                pass  # there but unreadable: remove it all the same
+            try:
+                store._core.delete_step(t["name"], step)
+            except NotFoundError:
+                pass  # another rank of the host (or job) removed it first
+        self._saves += 1
+        if store.world_size > 1:
+            _barrier(store, f"tiercel_orbax_save_{step}_{self._saves}", self._timeout)
+
+    async def _commit(self, handle: SaveHandle, memory: str, directory: epath.Path, marker: dict, primary: bool) -> None:
+        # Runs on Orbax's commit thread, after Orbax has created the directory.
+        wait_for_tier(handle, memory, self._timeout)
+        if primary:
+            (directory / MARKER).write_text(json.dumps(marker))
+
+    # -- restore ----------------------------------------------------------------------------------
+
+    def _locate(self, directory: epath.Path, step: int | None) -> tuple[int, str]:
+        """(step, item) of an Orbax item directory: from its marker, else from its name."""
+        directory = epath.Path(directory)
+        marker = _read_marker(directory)
+        if step is None:
+            step = int(marker["step"]) if marker else _step_of(directory)
+        return step, (marker["item"] if marker else _item_of(directory))
+
+    def _open_step(self, directory: epath.Path, step: int | None) -> SavedStep:
+        """Collective: every process of the job opens the step together."""
+        step, put = self._locate(directory, step)
+        try:
+            return SavedStep(self.store, step, put, collective=True)
+        except NotFoundError as e:
+            raise NotFoundError(
+                f"Orbax lists step {step} ({directory}) but tiercel cannot restore it: {e}. If a restart lost the RAM "
+                "that held it, tiercel.orbax.sync(manager, handler) drops such steps from the manager"
+            ) from None
+
+    def restore(self, directory: epath.Path, args: Restore | None = None) -> Any:
+        """The saved pytree in the structure and shardings of `args.item` (an abstract tree
+        of jax.ShapeDtypeStruct, or concrete arrays); without one, numpy arrays of the global
+        shape in nested dicts (single-process jobs only)."""
+        args = args if args is not None else Restore()
+        if not isinstance(args, Restore):
+            raise InvalidArgumentError(f"TiercelCheckpointHandler restores tiercel.orbax.Restore(target), got {type(args).__name__}")
+        t0 = time.perf_counter()
+        saved = self._open_step(directory, args.step)
+        tree = restore_tree(saved, args.item, multi_process=self.store.world_size > 1)
+        self.last_restore = saved.info(time.perf_counter() - t0)
+        return tree
+
+    def metadata(self, directory: epath.Path) -> Any:
+        """The saved tree as jax.ShapeDtypeStruct (no sharding) for arrays and the values of
+        the other leaves, in nested dicts; reads manifests only."""
+        step, put = self._locate(directory, None)
+        leaves = read_structure(self.store, step, put)
+        values = [
+            jax.ShapeDtypeStruct(leaf.shape, _dtypes.numpy_dtype(leaf.dtype)) if leaf.type in ("jax", "numpy") else leaf.value
+            for leaf in leaves
+        ]
+        return nested(leaves, values)
+
+    def finalize(self, directory: epath.Path) -> None:
+        """Nothing to do: tiercel committed the step before the future completed, and Orbax
+        renames its directory itself."""
+
+    def close(self) -> None:
+        """Finishes tiercel's background work (persists, replication) and closes the Store if
+        this handler opened it."""
+        if self._store is not None and self._own_store:
+            self._store.close()
+            self._store = None
+
+    # -- steps --------------------------------------------------------------------------------------
+
+    def restorable(self, step: int, item: str) -> bool:
+        """Whether the job can open every saved rank's part of `item` at `step` on some tier
+        (collective: the same answer on every process)."""
+        try:
+            SavedStep(self.store, step, item, collective=True)
+            return True
+        except TiercelError:
+            return False
+
+
+@ocp.args.register_with_handler(TiercelCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class Save(ocp.args.CheckpointArgs):
+    """Save `item` (a pytree) through tiercel. `step` only when Orbax's directory names are
+    not the standard ones (CheckpointManager's are)."""
+
+    item: Any
+    step: int | None = None
+
+
+@ocp.args.register_with_handler(TiercelCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class Restore(ocp.args.CheckpointArgs):
+    """Restore into `item`: an abstract pytree (jax.ShapeDtypeStruct with shardings, e.g.
+    `jax.tree.map(ocp.utils.to_shape_dtype_struct, state)`) or concrete arrays; None for
+    numpy arrays of the global shape (single-process jobs)."""
+
+    item: Any = None
+    step: int | None = None
+
+
+def sync(manager: Any, handler: TiercelCheckpointHandler, item: str | None = None) -> list[int]:
+    """Drops from an Orbax CheckpointManager the steps that tiercel can no longer restore
+    (their bytes were only in RAM that a restart lost, or retention removed them), so that
+    `all_steps()` and `latest_step()` name restorable steps. Collective: every process calls
+    it, after creating the manager. Returns the dropped steps."""
+    dropped = []
+    for step in list(manager.all_steps()):
+        names = [item] if item else _tiercel_items(manager, step)
+        if not all([handler.restorable(step, name) for name in names]):
+            manager.delete(step)
+            dropped.append(step)
+    return dropped
+
+
+def _tiercel_items(manager: Any, step: int) -> list[str]:
+    """The items of a step in the manager's directory that this adapter saved (a marker)."""
+    step_dir = epath.Path(manager.directory) / str(step)
+    if not step_dir.exists():  # a step_name_format of the user's own: ask the manager
+        step_dir = epath.Path(manager._get_read_step_directory(step, manager.directory))
+    return sorted(p.name for p in step_dir.iterdir() if (p / MARKER).exists())

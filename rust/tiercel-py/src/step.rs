@@ -1,0 +1,189 @@
+//! `_core.StepWriter`, `SaveHandle` and `StepReader`: one step being written, what its save
+//! has done where, and one step being read.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+
+use tiercel_core::error::Error;
+use tiercel_core::format::ShardInfo;
+use tiercel_core::store::{self as core, ItemSpec};
+
+use crate::buffer::{Backing, Buffer};
+use crate::errors::{invalid, TcResult};
+use crate::{json, parse_json};
+
+/// One item of `StepWriter.add_part`: (name, kind, dtype, shape, nbytes, meta_json), with an
+/// optional 7th element, the shard as JSON (or None).
+#[derive(FromPyObject)]
+enum SpecTuple {
+    Seven((String, String, String, Vec<u64>, u64, String, Option<String>)),
+    Six((String, String, String, Vec<u64>, u64, String)),
+}
+
+#[pyclass(module = "tiercel._core", frozen)]
+pub struct StepWriter {
+    pub(crate) inner: Mutex<Option<core::StepWriter>>,
+}
+
+impl StepWriter {
+    fn with<T>(&self, f: impl FnOnce(&mut core::StepWriter) -> Result<T, Error>) -> TcResult<T> {
+        let mut g = self.inner.lock();
+        let w = g.as_mut().ok_or_else(|| invalid("this step was already committed or aborted"))?;
+        Ok(f(w)?)
+    }
+}
+
+#[pymethods]
+impl StepWriter {
+    #[getter]
+    fn step(&self) -> TcResult<u64> {
+        Ok(self.with(|w| Ok(w.step()))?)
+    }
+
+    /// Lays out one put: items are (name, kind, dtype, shape, nbytes, meta_json[,
+    /// shard_json]), shard_json being None or `{"global_shape", "offsets", "replica_id"}`.
+    /// Returns (part, [(item index, offset in the part's segment)]).
+    fn add_part(&self, py: Python<'_>, name: &str, tree_json: &str, items: Vec<SpecTuple>) -> TcResult<(usize, Vec<(usize, u64)>)> {
+        let tree = parse_json(tree_json, "tree")?;
+        let mut specs = vec![];
+        for t in items {
+            let ((name, kind, dtype, shape, nbytes, meta), shard) = match t {
+                SpecTuple::Six(six) => (six, None),
+                SpecTuple::Seven((a, b, c, d, e, f, g)) => ((a, b, c, d, e, f), g),
+            };
+            let shard = match shard {
+                Some(s) => Some(serde_json::from_str::<ShardInfo>(&s).map_err(|e| {
+                    invalid(format!(
+                        "item '{name}': shard must be JSON {{\"global_shape\": [...], \"offsets\": [...], \"replica_id\": n}}: {e}"
+                    ))
+                })?),
+                None => None,
+            };
+            specs.push(ItemSpec { meta: parse_json(&meta, "item meta")?, name, kind, dtype, shape, nbytes, shard });
+        }
+        py.allow_threads(|| self.with(|w| w.add_part(name, tree, specs)))
+    }
+
+    /// The writable shared-memory segment of a part.
+    fn segment(&self, part: usize) -> TcResult<Buffer> {
+        Ok(self.with(|w| w.segment(part)).map(|s| Buffer { backing: Backing::Segment(s) })?)
+    }
+
+    /// Copies items from host memory: [(item index, source address)], GIL released. The
+    /// caller keeps every source alive and unchanged during the call.
+    fn copy_items(&self, py: Python<'_>, srcs: Vec<(usize, usize)>) -> TcResult<()> {
+        py.allow_threads(|| self.with(|w| unsafe { w.copy_items(&srcs) }))
+    }
+
+    /// Marks items the caller wrote into the segment itself (device tensors, strided arrays).
+    fn mark_written(&self, items: Vec<usize>) -> TcResult<()> {
+        Ok(self.with(|w| w.mark_written(&items))?)
+    }
+
+    /// The manifest as laid out so far (JSON).
+    fn manifest_json(&self) -> TcResult<String> {
+        Ok(self.with(|w| Ok(json(w.manifest())))?)
+    }
+
+    fn commit(&self, py: Python<'_>) -> TcResult<SaveHandle> {
+        let w = self.inner.lock().take().ok_or_else(|| invalid("this step was already committed or aborted"))?;
+        let h = py.allow_threads(|| w.commit())?;
+        Ok(SaveHandle { inner: h })
+    }
+
+    /// Discards the step: its shared memory is freed and nothing becomes visible.
+    fn abort(&self) {
+        self.inner.lock().take();
+    }
+}
+
+#[pyclass(module = "tiercel._core", frozen)]
+pub struct SaveHandle {
+    inner: Arc<core::SaveHandle>,
+}
+
+#[pymethods]
+impl SaveHandle {
+    #[getter]
+    fn step(&self) -> u64 {
+        self.inner.step
+    }
+
+    /// {tier: state}; states: pending, running, written, committed, not scheduled,
+    /// "skipped: why", "failed: error".
+    fn states(&self) -> Vec<(String, String)> {
+        self.inner.states().into_iter().map(|(n, s)| (n, s.describe())).collect()
+    }
+
+    fn done(&self) -> bool {
+        self.inner.done()
+    }
+
+    /// The tiers whose background work failed, each with its error as the exception it is
+    /// (its kind's class, message and fields): [(tier, TiercelError)].
+    fn errors<'py>(&self, py: Python<'py>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
+        self.inner
+            .states()
+            .into_iter()
+            .filter_map(|(tier, st)| match st {
+                core::TierState::Failed(e) => Some((tier, e)),
+                _ => None,
+            })
+            .map(|(tier, e)| Ok((tier, crate::errors::exception(py, &e)?)))
+            .collect()
+    }
+
+    /// Waits (GIL released) until every tier is final; False on timeout.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> bool {
+        let t = timeout.map(Duration::from_secs_f64);
+        py.allow_threads(|| self.inner.wait(t))
+    }
+}
+
+#[pyclass(module = "tiercel._core", frozen)]
+pub struct StepReader {
+    pub(crate) inner: core::StepReader,
+}
+
+#[pymethods]
+impl StepReader {
+    #[getter]
+    fn step(&self) -> u64 {
+        self.inner.step
+    }
+
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.inner.rank
+    }
+
+    fn manifest_json(&self) -> String {
+        json(self.inner.manifest())
+    }
+
+    /// Tiers that hold this step, in restore order.
+    fn tiers(&self) -> Vec<String> {
+        self.inner.tiers()
+    }
+
+    fn warnings(&self) -> Vec<String> {
+        self.inner.warnings.lock().clone()
+    }
+
+    /// Reads items by index (GIL released): [(Buffer, tier it came from)].
+    fn read_items(&self, py: Python<'_>, items: Vec<usize>) -> TcResult<Vec<(Buffer, String)>> {
+        let got = py.allow_threads(|| self.inner.read_items(&items))?;
+        Ok(got.into_iter().map(|(d, tier)| (Buffer::from(d), tier)).collect())
+    }
+
+    /// Reads bytes `start .. start + length` of one item (GIL released), reading only the
+    /// chunks that overlap them: (Buffer, tier it came from).
+    fn read_range(&self, py: Python<'_>, item: usize, start: u64, length: u64) -> TcResult<(Buffer, String)> {
+        let (d, tier) = py.allow_threads(|| self.inner.read_range(item, start, length))?;
+        Ok((Buffer::from(d), tier))
+    }
+}

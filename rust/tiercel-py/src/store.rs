@@ -1,0 +1,277 @@
+//! `_core.Store`: one rank's store, its tiers and their housekeeping.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use tiercel_core::policy::Policy;
+use tiercel_core::store as core;
+use tiercel_core::tier::gc::Removal;
+
+use crate::errors::{invalid, TcResult};
+use crate::step::{StepReader, StepWriter};
+use crate::{json, seconds};
+
+#[pyclass(module = "tiercel._core", frozen)]
+pub struct Store {
+    inner: Arc<core::Store>,
+}
+
+#[pymethods]
+impl Store {
+    /// Opens a store from a policy file (`path`) or a JSON policy (`policy_json`).
+    #[new]
+    #[pyo3(signature = (rank, world_size, path=None, policy_json=None))]
+    fn new(py: Python<'_>, rank: u32, world_size: u32, path: Option<String>, policy_json: Option<String>) -> TcResult<Self> {
+        let policy = match (path, policy_json) {
+            (Some(p), None) => Policy::load(Path::new(&p))?,
+            (None, Some(j)) => Policy::from_json(&j, "<dict>")?,
+            _ => return Err(invalid("give exactly one of path= and policy_json=").into()),
+        };
+        let inner = py.allow_threads(|| core::Store::open(policy, rank, world_size))?;
+        Ok(Store { inner })
+    }
+
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.inner.rank
+    }
+
+    #[getter]
+    fn world_size(&self) -> u32 {
+        self.inner.world_size
+    }
+
+    #[getter]
+    fn policy_source(&self) -> String {
+        self.inner.policy.source.clone()
+    }
+
+    #[getter]
+    fn restore_order(&self) -> Vec<String> {
+        self.inner.policy.restore_order.clone()
+    }
+
+    #[getter]
+    fn chunk_size(&self) -> u64 {
+        self.inner.policy.chunk_size
+    }
+
+    /// `[store] pickle`: "warn", "error" or "allow".
+    #[getter]
+    fn pickle(&self) -> &'static str {
+        self.inner.policy.pickle.as_str()
+    }
+
+    /// The tiers in policy order, as dicts.
+    fn tiers<'py>(&self, py: Python<'py>) -> TcResult<Vec<Bound<'py, PyDict>>> {
+        self.inner
+            .slots()
+            .iter()
+            .map(|s| {
+                let c = &s.config;
+                let d = PyDict::new(py);
+                d.set_item("name", &c.name)?;
+                d.set_item("kind", c.kind().as_str())?;
+                d.set_item("location", c.location())?;
+                d.set_item("every", c.every)?;
+                d.set_item("keep", c.keep)?;
+                d.set_item("compression", c.compression.to_string())?;
+                d.set_item("bandwidth", c.bandwidth)?;
+                d.set_item("capacity", c.capacity)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// Committed steps per tier: [(tier, [steps] or None, None or why it cannot be listed)].
+    fn steps(&self, py: Python<'_>) -> Vec<(String, Option<Vec<u64>>, Option<String>)> {
+        py.allow_threads(|| self.inner.steps())
+            .into_iter()
+            .map(|(name, r)| match r {
+                Ok(steps) => (name, Some(steps), None),
+                Err(e) => (name, None, Some(e.to_string())),
+            })
+            .collect()
+    }
+
+    /// What this process has done per tier, in policy order: [{"tier", "steps_written",
+    /// "bytes_written", "write_seconds", "write_bytes_per_second", "steps_read", "bytes_read",
+    /// "last_step", "lag_steps", "lag_seconds", "queue_depth", "skips", "failures"}].
+    fn metrics<'py>(&self, py: Python<'py>) -> TcResult<Vec<Bound<'py, PyDict>>> {
+        self.inner
+            .metrics()
+            .into_iter()
+            .map(|m| {
+                let d = PyDict::new(py);
+                d.set_item("tier", m.tier)?;
+                d.set_item("steps_written", m.steps_written)?;
+                d.set_item("bytes_written", m.bytes_written)?;
+                d.set_item("write_seconds", m.write_seconds)?;
+                d.set_item("write_bytes_per_second", m.write_bytes_per_second)?;
+                d.set_item("steps_read", m.steps_read)?;
+                d.set_item("bytes_read", m.bytes_read)?;
+                d.set_item("last_step", m.last_step)?;
+                d.set_item("lag_steps", m.lag_steps)?;
+                d.set_item("lag_seconds", m.lag_seconds)?;
+                d.set_item("queue_depth", m.queue_depth)?;
+                d.set_item("skips", m.skips)?;
+                d.set_item("failures", m.failures)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// Every step on a tier, committed or not.
+    fn all_steps(&self, py: Python<'_>, tier: &str) -> TcResult<Vec<u64>> {
+        let slot = self.inner.slot(tier)?;
+        Ok(py.allow_threads(|| slot.tier.all_steps())?)
+    }
+
+    fn restorable_steps(&self, py: Python<'_>) -> Vec<u64> {
+        py.allow_threads(|| self.inner.restorable_steps())
+    }
+
+    fn begin(&self, step: u64) -> StepWriter {
+        StepWriter { inner: Mutex::new(Some(self.inner.begin(step))) }
+    }
+
+    #[pyo3(signature = (step, rank=None, tiers=None))]
+    fn reader(&self, py: Python<'_>, step: u64, rank: Option<u32>, tiers: Option<Vec<String>>) -> TcResult<StepReader> {
+        let rank = rank.unwrap_or(self.inner.rank);
+        let r = py.allow_threads(|| core::StepReader::open(&self.inner, step, rank, tiers.as_deref()))?;
+        Ok(StepReader { inner: r })
+    }
+
+    /// Ranks whose part of `step` is complete on `tier` (their manifest is there), committed
+    /// or not.
+    fn step_ranks(&self, py: Python<'_>, tier: &str, step: u64) -> TcResult<Vec<u32>> {
+        let slot = self.inner.slot(tier)?;
+        Ok(py.allow_threads(|| slot.tier.ranks_written(step))?)
+    }
+
+    /// Rank `rank`'s manifest of `step` on `tier` as JSON, committed or not (a reader needs
+    /// the step committed).
+    fn manifest_json(&self, py: Python<'_>, tier: &str, step: u64, rank: u32) -> TcResult<String> {
+        let slot = self.inner.slot(tier)?;
+        Ok(py.allow_threads(|| slot.tier.read_manifest(step, rank)).map(|m| json(&m))?)
+    }
+
+    /// The commit record of `step` on `tier`, as JSON.
+    fn commit_record(&self, py: Python<'_>, tier: &str, step: u64) -> TcResult<String> {
+        let slot = self.inner.slot(tier)?;
+        Ok(py.allow_threads(|| slot.tier.commit_record(step)).map(|r| json(&r))?)
+    }
+
+    /// Copies a committed step (every rank) between tiers; `progress(done, total)` per rank.
+    #[pyo3(signature = (step, source, dest, progress=None))]
+    fn copy_step(&self, py: Python<'_>, step: u64, source: &str, dest: &str, progress: Option<PyObject>) -> TcResult<()> {
+        let report = |done: u32, total: u32| {
+            if let Some(cb) = &progress {
+                Python::with_gil(|py| {
+                    let _ = cb.call1(py, (done, total));
+                });
+            }
+        };
+        Ok(py.allow_threads(|| core::copy_step(&self.inner, step, source, dest, &report))?)
+    }
+
+    fn delete_step(&self, py: Python<'_>, tier: &str, step: u64) -> TcResult<()> {
+        let slot = self.inner.slot(tier)?;
+        Ok(py.allow_threads(|| slot.tier.delete_step(step))?)
+    }
+
+    /// Applies `keep` on a tier and removes uncommitted leftovers; returns removed steps.
+    fn retain(&self, py: Python<'_>, tier: &str) -> TcResult<Vec<u64>> {
+        let slot = self.inner.slot(tier)?;
+        Ok(py.allow_threads(|| self.inner.retain(slot))?)
+    }
+
+    /// Cleans up what killed writers left outside the steps (an object store's abandoned
+    /// multipart uploads); one line per thing removed. `retain` does this first as well.
+    fn sweep(&self, py: Python<'_>, tier: &str) -> TcResult<Vec<String>> {
+        Ok(py.allow_threads(|| self.inner.sweep_uploads(tier))?)
+    }
+
+    /// What `gc(tier)` would remove now, and why: [{"what": "step" | "temp file" | "upload" |
+    /// "segment", "step": int | None, "path": str | None, "bytes": int | None, "reason": str}].
+    /// Temporary files of dead writers count once `tmp_age` seconds old.
+    #[pyo3(signature = (tier, tmp_age=600.0))]
+    fn gc_plan<'py>(&self, py: Python<'py>, tier: &str, tmp_age: f64) -> TcResult<Vec<Bound<'py, PyDict>>> {
+        let age = seconds(tmp_age)?;
+        let plan = py.allow_threads(|| self.inner.gc_plan(tier, age))?;
+        Ok(plan.iter().map(|r| removal_dict(py, r)).collect::<PyResult<_>>()?)
+    }
+
+    /// Removes what `gc_plan(tier)` lists (retention, leftovers of killed writers); returns
+    /// what was removed, in the same form.
+    #[pyo3(signature = (tier, tmp_age=600.0))]
+    fn gc<'py>(&self, py: Python<'py>, tier: &str, tmp_age: f64) -> TcResult<Vec<Bound<'py, PyDict>>> {
+        let age = seconds(tmp_age)?;
+        let done = py.allow_threads(|| self.inner.gc(tier, age))?;
+        Ok(done.iter().map(|r| removal_dict(py, r)).collect::<PyResult<_>>()?)
+    }
+
+    /// Tells the memory tier which ranks share this host's root (a step commits there when
+    /// all of them have written it).
+    fn set_local_ranks(&self, ranks: Vec<u32>) {
+        self.inner.memory().set_local_ranks(ranks)
+    }
+
+    /// The peer tier's server address ("ip:port" as bound), or None without a peer tier.
+    fn peer_address(&self) -> Option<String> {
+        self.inner.peer().map(|p| p.local_addr().to_string())
+    }
+
+    /// Whether the peer tier already has its shared secret (from the policy or environment).
+    fn peer_has_secret(&self) -> bool {
+        self.inner.peer().is_some_and(|p| p.has_secret())
+    }
+
+    /// Tells the peer tier where every rank is (host names and server addresses by rank),
+    /// and the shared secret when it was handed out through the coordinator.
+    #[pyo3(signature = (hosts, addrs, secret=None))]
+    fn connect_peers(&self, hosts: Vec<String>, addrs: Vec<String>, secret: Option<Vec<u8>>) -> TcResult<()> {
+        let peer = self.inner.peer().ok_or_else(|| invalid("the policy has no peer tier"))?;
+        if let Some(s) = secret {
+            peer.set_secret(s);
+        }
+        Ok(peer.set_cluster(&hosts, &addrs)?)
+    }
+
+    /// Bytes in use under the memory tier's root (all ranks of this host).
+    fn memory_used(&self, py: Python<'_>) -> TcResult<u64> {
+        Ok(py.allow_threads(|| self.inner.memory().used_bytes())?)
+    }
+
+    /// Pre-faulted spare segments held by this process.
+    fn pool_len(&self) -> usize {
+        self.inner.memory().pool_len()
+    }
+
+    /// Background jobs queued or running.
+    fn pending(&self) -> usize {
+        self.inner.scheduler().pending()
+    }
+
+    fn flush(&self, py: Python<'_>) {
+        py.allow_threads(|| self.inner.flush())
+    }
+
+    fn close(&self, py: Python<'_>) {
+        py.allow_threads(|| self.inner.close())
+    }
+}
+
+fn removal_dict<'py>(py: Python<'py>, r: &Removal) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("what", r.what())?;
+    d.set_item("step", r.step())?;
+    d.set_item("path", r.key())?;
+    d.set_item("bytes", r.bytes())?;
+    d.set_item("reason", &r.reason)?;
+    Ok(d)
+}
