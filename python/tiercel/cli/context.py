@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,29 +142,23 @@ def local_dir(tier: dict) -> str | None:
     return None
 
 
-def uncommitted_details(tier: dict, step: int) -> dict:
-    """What is in an uncommitted step's directory: bytes on disk and the ranks whose manifest
-    is there (these tiers are plain directories; the layout is in format.rs)."""
-    d = local_dir(tier)
+def uncommitted_details(core: Any, tier: dict, step: int) -> dict:
+    """What an uncommitted step holds: the ranks whose part is complete (their manifest is
+    there) and the world size they name, from the core; on a memory or fs tier also the bytes
+    in its directory (whose name the core gives)."""
     out: dict[str, Any] = {"stored_bytes": None, "ranks": None, "world_size": None}
-    if d is None:
-        return out
-    path = os.path.join(d, f"step-{step:012d}")
-    total, ranks, world = 0, 0, None
     try:
-        with os.scandir(path) as it:
-            for e in it:
-                if not e.is_file(follow_symlinks=False):
-                    continue
-                total += e.stat(follow_symlinks=False).st_size
-                if re.fullmatch(r"rank-\d{5}\.manifest\.json", e.name):
-                    ranks += 1
-                    try:
-                        with open(e.path, "rb") as f:
-                            world = json.load(f).get("world_size", world)
-                    except (OSError, ValueError):
-                        pass
-    except OSError:
-        return out
-    out.update(stored_bytes=total, ranks=ranks, world_size=world)
+        ranks = core.step_ranks(tier["name"], step)
+        out["ranks"] = len(ranks)
+        if ranks:
+            out["world_size"] = json.loads(core.manifest_json(tier["name"], step, ranks[0]))["world_size"]
+    except _core.TiercelError:
+        pass
+    d = local_dir(tier)
+    if d is not None:
+        try:
+            with os.scandir(os.path.join(d, _core.step_dir_name(step))) as it:
+                out["stored_bytes"] = sum(e.stat(follow_symlinks=False).st_size for e in it if e.is_file(follow_symlinks=False))
+        except OSError:
+            pass
     return out

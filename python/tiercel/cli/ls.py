@@ -48,7 +48,7 @@ def cmd_ls(ctx: Ctx) -> int:
                 entry.update(world_size=ws, ranks=sizes.ranks, stored_bytes=sizes.stored, raw_bytes=sizes.raw,
                              time=info.record["time"], error="; ".join(sizes.errors) or None)
             elif info.state == "uncommitted":
-                entry.update(uncommitted_details(t, info.step), raw_bytes=None, time=None, error=None)
+                entry.update(uncommitted_details(ctx.core, t, info.step), raw_bytes=None, time=None, error=None)
             else:
                 entry.update(world_size=None, ranks=None, stored_bytes=None, raw_bytes=None, time=None, error=info.error)
             steps.append(entry)
