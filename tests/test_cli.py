@@ -416,8 +416,11 @@ def test_json_on_every_command_and_options_anywhere(env: Env, capsys):
     # Errors are JSON on stdout too (and one line on stderr), with the exit code.
     code, out, err = main(capsys, "--json", "--policy", pol, "inspect", "99")
     assert code == 3 and err.startswith("tiercel: error: step 99 is committed on no tier")
+    none = dict.fromkeys(("tier", "step", "rank", "item", "chunk", "path"))
     assert json.loads(out) == {"ok": False, "exit_code": 3,
-                               "error": {"type": "NotFoundError", "message": err[len("tiercel: error: "):].strip()}}
+                               "error": {"type": "NotFoundError", "message": err[len("tiercel: error: "):].strip(), **none}}
+    code, out, _ = main(capsys, "--json", "--policy", pol, "inspect", "4", "--rank", "5")
+    assert code == 3 and {k: json.loads(out)["error"][k] for k in ("tier", "step", "rank")} == {"tier": "ram", "step": 4, "rank": 5}
     code, out, _ = main(capsys, "placement", "--hosts", "1", "--replicas", "2", "--json")
     assert code == 2 and json.loads(out)["error"]["type"] == "InvalidArgumentError"
 

@@ -180,8 +180,11 @@ def test_pickle_policy_warns_forbids_or_allows(make_store, policy):
     with pytest.warns(leaves.PickleWarning, match="'x/seen': builtins.set is stored by pickling it"):
         warn.save(2, state).wait(60)
     # Restores refuse to run the checkpoint's code, before reading anything; the bytes stay readable.
-    msg = error_of(warn.restore, tiercel.InvalidArgumentError)
+    with pytest.raises(tiercel.InvalidArgumentError) as refused:
+        warn.restore()
+    msg = str(refused.value)
     assert "step 2 rank 0 item 'x/seen' is a pickled set" in msg and 'pickle = "allow"' in msg
+    assert (refused.value.step, refused.value.rank, refused.value.item) == (2, 0, "x/seen")
     r = warn.reader(2)
     error_of(lambda: r.value("x/seen"), tiercel.InvalidArgumentError)
     assert r.info.nbytes == 0

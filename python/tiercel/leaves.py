@@ -46,14 +46,15 @@ class PickleWarning(UserWarning):
 PICKLE_MODE: ContextVar[str] = ContextVar("tiercel_pickle_mode", default="warn")
 
 
-def check_unpickle(item: Item, mode: str, where: str) -> None:
+def check_unpickle(item: Item, mode: str, step: int, rank: int) -> None:
     """Restores unpickle only where the policy says `[store] pickle = "allow"`: unpickling runs
     code chosen by whoever wrote the checkpoint."""
     if item.framework == "pickle" and mode != "allow":
         raise InvalidArgumentError(
-            f"{where} item '{item.name}' is a pickled {item.meta.get('class', 'object')}; unpickling runs code chosen by "
-            f"whoever wrote the checkpoint, so it is refused under [store] pickle = \"{mode}\": set pickle = \"allow\" "
-            "in the policy for checkpoints you trust (Reader.read() returns the item's bytes either way)")
+            f"step {step} rank {rank} item '{item.name}' is a pickled {item.meta.get('class', 'object')}; unpickling "
+            f"runs code chosen by whoever wrote the checkpoint, so it is refused under [store] pickle = \"{mode}\": set "
+            "pickle = \"allow\" in the policy for checkpoints you trust (Reader.read() returns the item's bytes either way)",
+            step=step, rank=rank, item=item.name)
 
 
 @dataclass

@@ -211,7 +211,7 @@ class Reader:
     def value(self, item: Item | int | str) -> Any:
         """One item rebuilt by the leaf handler that wrote it (an array, a tensor, bytes)."""
         it = self._item(item)
-        check_unpickle(it, self._pickle, f"step {self.step} rank {self.rank}")
+        check_unpickle(it, self._pickle, self.step, self.rank)
         t0 = time.perf_counter()
         ((buf, tier),) = self._core.read_items([it.index])
         self._account(tier, it.nbytes, t0)
@@ -245,7 +245,7 @@ class Reader:
         tree = self.manifest.trees[put]
         items = self.manifest.items_of(put)
         for it in items:  # before reading anything
-            check_unpickle(it, self._pickle, f"step {self.step} rank {self.rank}")
+            check_unpickle(it, self._pickle, self.step, self.rank)
         buffers = self._core.read_items([it.index for it in items])
         values: dict[int, Any] = {}
         # Item references in a tree index the put's own items, in order.

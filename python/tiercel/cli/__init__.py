@@ -25,6 +25,7 @@ import sys
 from typing import Any, Sequence
 
 from .. import _core
+from ..errors import FIELDS
 from .context import (
     EXIT_CORRUPT,
     EXIT_ERROR,
@@ -190,12 +191,15 @@ def _open_store(policy: str | None) -> Any:
     return Store(policy, rank=0, world_size=1)
 
 
-def _fail(message: str, code: int, as_json: bool, kind: str) -> int:
-    """Reports an error: one line on stderr, and with --json a document on stdout, so a
-    script that parses stdout always gets JSON."""
+def _fail(e: BaseException, code: int, as_json: bool) -> int:
+    """Reports an error: one line on stderr, and with --json a document on stdout (with the
+    error's tier, step, rank, item, chunk and path where known), so a script that parses
+    stdout always gets JSON."""
+    message = str(e) or type(e).__name__
     print(f"tiercel: error: {message}", file=sys.stderr)
     if as_json:
-        json_out({"ok": False, "exit_code": code, "error": {"type": kind, "message": message}})
+        fields = {f: getattr(e, f, None) for f in FIELDS}
+        json_out({"ok": False, "exit_code": code, "error": {"type": type(e).__name__, "message": message, **fields}})
     return code
 
 
@@ -211,15 +215,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             store = _open_store(args.policy)
         return args.func(Ctx(store, args))
     except (UsageError, _core.ConfigError, _core.InvalidArgumentError) as e:
-        return _fail(str(e), EXIT_USAGE, args.json, type(e).__name__)
+        return _fail(e, EXIT_USAGE, args.json)
     except _core.NotFoundError as e:
-        return _fail(str(e), EXIT_NOT_FOUND, args.json, type(e).__name__)
+        return _fail(e, EXIT_NOT_FOUND, args.json)
     except _core.IntegrityError as e:
-        return _fail(str(e), EXIT_CORRUPT, args.json, type(e).__name__)
+        return _fail(e, EXIT_CORRUPT, args.json)
     except (_core.TiercelError, CommandError) as e:
-        return _fail(str(e), EXIT_ERROR, args.json, type(e).__name__)
-    except KeyboardInterrupt:
-        return _fail("interrupted", 130, args.json, "KeyboardInterrupt")
+        return _fail(e, EXIT_ERROR, args.json)
+    except KeyboardInterrupt as e:
+        return _fail(e, 130, args.json)
     except BrokenPipeError:
         # `tiercel ls | head`: the reader went away; stay quiet.
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -46,7 +46,8 @@ def cmd_inspect(ctx: Ctx) -> int:
     ws = record["world_size"]
     if a.rank is not None:
         if not 0 <= a.rank < ws:
-            raise _core.NotFoundError(f"tier '{tier}': step {step} was saved by {count(ws, 'rank')}; there is no rank {a.rank}")
+            raise _core.NotFoundError(f"tier '{tier}': step {step} was saved by {count(ws, 'rank')}; there is no rank {a.rank}",
+                                      tier=tier, step=step, rank=a.rank)
         ranks = [a.rank]
     else:
         ranks = list(range(ws))
