@@ -31,12 +31,13 @@ def cmd_cp(ctx: Ctx) -> int:
         m = ctx.manifest(src, a.step, r)
         per_rank.append(sum(i["nbytes"] for i in m["items"]))
     total = sum(per_rank)
-    # The core reports progress rank by rank (a bar on a terminal, nothing otherwise).
+    # The core reports each chunk copied and each rank done (a bar on a terminal only).
     prog = Progress(f"cp step {a.step} {src} -> {dst}", ws, total, unit="rank")
     t0 = time.monotonic()
 
-    def progress(done: int, _total: int) -> None:
-        prog.update(done=done, nbytes=sum(per_rank[:done]))
+    def progress(done: int, _total: int, nbytes: int) -> None:
+        # Chunks finish on several threads: a smaller total may arrive after a larger one.
+        prog.update(done=max(done, prog.done), nbytes=max(nbytes, prog.nbytes))
 
     ctx.core.copy_step(a.step, src, dst, progress)
     secs = time.monotonic() - t0

@@ -169,10 +169,10 @@ impl Store {
     /// Copies a committed step (every rank) between tiers; `progress(done, total)` per rank.
     #[pyo3(signature = (step, source, dest, progress=None))]
     fn copy_step(&self, py: Python<'_>, step: u64, source: &str, dest: &str, progress: Option<PyObject>) -> TcResult<()> {
-        let report = |done: u32, total: u32| {
+        let report = |done: u32, total: u32, nbytes: u64| {
             if let Some(cb) = &progress {
                 Python::with_gil(|py| {
-                    let _ = cb.call1(py, (done, total));
+                    let _ = cb.call1(py, (done, total, nbytes));
                 });
             }
         };
