@@ -9,9 +9,10 @@ export CARGO_TARGET_DIR ?= $(HOME)/.cache/tiercel/target
 PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.tiercel-deps
 BUILD_STAMP := $(VENV)/.tiercel-build
+WHEEL_STAMP := dist/.tiercel-wheel
 SOURCES := $(shell find rust python -type f \( -name '*.rs' -o -name '*.py' -o -name 'Cargo.toml' \) 2>/dev/null) Cargo.toml pyproject.toml
 
-.PHONY: all venv build lint test test-rust test-python demo bench chaos clean
+.PHONY: all venv build wheel lint test test-rust test-python demo bench chaos clean
 
 all: test
 
@@ -29,6 +30,17 @@ build: $(BUILD_STAMP)
 $(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
 	@echo "==> building the Rust core and the tiercel package into $(VENV)"
 	VIRTUAL_ENV=$(VENV) PATH=$(VENV)/bin:$$PATH maturin develop --release --quiet
+	@touch $@
+
+# The wheel users install: abi3 (one wheel for CPython >= 3.11), linked by zig (the `ziglang`
+# package) against glibc 2.17's symbols so it installs on manylinux2014 systems and newer,
+# and stripped of the debug info the release profile keeps for profiling. Into dist/.
+wheel: $(WHEEL_STAMP)
+
+$(WHEEL_STAMP): $(DEPS_STAMP) $(SOURCES) $(wildcard python/tiercel/*.pyi) Cargo.lock README.md LICENSE
+	@echo "==> wheel (abi3, manylinux2014 via zig, stripped) into dist/"
+	@rm -f dist/tiercel-*.whl
+	PATH=$(VENV)/bin:$$PATH $(VENV)/bin/maturin build --release --zig --compatibility manylinux2014 --strip --out dist
 	@touch $@
 
 test-rust: $(DEPS_STAMP)
@@ -63,4 +75,4 @@ bench: build
 	$(PY) bench/save_restore.py
 
 clean:
-	rm -rf $(BUILD_STAMP) python/tiercel/_core*.so
+	rm -rf $(BUILD_STAMP) $(WHEEL_STAMP) python/tiercel/_core*.so

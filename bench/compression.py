@@ -238,7 +238,8 @@ def update_docs(results: dict, command: str) -> None:
             f"{env['loadavg_1min_start']:.1f} at the start, {env['loadavg_1min_end']:.1f} at the end), fs tier in "
             f"`{env['dir']}` ({env['fs']}); best of {results['repeat']} rounds. Produced by:",
             "",
-            "```",
+            "<!-- not-run: a benchmark at full size (minutes on a quiet machine) -->",
+            "```sh",
             command,
             "```",
             "",

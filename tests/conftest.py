@@ -60,6 +60,11 @@ def make_policy(
     }
 
 
+def allowing_pickle(policy: dict[str, Any]) -> dict[str, Any]:
+    """`policy` with `[store] pickle = "allow"`: restores unpickle (the default refuses)."""
+    return {**policy, "store": {**policy.get("store", {}), "pickle": "allow"}}
+
+
 def new_shm_root(tag: str = "") -> Path:
     return SHM / f"tiercel-test-{tag}{os.getpid()}-{uuid.uuid4().hex[:10]}"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -208,7 +209,7 @@ def test_cp_skipped_step_then_restore_from_disk_only(env: Env):
     r = run("cp", "3", "--from", "ram", "--to", "disk", policy=env.policy)
     assert r.returncode == 0, r.stderr
     assert "copied step 3 (2 ranks" in r.stdout
-    assert "1/2 ranks" in r.stderr and "2/2 ranks" in r.stderr  # progress per rank
+    assert r.stderr == ""  # not a terminal: no progress bar
 
     with tiercel.Store(env.policy, rank=0, world_size=1) as s:
         assert 3 in s.steps()["disk"]
@@ -251,7 +252,7 @@ def test_gc_removes_leftovers_beyond_keep_and_stale_tmp(env: Env):
     assert "ram: removed step 3 (committed; beyond keep 1)" in out
     assert "disk: removed step 1 (uncommitted leftover)" in out
     assert "disk: removed step 2 (committed; beyond keep 1)" in out
-    assert f"disk: removed step-{4:012d}/{stale.name} (stale temporary file" in out
+    assert f"disk: removed temp file step-{4:012d}/{stale.name} (stale temporary file: its writer (pid 999999999) is gone, 3 B)" in out
     assert out.splitlines()[-1] == "gc: removed 5 steps and 1 temporary file"
 
     assert sorted(p.name for p in env.shm.glob("step-*")) == [f"step-{4:012d}"]
@@ -336,11 +337,11 @@ def test_gc_dry_run_removes_nothing(env: Env, capsys):
 
 def test_progress_helper():
     buf = io.StringIO()
-    p = Progress("cp", 2, 2048, unit="ranks", lines=True, stream=buf)
+    p = Progress("cp", 2, 2048, unit="rank", stream=buf)
     p.update(done=1, nbytes=1024)
     p.update(done=2, nbytes=2048)
     p.finish("done")
-    assert buf.getvalue() == "cp: 1/2 ranks, 1.0 KiB / 2.0 KiB\ncp: 2/2 ranks, 2.0 KiB / 2.0 KiB\ndone\n"
+    assert buf.getvalue() == "done\n"  # not a terminal: the final message only
 
     class Tty(io.StringIO):
         def isatty(self):
@@ -348,12 +349,15 @@ def test_progress_helper():
 
     t = Tty()
     now = [100.0]
-    p = Progress("verify", 4, 4096, unit="ranks", stream=t, clock=lambda: now[0])
+    p = Progress("verify", 4, 4096, unit="rank", stream=t, clock=lambda: now[0])
     now[0] = 102.0
     p.update(done=2, nbytes=2048)
     now[0] = 104.0
     p.update(done=4, nbytes=4096)
     p.finish("ok")
+    one = Tty()
+    Progress("gc", 1, unit="tier", stream=one).update(done=1)
+    assert one.getvalue() == "\rgc [########################] 1/1 tier\x1b[K"
     assert t.getvalue() == ("\rverify [############............] 2/4 ranks  2.0 KiB / 4.0 KiB  1.0 KiB/s  ETA 0:02\x1b[K"
                             "\rverify [########################] 4/4 ranks  4.0 KiB / 4.0 KiB  1.0 KiB/s  ETA 0:00\x1b[K"
                             "\r\x1b[Kok\n")
@@ -366,3 +370,175 @@ def test_placement_command_needs_no_policy(tmp_path):
     assert p.returncode == 0, p.stderr
     # 8 hosts, m = 2, k = 2: 24 of the 28 failure pairs leave every host a copy (group), 20 (ring).
     assert "24 of 28" in p.stdout and "20 of 28" in p.stdout, p.stdout
+
+
+# -- --json on every command, options anywhere, progress on a terminal, wording --------------
+
+
+def test_json_on_every_command_and_options_anywhere(env: Env, capsys):
+    pol = str(env.policy)
+
+    def doc(*args: str, code: int = 0) -> dict:
+        got, out, _ = main(capsys, *args)
+        assert got == code, out
+        return json.loads(out)
+
+    # --policy and --json before or after the command, options between the positionals.
+    ls = doc("ls", "--json", "--policy", pol)
+    assert doc("--json", "--policy", pol, "ls") == ls
+    assert [t["name"] for t in ls["tiers"]] == ["ram", "disk"]
+
+    cp = doc("--json", "cp", "--from", "ram", "3", "--policy", pol, "--to", "disk")
+    assert (cp["step"], cp["from"], cp["to"], cp["copied"], cp["world_size"]) == (3, "ram", "disk", True, 2)
+    assert cp["raw_bytes"] == ls["tiers"][0]["steps"][1]["raw_bytes"] and cp["seconds"] >= 0
+    assert doc("--policy", pol, "cp", "3", "--from", "ram", "--to", "disk", "--json")["copied"] is False
+    assert doc("--policy", pol, "rm", "3", "--tier", "disk", "--json") == {"tier": "disk", "step": 3, "removed": True}
+
+    tighter = str(env.write_policy(env.tmp / "keep1.toml", ram_keep=1, disk_keep=1))
+    gc = doc("gc", "--dry-run", "--json", "--policy", tighter)
+    assert gc["dry_run"] is True and gc["counts"] == {"steps": 3, "temp_files": 0, "uploads": 0, "segments": 0}
+    by_tier = {t["name"]: t for t in gc["tiers"]}
+    step = {"what": "step", "path": None, "bytes": None}
+    assert by_tier["ram"]["removals"] == [step | {"step": 2, "reason": "committed; beyond keep 1"},
+                                          step | {"step": 3, "reason": "committed; beyond keep 1"}]
+    assert [r["step"] for r in by_tier["disk"]["removals"]] == [2]
+    gc = doc("gc", "--json", "--policy", tighter)
+    assert gc["dry_run"] is False and gc["counts"]["steps"] == 3
+    assert doc("ls", "--json", "--policy", tighter)["tiers"][0]["steps"][0]["step"] == 4
+
+    pl = doc("placement", "--hosts", "8", "--replicas", "2", "--failures", "2", "--json")
+    assert (pl["hosts"], pl["replicas"], pl["failures"], pl["failure_sets"]) == (8, 2, 2, 28)
+    group, ring = pl["strategies"]["group"], pl["strategies"]["ring"]
+    assert (group["survivable_sets"], ring["survivable_sets"]) == (24, 20)
+    assert group["groups"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and group["closed_form"]["exact"] is True
+    assert doc("placement", "--hosts", "8", "--replicas", "3", "--json")["strategies"]["group"] == {
+        "possible": False, "why": "3 does not divide 8"}
+
+    # Errors are JSON on stdout too (and one line on stderr), with the exit code.
+    code, out, err = main(capsys, "--json", "--policy", pol, "inspect", "99")
+    assert code == 3 and err.startswith("tiercel: error: step 99 is committed on no tier")
+    none = dict.fromkeys(("tier", "step", "rank", "item", "chunk", "path"))
+    assert json.loads(out) == {"ok": False, "exit_code": 3,
+                               "error": {"type": "NotFoundError", "message": err[len("tiercel: error: "):].strip(), **none}}
+    code, out, _ = main(capsys, "--json", "--policy", pol, "inspect", "4", "--rank", "5")
+    assert code == 3 and {k: json.loads(out)["error"][k] for k in ("tier", "step", "rank")} == {"tier": "ram", "step": 4, "rank": 5}
+    code, out, _ = main(capsys, "placement", "--hosts", "1", "--replicas", "2", "--json")
+    assert code == 2 and json.loads(out)["error"]["type"] == "InvalidArgumentError"
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"tiercel {tiercel.__version__} (format {tiercel.FORMAT_VERSION})\n"
+
+
+def run_on_terminal(*args: str, policy: Path) -> tuple[int, str, str]:
+    """Runs the command with stderr on a pseudo-terminal (where progress bars are drawn);
+    returns the exit code, stdout and what the terminal showed."""
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "tiercel", "--policy", str(policy), *args],
+                             stdout=subprocess.PIPE, stderr=slave, text=True)
+        os.close(slave)
+        shown = b""
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            shown += data
+        out = p.stdout.read() if p.stdout else ""
+        return p.wait(timeout=120), out, shown.decode()
+    finally:
+        os.close(master)
+
+
+def test_progress_with_rate_and_eta_on_a_terminal(env: Env):
+    code, out, shown = run_on_terminal("cp", "3", "--from", "ram", "--to", "disk", policy=env.policy)
+    assert code == 0 and "copied step 3 (2 ranks" in out
+    bars = [b for b in shown.split("\r") if b.startswith("cp step 3 ram -> disk [")]
+    # Drawn at most ten times a second: the first chunk's bar (within the first rank), the last.
+    assert re.search(r"\] 0/2 ranks  \d+\.\d KiB / ", bars[0]) and "2/2 ranks" in bars[-1], shown
+    assert all("/s  ETA " in b for b in bars), shown  # a rate and the time left, once bytes moved
+    code, out, shown = run_on_terminal("verify", "3", policy=env.policy)
+    assert code == 0 and "all checksums hold" in out
+    assert "verify ram step 3 [" in shown and "/s  ETA " in shown, shown
+
+
+def test_one_rank_is_one_rank(tmp_path: Path, capsys):
+    e = Env(tmp_path, tmp_path / "tiercel.toml", Path("/dev/shm") / f"tiercel-cli-test-{uuid.uuid4().hex[:12]}", tmp_path / "disk")
+    e.write_policy(e.policy)
+    try:
+        with tiercel.Store(e.policy, rank=0, world_size=1) as store:
+            store.save(1, {"x": np.ones(10)}).wait(30)
+        pol = str(e.policy)
+        code, out, err = main(capsys, "--policy", pol, "cp", "1", "--from", "ram", "--to", "disk")
+        assert code == 0 and "copied step 1 (1 rank, " in out, out
+        code, out, err = main(capsys, "--policy", pol, "verify", "1", "--tier", "disk")
+        assert code == 0 and "1/1 rank, 1 item," in err and "1 rank, 1 item" in out, (out, err)
+        assert main(capsys, "--policy", pol, "inspect", "1", "--rank", "1")[2].endswith("saved by 1 rank; there is no rank 1\n")
+    finally:
+        shutil.rmtree(e.shm, ignore_errors=True)
+
+
+# -- a tier out of reach, a peer tier: the others are still listed, checked, cleaned -------
+
+
+def test_unreachable_tier_and_peer_tier_do_not_hide_the_others(env: Env, capsys, monkeypatch):
+    from test_multirank import free_port
+
+    # Nothing listens on the bucket's port: every request is refused at once.
+    policy = env.tmp / "more.toml"
+    policy.write_text(env.policy.read_text().replace("[store]", f"""\
+[[tier]]
+name = "peer"
+kind = "peer"
+
+[[tier]]
+name = "bucket"
+kind = "s3"
+url = "s3://ckpt/run1"
+endpoint = "http://127.0.0.1:{free_port()}"
+retries = 0
+timeout = 5
+
+[store]"""))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    pol = str(policy)
+
+    code, out, err = main(capsys, "ls", "--policy", pol)
+    assert code == 4, out + err
+    assert "    4  committed" in out and "ram (memory" in out and "disk (fs" in out  # the reachable tiers, in full
+    assert "peer (peer, 0.0.0.0:0, keep 2)\n  (not looked at: a peer tier's replicas" in out
+    assert "bucket (s3, s3://ckpt/run1, keep all, zstd:3)\n  (cannot list: " in out
+    assert "tiercel: error: tier 'bucket' cannot be listed: " in err
+    doc = json.loads(main(capsys, "ls", "--policy", pol, "--json")[1])
+    by_name = {t["name"]: t for t in doc["tiers"]}
+    assert [s["step"] for s in by_name["ram"]["steps"]] == [2, 3, 4] and by_name["ram"]["error"] is None
+    assert by_name["peer"]["skipped"] and by_name["peer"]["error"] is None
+    assert by_name["bucket"]["error"] and by_name["bucket"]["steps"] == []
+
+    code, out, _ = main(capsys, "verify", "--policy", pol)
+    assert code == 4, out
+    assert out.startswith("ERROR: tier 'bucket': cannot list the tier: ")
+    assert "verified 5 step copies on ram, disk" in out and "1 unreadable" in out
+    code, out, _ = main(capsys, "verify", "--policy", pol, "--json")
+    assert code == 4 and [(p["tier"], p["step"]) for p in json.loads(out)["problems"]] == [("bucket", None)]
+
+    assert main(capsys, "inspect", "4", "--policy", pol)[0] == 0
+    code, out, err = main(capsys, "gc", "--dry-run", "--policy", pol, "--json")
+    gc = {t["name"]: t for t in json.loads(out)["tiers"]}
+    assert code == 4 and gc["peer"]["skipped"] and gc["bucket"]["error"] and gc["ram"]["error"] is None
+    for args in (("verify", "--tier", "peer"), ("cp", "4", "--from", "ram", "--to", "peer"), ("rm", "4", "--tier", "peer")):
+        code, _, err = main(capsys, *args, "--policy", pol)
+        assert code == 2 and "tier 'peer' is a peer tier" in err, (args, err)
+
+    # A peer tier alone does not make a command fail.
+    peer_only = env.tmp / "peer.toml"
+    peer_only.write_text(env.policy.read_text().replace("[store]", '[[tier]]\nname = "peer"\nkind = "peer"\n\n[store]'))
+    for args in (("ls",), ("verify",), ("gc", "--dry-run")):
+        assert main(capsys, *args, "--policy", str(peer_only))[0] == 0, args

@@ -16,7 +16,7 @@ import tiercel
 from tiercel import leaves
 from tiercel.manifest import Item
 
-from conftest import assert_same, chunk_location, flip_byte
+from conftest import allowing_pickle, assert_same, chunk_location, error_of, flip_byte
 
 
 class Meters:
@@ -113,7 +113,7 @@ class Color(enum.IntEnum):
     RED = 1
 
 
-def test_container_types_are_kept(store):
+def test_container_types_are_kept(make_store, policy):
     state = {
         "sd": collections.OrderedDict([("b", torch.ones(2)), ("a", torch.zeros(2))]),
         "p": Point(np.ones(2), 3),
@@ -123,7 +123,8 @@ def test_container_types_are_kept(store):
     with warnings.catch_warnings():
         warnings.simplefilter("error", leaves.PickleWarning)  # none of these may be pickled but the enum
         with pytest.raises(leaves.PickleWarning, match="'state/color': .*Color is stored by pickling"):
-            store.save(2, {"state": state})
+            make_store().save(2, {"state": state})
+    store = make_store(allowing_pickle(policy))  # the enum is pickled
     store.save(2, {"state": state}).wait(60)
     back = store.restore()["state"]
     assert type(back["sd"]) is collections.OrderedDict and list(back["sd"]) == ["b", "a"]
@@ -182,3 +183,36 @@ def test_exceptions_pickle_and_live_in_tiercel(store):
     assert type(err).__module__ == "tiercel"
     again = pickle.loads(pickle.dumps(err))
     assert type(again) is tiercel.NotFoundError and str(again) == str(err)
+
+
+def test_pickle_policy_warns_forbids_or_allows(make_store, policy):
+    state = {"x": {"w": np.ones(4), "seen": {1, 2}}}
+    warn = make_store()  # the default: "warn"
+    with pytest.warns(leaves.PickleWarning, match="'x/seen': builtins.set is stored by pickling it"):
+        warn.save(2, state).wait(60)
+    # Restores refuse to run the checkpoint's code, before reading anything; the bytes stay readable.
+    with pytest.raises(tiercel.InvalidArgumentError) as refused:
+        warn.restore()
+    msg = str(refused.value)
+    assert "step 2 rank 0 item 'x/seen' is a pickled set" in msg and 'pickle = "allow"' in msg
+    assert (refused.value.step, refused.value.rank, refused.value.item) == (2, 0, "x/seen")
+    r = warn.reader(2)
+    error_of(lambda: r.value("x/seen"), tiercel.InvalidArgumentError)
+    assert r.info.nbytes == 0
+    assert r.read("x/seen").tobytes() == pickle.dumps({1, 2}, protocol=pickle.HIGHEST_PROTOCOL)
+    warn.close()
+
+    forbid = make_store({**policy, "store": {**policy["store"], "pickle": "error"}})
+    msg = error_of(lambda: forbid.save(4, state), tiercel.InvalidArgumentError)
+    assert msg.startswith("step 4: 'x/seen': builtins.set can only be stored by pickling it, which the policy forbids")
+    assert forbid.steps()["ram"] == [2]  # nothing of step 4 was kept
+    forbid.close()
+
+    allow = make_store(allowing_pickle(policy))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning at all
+        allow.save(6, state).wait(60)
+    assert_same(allow.restore(), state)
+    assert_same(allow.restore(step=2), state)  # a step saved under another setting: the reader's policy decides
+    msg = error_of(lambda: make_store({**policy, "store": {"pickle": "sometimes"}}), tiercel.ConfigError)
+    assert msg == '<dict>: store.pickle: expected "warn" (the default), "error" or "allow", got "sometimes"'

@@ -113,3 +113,26 @@ def test_a_lost_group_falls_back_to_the_same_persistent_step(tmp_path, base):
     assert {r["step"] for r in restored} == {4}, restored
     for r in restored:
         assert set(r["tiers"]) == ({"disk"} if r["host"] in ("h0", "h1") else {"ram"}), r
+
+
+def test_too_few_hosts_run_degraded(tmp_path, base):
+    # torchrun with 2 ranks on one machine: one host, fewer than replicas = 2. Saves go on
+    # without peer copies, the handles say why, each process warns once; restores use ram.
+    saved = run_job(tmp_path, base, ["solo", "solo"], "save", last=3)
+    for r in saved:
+        assert all(s["peer"] == "skipped: not enough hosts (1 < 2)" for s in r["states"].values()), r
+        assert all(s["ram"] in ("committed", "written") for s in r["states"].values()), r
+    for rank in range(2):
+        log = (tmp_path / f"save-{rank}.out").read_text()
+        assert log.count("not enough hosts (1 < 2)") == 1, log
+    restored = run_job(tmp_path, base, ["solo", "solo"], "restore", last=3)
+    assert [(r["step"], set(r["tiers"])) for r in restored] == [(3, {"ram"}), (3, {"ram"})], restored
+
+
+def test_a_single_process_runs_degraded(make_store, policy):
+    peer = {"name": "peer", "kind": "peer", "listen": "127.0.0.1:0", "replicas": 2}
+    store = make_store({**policy, "tier": [policy["tier"][0], peer, policy["tier"][1]]})
+    states = store.save(2, {"x": list(range(10))}).wait(60)
+    assert states == {"ram": "committed", "peer": "skipped: not enough hosts (1 < 2)", "disk": "committed"}
+    assert store.steps() == {"ram": [2], "peer": [], "disk": [2]} and store.steps().errors == {}
+    assert store.restore() == {"x": list(range(10))} and store.last_restore.warnings == []

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import enum
 import json
-import math
 from dataclasses import dataclass, field
 from decimal import Decimal
 
@@ -14,8 +13,10 @@ import pytest
 import torch
 
 import tiercel
+
 from conftest import (
     TESTS_DIR,
+    allowing_pickle,
     assert_same,
     buffer_base,
     random_numpy,
@@ -232,7 +233,8 @@ def test_cuda_tensors_come_back_on_the_host(store):
         assert_same(got, want)
 
 
-def test_numpy_scalars_and_byte_order(store):
+def test_numpy_scalars_and_byte_order(make_store, policy):
+    store = make_store(allowing_pickle(policy))  # numpy str_ and bytes_ scalars are pickled
     state = {
         "scalars": {
             "b": np.bool_(True),
@@ -310,7 +312,8 @@ def tree_state() -> dict:
     }
 
 
-def test_python_trees(store):
+def test_python_trees(make_store, policy):
+    store = make_store(allowing_pickle(policy))  # the last branch is pickled
     state = tree_state()
     store.save(2, state).wait(60)
     for got in (store.restore(), store.reader(2, tiers=["disk"]).get_all()):
@@ -409,9 +412,10 @@ def mixed_state() -> dict:
 
 
 def test_memory_tier_outlives_the_saving_process(policy, make_store):
+    policy = allowing_pickle(policy)  # mixed_state() has a pickled Point
     out = run_python(CHILD_SAVE, json.dumps(policy))
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"ram": "committed", "disk": "committed"}
-    store = make_store()
+    store = make_store(policy)
     assert store.steps() == {"ram": [4], "disk": [4]}
     got = store.restore()
     assert_same(got, mixed_state())
@@ -420,7 +424,8 @@ def test_memory_tier_outlives_the_saving_process(policy, make_store):
 
 
 def test_restore_in_a_new_process(policy, make_store):
-    store = make_store()
+    policy = allowing_pickle(policy)  # mixed_state() has a pickled Point
+    store = make_store(policy)
     store.save(4, mixed_state()).wait(60)
     store.close()
     out = run_python(CHILD_RESTORE, json.dumps(policy))

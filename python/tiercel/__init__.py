@@ -5,6 +5,7 @@
     state = store.restore()
 """
 
+from . import metrics
 from ._core import FORMAT_VERSION
 from .coordinator import Coordinator, JaxCoordinator, KVStoreCoordinator, LocalCoordinator, TorchCoordinator
 from .errors import (
@@ -45,6 +46,7 @@ __all__ = [
     "TierUnavailableError",
     "TorchCoordinator",
     "Writer",
+    "metrics",
     "register_leaf_handler",
 ]
 __version__ = "0.1.0"

@@ -23,6 +23,7 @@ import importlib
 import pickle
 import sys
 import warnings
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,11 +33,28 @@ from . import _dtypes
 from .errors import InvalidArgumentError
 from .manifest import Item, Shard
 
-__all__ = ["Leaf", "LeafHandler", "PickleWarning", "Shard", "handler_for", "rebuilder", "register", "register_leaf_handler"]
+__all__ = ["PICKLE_MODE", "Leaf", "LeafHandler", "PickleWarning", "Shard", "check_unpickle", "handler_for", "rebuilder",
+           "register", "register_leaf_handler"]
 
 
 class PickleWarning(UserWarning):
     """A value was stored by pickling it: no zero-copy restore, and unpickling runs code."""
+
+
+#: The policy's `[store] pickle` for the put being flattened in this thread or task ("warn",
+#: "error" or "allow"): set by the Writer, read by the pickle fallback.
+PICKLE_MODE: ContextVar[str] = ContextVar("tiercel_pickle_mode", default="warn")
+
+
+def check_unpickle(item: Item, mode: str, step: int, rank: int) -> None:
+    """Restores unpickle only where the policy says `[store] pickle = "allow"`: unpickling runs
+    code chosen by whoever wrote the checkpoint."""
+    if item.framework == "pickle" and mode != "allow":
+        raise InvalidArgumentError(
+            f"step {step} rank {rank} item '{item.name}' is a pickled {item.meta.get('class', 'object')}; unpickling "
+            f"runs code chosen by whoever wrote the checkpoint, so it is refused under [store] pickle = \"{mode}\": set "
+            "pickle = \"allow\" in the policy for checkpoints you trust (Reader.read() returns the item's bytes either way)",
+            step=step, rank=rank, item=item.name)
 
 
 @dataclass
@@ -225,12 +243,19 @@ class PickleHandler(LeafHandler):
 
     def describe(self, value: Any, name: str) -> Leaf:
         cls = type(value)
-        warnings.warn(
-            f"'{name}': {cls.__module__}.{cls.__qualname__} is stored by pickling it (no zero-copy restore; "
-            "unpickling runs code); convert it to arrays, tensors or plain Python values to avoid this",
-            PickleWarning,
-            stacklevel=6,
-        )
+        mode = PICKLE_MODE.get()
+        what = f"'{name}': {cls.__module__}.{cls.__qualname__}"
+        if mode == "error":
+            raise TypeError(f"{what} can only be stored by pickling it, which the policy forbids ([store] pickle = "
+                            "\"error\"); convert it to arrays, tensors or plain Python values, or register a leaf handler")
+        if mode == "warn":
+            warnings.warn(
+                f"{what} is stored by pickling it (no zero-copy restore; unpickling runs code, so restores refuse it "
+                "unless the policy says [store] pickle = \"allow\"); convert it to arrays, tensors or plain Python "
+                "values to avoid this",
+                PickleWarning,
+                stacklevel=6,
+            )
         try:
             data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:

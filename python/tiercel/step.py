@@ -18,7 +18,7 @@ import numpy as np
 from . import _core
 from ._tree import flatten, tree_items, unflatten
 from .errors import InvalidArgumentError, NotFoundError, TierUnavailableError
-from .leaves import Leaf, rebuilder
+from .leaves import PICKLE_MODE, Leaf, check_unpickle, rebuilder
 from .manifest import Item, Manifest
 
 if TYPE_CHECKING:
@@ -76,12 +76,15 @@ class Writer:
         """Copies `value` (a tree of arrays, tensors, bytes and scalars) into this step."""
         if not isinstance(name, str) or not name or "/" in name:
             raise InvalidArgumentError(f"put name must be a non-empty string without '/', got {name!r}")
+        token = PICKLE_MODE.set(self._store._core.pickle)  # what the pickle fallback may do
         try:
             tree, leaves = flatten(name, value)
         except TypeError as e:
             raise InvalidArgumentError(f"step {self.step}: {e}") from None
         except RecursionError:
             raise InvalidArgumentError(f"step {self.step}: '{name}' is nested too deeply to store") from None
+        finally:
+            PICKLE_MODE.reset(token)
         specs = [_spec(leaf) for leaf in leaves]
         part, places = self._core.add_part(name, json.dumps(tree), specs)
         direct: list[tuple[int, int]] = []  # (item index, source address): copied by the core
@@ -162,6 +165,7 @@ class Reader:
         #: The manifest of the first tier in restore order that has the step.
         self.manifest = Manifest.from_json(self._core.manifest_json())
         self.info = RestoreInfo(step=step, seconds=0.0)
+        self._pickle = store._core.pickle
 
     def names(self) -> list[str]:
         """The names that were put in this step."""
@@ -208,6 +212,7 @@ class Reader:
     def value(self, item: Item | int | str) -> Any:
         """One item rebuilt by the leaf handler that wrote it (an array, a tensor, bytes)."""
         it = self._item(item)
+        check_unpickle(it, self._pickle, self.step, self.rank)
         t0 = time.perf_counter()
         ((buf, tier),) = self._core.read_items([it.index])
         self._account(tier, it.nbytes, t0)
@@ -240,6 +245,8 @@ class Reader:
         t0 = time.perf_counter()
         tree = self.manifest.trees[put]
         items = self.manifest.items_of(put)
+        for it in items:  # before reading anything
+            check_unpickle(it, self._pickle, self.step, self.rank)
         buffers = self._core.read_items([it.index for it in items])
         values: dict[int, Any] = {}
         # Item references in a tree index the put's own items, in order.

@@ -24,6 +24,15 @@ PolicyLike = str | os.PathLike | Mapping[str, Any]
 log = logging.getLogger("tiercel")
 
 
+class Steps(dict[str, list[int]]):
+    """`Store.steps()`: committed steps per tier that could be listed; `errors` maps each tier
+    that could not to why."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: dict[str, str] = {}
+
+
 def _policy_path(policy: PolicyLike | None) -> PolicyLike:
     if policy is not None:
         return policy
@@ -150,9 +159,24 @@ class Store:
 
     # -- restoring --------------------------------------------------------------------------
 
-    def steps(self) -> dict[str, list[int]]:
-        """Committed steps per tier: {"ram": [3, 4], "disk": [2, 4]}."""
-        return dict(self._core.steps())
+    def steps(self) -> Steps:
+        """Committed steps per tier: {"ram": [3, 4], "disk": [2, 4]}. A tier that cannot be
+        listed right now (a server down) is left out and named in `.errors` with the reason."""
+        out = Steps()
+        for name, steps, error in self._core.steps():
+            if error is None:
+                out[name] = list(steps or [])
+            else:
+                out.errors[name] = error
+        return out
+
+    def metrics(self) -> dict[str, dict[str, Any]]:
+        """What this process has done per tier: {"disk": {"steps_written": 12, "bytes_written":
+        ..., "write_seconds": ..., "write_bytes_per_second": ..., "steps_read": ...,
+        "bytes_read": ..., "last_step": 40, "lag_steps": 3, "lag_seconds": 9.5, "queue_depth":
+        1, "skips": 2, "failures": 0}, ...}; `None` where nothing is known yet.
+        tiercel.metrics has them as Prometheus text and serves them."""
+        return {m.pop("tier"): m for m in self._core.metrics()}
 
     def latest_step(self) -> int | None:
         """The newest step that every rank can restore from some tier (collective when the
@@ -241,10 +265,8 @@ class Store:
     def _require_latest(self) -> int:
         step = self.latest_step()
         if step is None:
-            try:
-                steps: Any = self.steps()
-            except TiercelError as e:
-                steps = f"cannot list: {e}"
+            listed = self.steps()
+            steps: Any = dict(listed) | {t: f"cannot list: {e}" for t, e in listed.errors.items()}
             why = "".join(f"; {s}" for s in self._skipped)
             raise NotFoundError(
                 f"rank {self.rank}: no step can be restored by every rank from tiers {self._core.restore_order} "

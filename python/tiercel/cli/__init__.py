@@ -1,16 +1,20 @@
 """The `tiercel` command: look at, check, copy and clean up the checkpoints of a policy.
 
-    tiercel [--policy FILE] ls [--json]
-    tiercel [--policy FILE] inspect STEP [--tier T] [--rank R] [--json]
-    tiercel [--policy FILE] verify [STEP] [--tier T] [--json]
-    tiercel [--policy FILE] cp STEP --from TIER --to TIER
-    tiercel [--policy FILE] gc [--dry-run]
-    tiercel [--policy FILE] rm STEP --tier T
-    tiercel [--policy FILE] export STEP DIR --format deepspeed|orbax|dcp
+    tiercel ls [--json]
+    tiercel inspect STEP [--tier T] [--rank R] [--json]
+    tiercel verify [STEP] [--tier T] [--json]
+    tiercel cp STEP --from TIER --to TIER [--json]
+    tiercel gc [--dry-run] [--tmp-age SECONDS] [--json]
+    tiercel rm STEP --tier T [--json]
+    tiercel export STEP DIR --format deepspeed|orbax|dcp [--json]
+    tiercel placement --hosts N --replicas M [--failures K] [--json]
+    tiercel stats --url HOST:PORT [--url ...] [--json]
+    tiercel --version
 
-The policy comes from --policy, else $TIERCEL_POLICY, else ./tiercel.toml. The store is
-opened as rank 0 of a world of 1; every rank's manifest is still readable through it.
-Bytes are moved and checked by the core; this module only lists, formats and reports.
+`--policy FILE` and `--json` go before or after the command. The policy comes from
+--policy, else $TIERCEL_POLICY, else ./tiercel.toml. The store is opened as rank 0 of a
+world of 1; every rank's manifest is still readable through it. Bytes are moved and checked
+by the core; this package only lists, formats and reports (docs/cli.md).
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ import sys
 from typing import Any, Sequence
 
 from .. import _core
+from ..errors import FIELDS
 from .context import (
     EXIT_CORRUPT,
     EXIT_ERROR,
     EXIT_NOT_FOUND,
     EXIT_OK,
     EXIT_USAGE,
+    CommandError,
     Ctx,
     UsageError,
 )
@@ -35,6 +41,8 @@ from .export import FORMATS, cmd_export
 from .gc import DEFAULT_TMP_AGE, cmd_gc
 from .inspect import cmd_inspect
 from .ls import cmd_ls
+from .output import json_out
+from .stats import cmd_stats
 from .verify import cmd_verify
 
 EPILOG = """\
@@ -44,7 +52,7 @@ policy:
 exit codes:
   0  success (verify: every checksum holds)
   1  corruption found (verify), or stored bytes fail their checksum
-  2  usage or configuration error (bad arguments, unknown tier, bad policy file)
+  2  usage or configuration error (bad arguments, unknown tier, bad or missing policy file)
   3  step (or rank) not found
   4  any other error (a tier cannot be read or written, a capacity limit, ...)
 """
@@ -71,10 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--policy", metavar="FILE", help="policy file (default: $TIERCEL_POLICY, else ./tiercel.toml)")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout (errors too)")
     p.add_argument("--version", action="version", version=f"tiercel {__version__} (format {_core.FORMAT_VERSION})")
-    # --policy is taken before or after the command: `tiercel ls --policy p.toml` works too.
+    # The global options are taken before or after the command: `tiercel ls --policy p.toml
+    # --json` works too. SUPPRESS keeps a value given before the command when none follows it.
     anywhere = argparse.ArgumentParser(add_help=False)
-    anywhere.add_argument("--policy", metavar="FILE", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    anywhere.add_argument("--policy", metavar="FILE", default=argparse.SUPPRESS, help="policy file")
+    anywhere.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     add = sub.add_parser
 
@@ -86,7 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("ls", help="steps per tier: state, ranks, size, commit time",
                        description="Lists every step on every tier: committed steps and uncommitted leftovers, "
                                    "with their size (stored bytes of all ranks), raw size, world size and commit time.")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_ls)
 
     s = sub.add_parser("inspect", help="the manifests of a step: items, dtypes, shapes, chunks, compression",
@@ -95,7 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("step", type=_step, metavar="STEP")
     s.add_argument("--tier", metavar="T", help="the tier to read the manifests from")
     s.add_argument("--rank", type=int, metavar="R", help="only this rank")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_inspect)
 
     s = sub.add_parser("verify", help="re-read every chunk and check every checksum",
@@ -104,22 +113,21 @@ def build_parser() -> argparse.ArgumentParser:
                                    "3: the step is not committed on the tiers asked; 4: a tier could not be read.")
     s.add_argument("step", type=_step, nargs="?", metavar="STEP", help="default: every committed step")
     s.add_argument("--tier", metavar="T", help="default: every tier")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_verify)
 
     s = sub.add_parser("cp", help="copy a committed step (every rank) between tiers",
                        description="Copies a committed step, every rank, from one tier to another and commits it there.")
     s.add_argument("step", type=_step, metavar="STEP")
-    s.add_argument("--from", dest="source", required=True, metavar="TIER")
-    s.add_argument("--to", dest="dest", required=True, metavar="TIER")
+    s.add_argument("--from", dest="source", required=True, metavar="TIER", help="the tier that has the step committed")
+    s.add_argument("--to", dest="dest", required=True, metavar="TIER", help="the tier to copy it to")
     s.set_defaults(func=cmd_cp)
 
-    s = sub.add_parser("gc", help="apply `keep`, remove uncommitted leftovers and stale temporary files",
-                       description="On each tier: aborts multipart uploads that killed writers left (s3, gcs), "
-                                   "removes committed steps beyond `keep` and uncommitted steps older "
-                                   "than the newest committed one, then temporary files (\".tmp-\" in the name) in "
-                                   "step directories whose writer is gone.")
-    s.add_argument("--dry-run", action="store_true", help="only print what would be removed (uploads are not checked)")
+    s = sub.add_parser("gc", help="apply `keep`, remove uncommitted leftovers and what dead writers left",
+                       description="On each tier: removes committed steps beyond `keep` and uncommitted steps older "
+                                   "than the newest committed one, temporary files (\".tmp-\" in the name) whose "
+                                   "writer is gone, spare shared-memory segments of dead processes, and multipart "
+                                   "uploads that killed writers left (s3, gcs).")
+    s.add_argument("--dry-run", action="store_true", help="only print what would be removed")
     s.add_argument("--tmp-age", type=float, default=DEFAULT_TMP_AGE, metavar="SECONDS",
                    help=f"leave temporary files younger than this (default: {DEFAULT_TMP_AGE:.0f})")
     s.set_defaults(func=cmd_gc)
@@ -147,13 +155,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replicas", type=int, required=True, metavar="M")
     s.add_argument("--failures", type=int, metavar="K")
     s.set_defaults(func=cmd_placement, needs_store=False)
+
+    s = sub.add_parser("stats", help="a running job's metrics per tier (what tiercel.metrics.serve serves)",
+                       description="Reads the metrics that tiercel.metrics.serve(store, port) serves from each "
+                                   "process of a running job and shows them per tier and rank: steps and bytes "
+                                   "written, write rate, last step, lag behind the newest save, queue depth, "
+                                   "skips, failures, bytes read. Needs no policy.")
+    s.add_argument("--url", action="append", required=True, metavar="HOST:PORT",
+                   help="a process's metrics address (http://host:port/metrics); repeat for several ranks")
+    s.set_defaults(func=cmd_stats, needs_store=False)
     return p
 
 
 def cmd_placement(ctx: Ctx) -> int:
-    from ..placement import report
+    from ..placement import report, summary
 
-    print(report(ctx.args.hosts, ctx.args.replicas, ctx.args.failures))
+    a = ctx.args
+    if a.json:
+        json_out(summary(a.hosts, a.replicas, a.failures))
+    else:
+        print(report(a.hosts, a.replicas, a.failures))
     return EXIT_OK
 
 
@@ -171,8 +192,15 @@ def _open_store(policy: str | None) -> Any:
     return Store(policy, rank=0, world_size=1, tool=True)
 
 
-def _fail(message: str, code: int) -> int:
+def _fail(e: BaseException, code: int, as_json: bool) -> int:
+    """Reports an error: one line on stderr, and with --json a document on stdout (with the
+    error's tier, step, rank, item, chunk and path where known), so a script that parses
+    stdout always gets JSON."""
+    message = str(e) or type(e).__name__
     print(f"tiercel: error: {message}", file=sys.stderr)
+    if as_json:
+        fields = {f: getattr(e, f, None) for f in FIELDS}
+        json_out({"ok": False, "exit_code": code, "error": {"type": type(e).__name__, "message": message, **fields}})
     return code
 
 
@@ -187,18 +215,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "needs_store", True):
             store = _open_store(args.policy)
         return args.func(Ctx(store, args))
-    except UsageError as e:
-        return _fail(str(e), EXIT_USAGE)
-    except _core.ConfigError as e:
-        return _fail(str(e), EXIT_USAGE)
+    except (UsageError, _core.ConfigError, _core.InvalidArgumentError) as e:
+        return _fail(e, EXIT_USAGE, args.json)
     except _core.NotFoundError as e:
-        return _fail(str(e), EXIT_NOT_FOUND)
+        return _fail(e, EXIT_NOT_FOUND, args.json)
     except _core.IntegrityError as e:
-        return _fail(str(e), EXIT_CORRUPT)
-    except _core.TiercelError as e:
-        return _fail(str(e), EXIT_ERROR)
-    except KeyboardInterrupt:
-        return _fail("interrupted", 130)
+        return _fail(e, EXIT_CORRUPT, args.json)
+    except (_core.TiercelError, CommandError) as e:
+        return _fail(e, EXIT_ERROR, args.json)
+    except KeyboardInterrupt as e:
+        return _fail(e, 130, args.json)
     except BrokenPipeError:
         # `tiercel ls | head`: the reader went away; stay quiet.
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +21,13 @@ class UsageError(Exception):
     """A mistake on the command line (exit code 2)."""
 
 
+class CommandError(Exception):
+    """A command could not do its work for a reason outside tiercel's tiers (exit code 4)."""
+
+
+#: Why the command leaves a peer tier alone: its replicas live in the memory of the job's
+#: hosts and are reached through the job's running processes, which the command does not join.
+PEER_SKIPPED = "not looked at: a peer tier's replicas are reached through the job's own processes"
 
 
 @dataclass
@@ -61,8 +67,17 @@ class Ctx:
                 return t
         raise UsageError(f"no tier named '{name}' in {self.core.policy_source} (tiers: {', '.join(self.names)})")
 
+    def reachable(self, name: str) -> str:
+        """A tier named on the command line that the command can work on: not a peer tier."""
+        if self.tier(name)["kind"] == "peer":
+            raise UsageError(f"tier '{name}' is a peer tier: {PEER_SKIPPED}")
+        return name
+
     def selected_tiers(self, name: str | None) -> list[str]:
-        return [self.tier(name)["name"]] if name else list(self.names)
+        """`--tier NAME`, or every tier the command can look at (no peer tier)."""
+        if name:
+            return [self.reachable(name)]
+        return [t["name"] for t in self.tiers if t["kind"] != "peer"]
 
     def scan(self, tier: str) -> list[StepInfo]:
         """Every step directory on a tier, oldest first, with its commit record if any."""
@@ -81,11 +96,12 @@ class Ctx:
 
     def has(self, tier: str, step: int) -> bool:
         """Whether `step` is committed on `tier` with a readable commit record (one read, not
-        a listing); `verify` and `ls` report unreadable records."""
+        a listing); `verify` and `ls` report unreadable records, and a tier that cannot be
+        reached has nothing (`require_committed` says why)."""
         try:
             self.core.commit_record(tier, step)
             return True
-        except (_core.NotFoundError, _core.IntegrityError):
+        except _core.TiercelError:
             return False
 
     def manifest(self, tier: str, step: int, rank: int) -> dict:
@@ -108,9 +124,15 @@ class Ctx:
         """The tiers among `tiers` that have `step` committed, or NotFoundError."""
         have = [t for t in tiers if self.has(t, step)]
         if not have:
-            listing = "; ".join(f"{t}: {self.committed(t) or 'none'}" for t in tiers)
-            raise _core.NotFoundError(f"step {step} is committed on no tier in {tiers} (committed steps: {listing})")
+            raise _core.NotFoundError(f"step {step} is committed on no tier in {tiers} "
+                                      f"(committed steps: {'; '.join(self._committed_or_why(t) for t in tiers)})")
         return have
+
+    def _committed_or_why(self, tier: str) -> str:
+        try:
+            return f"{tier}: {self.committed(tier) or 'none'}"
+        except _core.TiercelError as e:
+            return f"{tier}: cannot list ({e})"
 
 
 def local_dir(tier: dict) -> str | None:
@@ -120,29 +142,23 @@ def local_dir(tier: dict) -> str | None:
     return None
 
 
-def uncommitted_details(tier: dict, step: int) -> dict:
-    """What is in an uncommitted step's directory: bytes on disk and the ranks whose manifest
-    is there (these tiers are plain directories; the layout is in format.rs)."""
-    d = local_dir(tier)
+def uncommitted_details(core: Any, tier: dict, step: int) -> dict:
+    """What an uncommitted step holds: the ranks whose part is complete (their manifest is
+    there) and the world size they name, from the core; on a memory or fs tier also the bytes
+    in its directory (whose name the core gives)."""
     out: dict[str, Any] = {"stored_bytes": None, "ranks": None, "world_size": None}
-    if d is None:
-        return out
-    path = os.path.join(d, f"step-{step:012d}")
-    total, ranks, world = 0, 0, None
     try:
-        with os.scandir(path) as it:
-            for e in it:
-                if not e.is_file(follow_symlinks=False):
-                    continue
-                total += e.stat(follow_symlinks=False).st_size
-                if re.fullmatch(r"rank-\d{5}\.manifest\.json", e.name):
-                    ranks += 1
-                    try:
-                        with open(e.path, "rb") as f:
-                            world = json.load(f).get("world_size", world)
-                    except (OSError, ValueError):
-                        pass
-    except OSError:
-        return out
-    out.update(stored_bytes=total, ranks=ranks, world_size=world)
+        ranks = core.step_ranks(tier["name"], step)
+        out["ranks"] = len(ranks)
+        if ranks:
+            out["world_size"] = json.loads(core.manifest_json(tier["name"], step, ranks[0]))["world_size"]
+    except _core.TiercelError:
+        pass
+    d = local_dir(tier)
+    if d is not None:
+        try:
+            with os.scandir(os.path.join(d, _core.step_dir_name(step))) as it:
+                out["stored_bytes"] = sum(e.stat(follow_symlinks=False).st_size for e in it if e.is_file(follow_symlinks=False))
+        except OSError:
+            pass
     return out

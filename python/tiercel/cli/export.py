@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 
 from .context import EXIT_OK, Ctx, UsageError
+from .output import json_out
 
 #: --format -> the adapter module whose `export(store, step, out_dir)` writes it.
 FORMATS = {
@@ -22,6 +23,9 @@ def cmd_export(ctx: Ctx) -> int:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise UsageError(f"--format {a.format} needs {module_name}, which cannot be imported here: {e}") from None
-    out = module.export(ctx.store, a.step, a.dir)
-    print(f"exported step {a.step} as {a.format} to {out or a.dir}")
+    out = str(module.export(ctx.store, a.step, a.dir) or a.dir)
+    if a.json:
+        json_out({"step": a.step, "format": a.format, "dir": out})
+    else:
+        print(f"exported step {a.step} as {a.format} to {out}")
     return EXIT_OK

@@ -1,119 +1,73 @@
-"""`tiercel gc [--dry-run]`: apply `keep`, remove uncommitted leftovers and stale temporary
-files, abort abandoned uploads."""
+"""`tiercel gc [--dry-run]`: what the core's gc planner says may go from each tier (steps
+beyond `keep`, uncommitted leftovers, temporary files and spare segments of dead writers,
+abandoned uploads), removed or, dry, listed. The rules live in the core (tier/gc.rs); this
+module only reports."""
 
 from __future__ import annotations
 
-import os
-import re
-import stat
-import time
-from typing import Iterator
+import sys
+from typing import Any
 
-from .context import EXIT_OK, Ctx, local_dir
-from .output import count, fmt_bytes
+from .. import _core
+from .context import EXIT_ERROR, EXIT_OK, PEER_SKIPPED, Ctx
+from .output import Progress, count, fmt_bytes, json_out
 
 #: gc removes a temporary file only when its writer is gone and it is at least this old.
 DEFAULT_TMP_AGE = 600.0
 
+#: The core's kinds of removal and how the summary counts them.
+KINDS = {"step": "steps", "temp file": "temp_files", "upload": "uploads", "segment": "segments"}
 
 
-_TMP_PID = re.compile(r"\.tmp-(\d+)-\d+$")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except (OverflowError, OSError):
-        return False
-    return True
-
-
-def _stale_tmp_files(tier: dict, skip_steps: set[int], min_age: float) -> Iterator[tuple[str, str, int]]:
-    """(step dir, file name, size) of temporary files (".tmp-" in the name) directly inside
-    the step directories of a directory tier whose writer process is gone and that were not
-    touched for `min_age` seconds. Only regular files are considered; symlinks are never
-    followed, so nothing outside the tier's directory is reached."""
-    root = local_dir(tier)
-    if root is None or not os.path.isdir(root):
-        return
-    now = time.time()
-    with os.scandir(root) as it:
-        dirs = sorted(e.name for e in it if re.fullmatch(r"step-\d{12}", e.name) and e.is_dir(follow_symlinks=False))
-    for d in dirs:
-        if int(d[5:]) in skip_steps:
-            continue
-        try:
-            fd = os.open(os.path.join(root, d), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            for name in sorted(os.listdir(fd)):
-                if ".tmp-" not in name:
-                    continue
-                try:
-                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                except OSError:
-                    continue
-                if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < min_age:
-                    continue
-                pid = _TMP_PID.search(name)
-                if pid and _pid_alive(int(pid.group(1))):
-                    continue
-                yield d, name, st.st_size
-        finally:
-            os.close(fd)
-
-
-def _remove_tmp(root: str, d: str, name: str) -> bool:
-    try:
-        fd = os.open(os.path.join(root, d), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        os.unlink(name, dir_fd=fd)
-        return True
-    except FileNotFoundError:
-        return False
-    finally:
-        os.close(fd)
+def _line(r: dict[str, Any], dry_run: bool) -> str:
+    if r["what"] == "upload":  # the reason names the upload: "abandoned multipart upload of s3://..."
+        return f"{'would abort' if dry_run else 'aborted'} the {r['reason']}"
+    verb = "would remove" if dry_run else "removed"
+    if r["what"] == "step":
+        return f"{verb} step {r['step']} ({r['reason']})"
+    size = f", {fmt_bytes(r['bytes'])}" if r["bytes"] is not None else ""
+    return f"{verb} {r['what']} {r['path']} ({r['reason']}{size})"
 
 
 def cmd_gc(ctx: Ctx) -> int:
     a = ctx.args
     verb = "would remove" if a.dry_run else "removed"
-    n_steps = n_tmp = n_uploads = 0
-    for t in ctx.tiers:
-        name = t["name"]
-        infos = ctx.scan(name)
-        committed = [i.step for i in infos if i.committed]
-        newest = committed[-1] if committed else None
-        keep = t["keep"]
-        beyond = set(committed[:-keep] if keep is not None and len(committed) > keep else [])
-        leftovers = {i.step for i in infos if not i.committed and newest is not None and i.step < newest}
-        if a.dry_run:
-            removed = sorted(beyond | leftovers)
+    doc: dict[str, Any] = {"dry_run": a.dry_run, "tiers": []}
+    # Listing and deleting on an object store take a request per object: a bar per tier.
+    prog = Progress("gc", len(ctx.tiers), unit="tier")
+    for n, t in enumerate(ctx.tiers):
+        entry: dict[str, Any] = {"name": t["name"], "error": None, "skipped": None, "removals": []}
+        doc["tiers"].append(entry)
+        if t["kind"] == "peer":
+            entry["skipped"] = PEER_SKIPPED + " (its holders apply `keep` themselves)"
         else:
-            # Abandoned multipart uploads (s3, gcs) first; retention would also do it, silently.
-            for line in ctx.core.sweep(name):
-                print(f"{name}: {line}")
-                n_uploads += 1
-            removed = list(ctx.core.retain(name))
-        for s in sorted(removed):
-            why = f"committed; beyond keep {keep}" if s in committed else "uncommitted leftover"
-            print(f"{name}: {verb} step {s} ({why})")
-        n_steps += len(removed)
-        root = local_dir(t) or ""
-        for d, fname, size in list(_stale_tmp_files(t, set(removed), a.tmp_age)):
-            if a.dry_run or _remove_tmp(root, d, fname):
-                n_tmp += 1
-                print(f"{name}: {verb} {d}/{fname} (stale temporary file, {fmt_bytes(size)})")
-    if n_steps or n_tmp or n_uploads:
-        uploads = f", aborted {count(n_uploads, 'abandoned upload')}" if n_uploads else ""
-        print(f"gc: {verb} {count(n_steps, 'step')} and {count(n_tmp, 'temporary file')}{uploads}")
+            try:
+                run = ctx.core.gc_plan if a.dry_run else ctx.core.gc
+                entry["removals"] = run(t["name"], a.tmp_age)
+            except _core.TiercelError as e:  # one tier out of reach: clean up the others
+                entry["error"] = str(e)
+        prog.update(done=n + 1)
+    prog.finish()
+    removals = [r for t in doc["tiers"] for r in t["removals"]]
+    doc["counts"] = {key: sum(r["what"] == what for r in removals) for what, key in KINDS.items()}
+    code = EXIT_ERROR if any(t["error"] for t in doc["tiers"]) else EXIT_OK
+    if a.json:
+        json_out(doc)
+        return code
+    for t in doc["tiers"]:
+        if t["skipped"]:
+            print(f"{t['name']}: {t['skipped']}")
+        for r in t["removals"]:
+            print(f"{t['name']}: {_line(r, a.dry_run)}")
+    c = doc["counts"]
+    if removals:
+        extra = f", {count(c['segments'], 'spare segment')}" if c["segments"] else ""
+        if c["uploads"]:
+            extra += f", {'would abort' if a.dry_run else 'aborted'} {count(c['uploads'], 'abandoned upload')}"
+        print(f"gc: {verb} {count(c['steps'], 'step')} and {count(c['temp_files'], 'temporary file')}{extra}")
     else:
         print("gc: nothing to remove")
-    return EXIT_OK
+    for t in doc["tiers"]:
+        if t["error"]:
+            print(f"tiercel: error: tier '{t['name']}': {t['error']}", file=sys.stderr)
+    return code

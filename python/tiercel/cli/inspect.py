@@ -38,18 +38,16 @@ def _codec_mix(codecs: dict[str, int]) -> str:
 def cmd_inspect(ctx: Ctx) -> int:
     a = ctx.args
     step = a.step
-    if a.tier:
-        ctx.tier(a.tier)
-        tier = ctx.require_committed(step, [a.tier])[0]
-    else:
-        order = list(ctx.core.restore_order) + [n for n in ctx.names if n not in ctx.core.restore_order]
-        tier = ctx.require_committed(step, order)[0]
-    on = [t for t in ctx.names if ctx.has(t, step)]
+    tiers = ctx.selected_tiers(a.tier)
+    order = [n for n in ctx.core.restore_order if n in tiers] + [n for n in tiers if n not in ctx.core.restore_order]
+    tier = ctx.require_committed(step, order)[0]
+    on = [t for t in ctx.selected_tiers(None) if ctx.has(t, step)]
     record = json.loads(ctx.core.commit_record(tier, step))
     ws = record["world_size"]
     if a.rank is not None:
         if not 0 <= a.rank < ws:
-            raise _core.NotFoundError(f"tier '{tier}': step {step} was saved by {ws} ranks; there is no rank {a.rank}")
+            raise _core.NotFoundError(f"tier '{tier}': step {step} was saved by {count(ws, 'rank')}; there is no rank {a.rank}",
+                                      tier=tier, step=step, rank=a.rank)
         ranks = [a.rank]
     else:
         ranks = list(range(ws))

@@ -5,12 +5,13 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .context import EXIT_OK, Ctx, uncommitted_details
-from .output import fmt_bytes, fmt_time, json_out, table
+from .. import _core
+from .context import EXIT_ERROR, EXIT_OK, PEER_SKIPPED, Ctx, StepInfo, uncommitted_details
+from .output import Progress, fmt_bytes, fmt_time, json_out, table
 
 
 def _tier_summary(t: dict) -> str:
-    bits = [t["kind"], t["location"]]
+    bits = [t["kind"]] + ([t["location"]] if t["location"] else [])
     if t["every"] != 1:
         bits.append(f"every {t['every']}")
     bits.append(f"keep {t['keep']}" if t["keep"] is not None else "keep all")
@@ -19,27 +20,45 @@ def _tier_summary(t: dict) -> str:
     return ", ".join(bits)
 
 
+def _scan(ctx: Ctx, t: dict) -> tuple[list[StepInfo], str | None, str | None]:
+    """(steps, why the tier could not be listed, why it was not looked at): one tier that
+    cannot be reached does not hide the others."""
+    if t["kind"] == "peer":
+        return [], None, PEER_SKIPPED
+    try:
+        return ctx.scan(t["name"]), None, None
+    except _core.TiercelError as e:
+        return [], str(e), None
+
+
 def cmd_ls(ctx: Ctx) -> int:
     doc: dict[str, Any] = {"policy": ctx.core.policy_source, "tiers": []}
-    for t in ctx.tiers:
+    scans = [(t, *_scan(ctx, t)) for t in ctx.tiers]
+    # Sizes take one manifest read per rank and step: many requests on an object store.
+    prog = Progress("ls: reading manifests", sum(i.state == "committed" for _, infos, _, _ in scans for i in infos), unit="step")
+    for t, infos, error, skipped in scans:
         steps = []
-        for info in ctx.scan(t["name"]):
+        for info in infos:
             entry: dict[str, Any] = {"step": info.step, "state": info.state}
             if info.state == "committed":
                 assert info.record is not None
                 ws = info.record["world_size"]
                 sizes = ctx.committed_sizes(t["name"], info.step, ws)
+                prog.update(done=prog.done + 1)
                 entry.update(world_size=ws, ranks=sizes.ranks, stored_bytes=sizes.stored, raw_bytes=sizes.raw,
                              time=info.record["time"], error="; ".join(sizes.errors) or None)
             elif info.state == "uncommitted":
-                entry.update(uncommitted_details(t, info.step), raw_bytes=None, time=None, error=None)
+                entry.update(uncommitted_details(ctx.core, t, info.step), raw_bytes=None, time=None, error=None)
             else:
                 entry.update(world_size=None, ranks=None, stored_bytes=None, raw_bytes=None, time=None, error=info.error)
             steps.append(entry)
-        doc["tiers"].append({k: t[k] for k in ("name", "kind", "location", "every", "keep", "compression")} | {"steps": steps})
+        doc["tiers"].append({k: t[k] for k in ("name", "kind", "location", "every", "keep", "compression")}
+                            | {"error": error, "skipped": skipped, "steps": steps})
+    prog.finish()
+    code = EXIT_ERROR if any(t["error"] for t in doc["tiers"]) else EXIT_OK
     if ctx.args.json:
         json_out(doc)
-        return EXIT_OK
+        return code
 
     headers = ["STEP", "STATE", "RANKS", "SIZE", "RAW", "COMMITTED"]
     rows: list[list[str]] = []
@@ -64,6 +83,9 @@ def cmd_ls(ctx: Ctx) -> int:
     for t, a, b in sections:
         print()
         print(f"{t['name']} ({_tier_summary(t)})")
+        if t["error"] or t["skipped"]:
+            print(f"  ({t['skipped'] or 'cannot list: ' + t['error']})")
+            continue
         if a == b:
             print("  (no steps)")
             continue
@@ -72,4 +94,7 @@ def cmd_ls(ctx: Ctx) -> int:
             print("  " + line)
     for n in notes:
         print(f"warning: {n}", file=sys.stderr)
-    return EXIT_OK
+    for t in doc["tiers"]:
+        if t["error"]:
+            print(f"tiercel: error: tier '{t['name']}' cannot be listed: {t['error']}", file=sys.stderr)
+    return code

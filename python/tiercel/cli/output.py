@@ -7,6 +7,10 @@ import sys
 import time
 from typing import Any, Callable, Collection, Sequence, TextIO
 
+from .._text import count
+
+__all__ = ["Progress", "count", "fmt_bytes", "fmt_ratio", "fmt_time", "json_out", "table"]
+
 
 def fmt_bytes(n: int | None) -> str:
     if n is None:
@@ -19,10 +23,6 @@ def fmt_bytes(n: int | None) -> str:
         if x < 1024 or unit == "PiB":
             return f"{x:.1f} {unit}"
     raise AssertionError
-
-
-def count(n: int, word: str, plural: str | None = None) -> str:
-    return f"{n} {word if n == 1 else plural or word + 's'}"
 
 
 def fmt_time(t: float | None) -> str:
@@ -46,20 +46,20 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Collecti
 
 
 class Progress:
-    """done/total and bytes on one stderr line. On a terminal the line is redrawn in place;
-    elsewhere nothing is drawn while it runs (or, with `lines`, one line per update) and the
-    final message is written as one line."""
+    """A progress bar on one stderr line, redrawn in place at most ten times a second: done of
+    total units (pluralized), and with a byte total, bytes, rate and time left. Drawn on a
+    terminal only; elsewhere only `finish`'s message is written, as one line."""
 
     WIDTH = 24
 
     def __init__(self, label: str, total: int, total_bytes: int | None = None, *, unit: str = "",
-                 lines: bool = False, stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic):
+                 stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic):
         self.stream = stream if stream is not None else sys.stderr
         try:
             self.tty = self.stream.isatty()
         except (AttributeError, ValueError):
             self.tty = False
-        self.label, self.total, self.total_bytes, self.unit, self.lines = label, total, total_bytes, unit, lines
+        self.label, self.total, self.total_bytes, self.unit = label, total, total_bytes, unit
         self.done = 0
         self.nbytes = 0
         self._clock = clock
@@ -78,9 +78,8 @@ class Progress:
     def _text(self) -> str:
         frac = self.nbytes / self.total_bytes if self.total_bytes else (self.done / self.total if self.total else 1.0)
         fill = min(self.WIDTH, int(frac * self.WIDTH))
-        text = f"{self.label} [{'#' * fill}{'.' * (self.WIDTH - fill)}] {self.done}/{self.total}"
-        if self.unit:
-            text += f" {self.unit}"
+        text = f"{self.label} [{'#' * fill}{'.' * (self.WIDTH - fill)}] {self.done}/"
+        text += count(self.total, self.unit) if self.unit else str(self.total)
         if self.total_bytes is not None:
             text += f"  {fmt_bytes(self.nbytes)} / {fmt_bytes(self.total_bytes)}" + self._rate()
         return text
@@ -96,14 +95,6 @@ class Progress:
                 self._drawn = now
                 self.stream.write("\r" + self._text() + "\x1b[K")
                 self.stream.flush()
-        elif self.lines:
-            text = f"{self.label}: {self.done}/{self.total}"
-            if self.unit:
-                text += f" {self.unit}"
-            if self.total_bytes is not None:
-                text += f", {fmt_bytes(self.nbytes)} / {fmt_bytes(self.total_bytes)}"
-            self.stream.write(text + "\n")
-            self.stream.flush()
 
     def finish(self, message: str | None = None) -> None:
         if self.tty:

@@ -20,7 +20,8 @@ VERIFY_BATCH_BYTES = 64 << 20
 @dataclass
 class Problem:
     tier: str
-    step: int
+    #: None when the tier itself could not be listed.
+    step: int | None
     rank: int | None
     item: str | None
     #: "corrupt" (checksum, decode, missing data: exit 1) or "error" (could not check: exit 4).
@@ -28,7 +29,7 @@ class Problem:
     message: str
 
     def where(self) -> str:
-        w = f"tier '{self.tier}' step {self.step}"
+        w = f"tier '{self.tier}'" + (f" step {self.step}" if self.step is not None else "")
         if self.rank is not None:
             w += f" rank {self.rank}"
         if self.item is not None:
@@ -84,7 +85,7 @@ def _verify_step(ctx: Ctx, tier: str, info: StepInfo) -> tuple[list[Problem], di
         except _core.TiercelError as e:
             problems.append(Problem(tier, step, r, None, _problem_kind(e), str(e)))
     total = sum(it["nbytes"] for _, _, m in readers for it in m["items"])
-    prog = Progress(f"verify {tier} step {step}", ws, total, unit="ranks")
+    prog = Progress(f"verify {tier} step {step}", ws, total, unit="rank")
     done_bytes = 0
     for n, (r, rd, m) in enumerate(readers, 1):
         items = m["items"]
@@ -117,7 +118,7 @@ def _verify_step(ctx: Ctx, tier: str, info: StepInfo) -> tuple[list[Problem], di
             pass
     checked["ok"] = not problems
     status = "ok" if not problems else f"{len(problems)} bad"
-    prog.finish(f"verify: tier '{tier}' step {step}: {checked['ranks']}/{ws} ranks, {checked['items']} items, "
+    prog.finish(f"verify: tier '{tier}' step {step}: {checked['ranks']}/{count(ws, 'rank')}, {count(checked['items'], 'item')}, "
                 f"{fmt_bytes(done_bytes)}: {status}")
     return problems, checked
 
@@ -126,23 +127,33 @@ def cmd_verify(ctx: Ctx) -> int:
     a = ctx.args
     tiers = ctx.selected_tiers(a.tier)
     targets: list[tuple[str, StepInfo]] = []
+    problems: list[Problem] = []
     for t in tiers:
-        for info in ctx.scan(t):
+        try:
+            infos = ctx.scan(t)
+        except _core.TiercelError as e:  # one tier out of reach: check the others
+            problems.append(Problem(t, None, None, None, "error", f"cannot list the tier: {e}"))
+            continue
+        for info in infos:
             if info.state == "uncommitted":
                 continue
             if a.step is None or info.step == a.step:
                 targets.append((t, info))
-    if a.step is not None and not targets:
+    if a.step is not None and not targets and not problems:
         ctx.require_committed(a.step, tiers)  # raises NotFoundError naming what there is
-    problems: list[Problem] = []
     checked: list[dict] = []
+
+    def report(found: list[Problem]) -> None:
+        if not a.json:
+            for pr in found:
+                print(f"{pr.kind.upper()}: {pr.where()}: {pr.detail()}", flush=True)
+
+    report(problems)
     for t, info in targets:
         p, c = _verify_step(ctx, t, info)
         problems += p
         checked.append(c)
-        for pr in p:
-            if not a.json:
-                print(f"{pr.kind.upper()}: {pr.where()}: {pr.detail()}", flush=True)
+        report(p)
     corrupt = any(p.kind == "corrupt" for p in problems)
     code = EXIT_CORRUPT if corrupt else EXIT_ERROR if problems else EXIT_OK
     if a.json:
@@ -150,7 +161,8 @@ def cmd_verify(ctx: Ctx) -> int:
         return code
     steps = [c for c in checked if not c["vanished"]]
     if not steps:
-        print(f"nothing to verify: no committed steps on {', '.join(tiers)}")
+        unlisted = f"; {count(len(problems), 'tier')} could not be listed" if problems else ""
+        print(f"nothing to verify: no committed steps on {', '.join(tiers)}{unlisted}")
         return code
     summary = (f"verified {count(len(steps), 'step copy', 'step copies')} on {', '.join(sorted({c['tier'] for c in steps}, key=tiers.index))}: "
                f"{count(sum(c['ranks'] for c in steps), 'rank')}, {count(sum(c['items'] for c in steps), 'item')}, "

@@ -149,7 +149,7 @@ fn restore_check(store: &Arc<Store>, step: u64, tiers: Option<&[String]>, puts: 
 }
 
 fn steps_of(store: &Store) -> Vec<(String, Vec<u64>)> {
-    store.steps().unwrap()
+    store.steps().into_iter().map(|(name, steps)| (name, steps.unwrap())).collect()
 }
 
 fn files_under(p: &Path) -> Vec<PathBuf> {

@@ -74,6 +74,12 @@ impl Store {
         self.inner.policy.chunk_size
     }
 
+    /// `[store] pickle`: "warn", "error" or "allow".
+    #[getter]
+    fn pickle(&self) -> &'static str {
+        self.inner.policy.pickle.as_str()
+    }
+
     /// The tiers in policy order, as dicts.
     fn tiers<'py>(&self, py: Python<'py>) -> TcResult<Vec<Bound<'py, PyDict>>> {
         self.inner
@@ -95,9 +101,42 @@ impl Store {
             .collect()
     }
 
-    /// Committed steps per tier: [(tier, [steps])].
-    fn steps(&self, py: Python<'_>) -> TcResult<Vec<(String, Vec<u64>)>> {
-        Ok(py.allow_threads(|| self.inner.steps())?)
+    /// Committed steps per tier: [(tier, [steps] or None, None or why it cannot be listed)].
+    fn steps(&self, py: Python<'_>) -> Vec<(String, Option<Vec<u64>>, Option<String>)> {
+        py.allow_threads(|| self.inner.steps())
+            .into_iter()
+            .map(|(name, r)| match r {
+                Ok(steps) => (name, Some(steps), None),
+                Err(e) => (name, None, Some(e.to_string())),
+            })
+            .collect()
+    }
+
+    /// What this process has done per tier, in policy order: [{"tier", "steps_written",
+    /// "bytes_written", "write_seconds", "write_bytes_per_second", "steps_read", "bytes_read",
+    /// "last_step", "lag_steps", "lag_seconds", "queue_depth", "skips", "failures"}].
+    fn metrics<'py>(&self, py: Python<'py>) -> TcResult<Vec<Bound<'py, PyDict>>> {
+        self.inner
+            .metrics()
+            .into_iter()
+            .map(|m| {
+                let d = PyDict::new(py);
+                d.set_item("tier", m.tier)?;
+                d.set_item("steps_written", m.steps_written)?;
+                d.set_item("bytes_written", m.bytes_written)?;
+                d.set_item("write_seconds", m.write_seconds)?;
+                d.set_item("write_bytes_per_second", m.write_bytes_per_second)?;
+                d.set_item("steps_read", m.steps_read)?;
+                d.set_item("bytes_read", m.bytes_read)?;
+                d.set_item("last_step", m.last_step)?;
+                d.set_item("lag_steps", m.lag_steps)?;
+                d.set_item("lag_seconds", m.lag_seconds)?;
+                d.set_item("queue_depth", m.queue_depth)?;
+                d.set_item("skips", m.skips)?;
+                d.set_item("failures", m.failures)?;
+                Ok(d)
+            })
+            .collect()
     }
 
     /// Every step on a tier, committed or not.
@@ -153,10 +192,10 @@ impl Store {
     /// Copies a committed step (every rank) between tiers; `progress(done, total)` per rank.
     #[pyo3(signature = (step, source, dest, progress=None))]
     fn copy_step(&self, py: Python<'_>, step: u64, source: &str, dest: &str, progress: Option<PyObject>) -> TcResult<()> {
-        let report = |done: u32, total: u32| {
+        let report = |done: u32, total: u32, nbytes: u64| {
             if let Some(cb) = &progress {
                 Python::with_gil(|py| {
-                    let _ = cb.call1(py, (done, total));
+                    let _ = cb.call1(py, (done, total, nbytes));
                 });
             }
         };

@@ -12,7 +12,7 @@ use object_store::path::Path as ObjPath;
 use object_store::{GetOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
 use super::block_on;
-use super::settings::{gcs_builder, s3_builder, sanitize, Env, Secrets};
+use super::settings::{gcs_builder, s3_builder, sanitize, Env, NoCredentials, Secrets};
 use super::uploads::host_id;
 use super::writer::ObjectWriter;
 use crate::blobs::{BlobWriter, Blobs};
@@ -31,6 +31,8 @@ pub(super) struct Inner {
     pub(super) part_size: usize,
     pub(super) concurrency: usize,
     pub(super) secrets: Secrets,
+    /// Set when no credentials were found and the client falls back to instance metadata.
+    pub(super) no_credentials: Option<NoCredentials>,
     /// Set once the store has said it cannot create-if-absent.
     pub(super) no_conditional_put: AtomicBool,
     /// This process, as upload markers name it: host (and pid namespace) and pid.
@@ -57,16 +59,17 @@ impl ObjectBlobs {
             Error::config(format!("tier '{name}': cannot set up a client for {url}: {}", sanitize(&e.to_string(), secrets)))
         };
         let context = |e: Error| e.context(format!("tier '{name}'"));
-        let (store, multipart, secrets): (Arc<dyn ObjectStore>, Arc<dyn MultipartStore>, Secrets) = match spec {
+        type Clients = (Arc<dyn ObjectStore>, Arc<dyn MultipartStore>, Secrets, Option<NoCredentials>);
+        let (store, multipart, secrets, no_credentials): Clients = match spec {
             TierSpec::Gcs(_) => {
                 let (b, secrets) = gcs_builder(&url, opts, env).map_err(context)?;
                 let s = Arc::new(b.build().map_err(|e| fail(e, &secrets))?);
-                (s.clone(), s, secrets)
+                (s.clone(), s, secrets, None)
             }
             _ => {
-                let (b, secrets) = s3_builder(&url, opts, env).map_err(context)?;
+                let (b, secrets, no_credentials) = s3_builder(&url, opts, env).map_err(context)?;
                 let s = Arc::new(b.build().map_err(|e| fail(e, &secrets))?);
-                (s.clone(), s, secrets)
+                (s.clone(), s, secrets, no_credentials)
             }
         };
         let prefix = url.splitn(4, '/').nth(3).unwrap_or("").to_string();
@@ -80,6 +83,7 @@ impl ObjectBlobs {
                 part_size: opts.part_size as usize,
                 concurrency: opts.concurrency.max(1),
                 secrets,
+                no_credentials,
                 no_conditional_put: AtomicBool::new(false),
                 host: host_id(),
             }),
@@ -114,7 +118,10 @@ impl Inner {
                  the $AWS_PROFILE profile for s3; GOOGLE_APPLICATION_CREDENTIALS for gcs)",
                 self.tier
             )),
-            _ => Error::unavailable(format!("tier '{}': {op} {what}: {text}", self.tier)),
+            _ => match self.no_credentials.as_ref().and_then(|n| n.explain(&self.tier, &text)) {
+                Some(m) => Error::unavailable(format!("{m} ({op} {what})")),
+                None => Error::unavailable(format!("tier '{}': {op} {what}: {text}", self.tier)),
+            },
         };
         e.with_tier(&self.tier).with_path(what)
     }

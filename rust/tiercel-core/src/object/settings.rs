@@ -159,7 +159,31 @@ fn default_timeout(part_size: u64) -> u64 {
 }
 
 /// The S3 client builder for `url` with settings from files, environment and policy.
-pub(super) fn s3_builder(url: &str, o: &ObjectOptions, env: &Env) -> Result<(AmazonS3Builder, Secrets)> {
+/// Where an s3 tier looked for credentials and found none, when the client's last resort is
+/// the instance-metadata service: on a machine that is no cloud VM, that service's answer (a
+/// 403, a timeout) would otherwise be the whole message.
+#[derive(Debug, Clone)]
+pub(super) struct NoCredentials {
+    pub looked_in: String,
+    /// The metadata service's base URL, as it appears in the client's errors.
+    pub metadata: String,
+}
+
+impl NoCredentials {
+    /// The message for a failed request whose error text is `text`, if the failure was the
+    /// last-resort credential lookup.
+    pub fn explain(&self, tier: &str, text: &str) -> Option<String> {
+        text.contains(&self.metadata).then(|| {
+            format!(
+                "no credentials found for tier '{tier}' (looked in: {}; then the instance metadata service at {}, which \
+                 failed: {text}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or a profile in ~/.aws/credentials",
+                self.looked_in, self.metadata
+            )
+        })
+    }
+}
+
+pub(super) fn s3_builder(url: &str, o: &ObjectOptions, env: &Env) -> Result<(AmazonS3Builder, Secrets, Option<NoCredentials>)> {
     let mut b = AmazonS3Builder::new();
     let mut secrets = Secrets::default();
     let mut set_by_env = std::collections::HashSet::new();
@@ -246,10 +270,27 @@ pub(super) fn s3_builder(url: &str, o: &ObjectOptions, env: &Env) -> Result<(Ama
         || b.get_config_value(&AmazonS3ConfigKey::WebIdentityTokenFile).is_some()
         || b.get_config_value(&AmazonS3ConfigKey::ContainerCredentialsRelativeUri).is_some()
         || b.get_config_value(&AmazonS3ConfigKey::ContainerCredentialsFullUri).is_some();
-    if !has_credentials && b.get_config_value(&AmazonS3ConfigKey::Endpoint).is_some() {
+    let custom_endpoint = b.get_config_value(&AmazonS3ConfigKey::Endpoint).is_some();
+    if !has_credentials && custom_endpoint {
         b = b.with_config(AmazonS3ConfigKey::SkipSignature, "true");
     }
-    Ok((b.with_url(url), secrets))
+    let no_credentials = (!has_credentials && !custom_endpoint).then(|| {
+        let profile = env.get("AWS_PROFILE").or_else(|| env.get("AWS_DEFAULT_PROFILE")).unwrap_or("default");
+        let creds = env.get("AWS_SHARED_CREDENTIALS_FILE").unwrap_or("~/.aws/credentials");
+        let config = env.get("AWS_CONFIG_FILE").unwrap_or("~/.aws/config");
+        NoCredentials {
+            looked_in: format!(
+                "env AWS_ACCESS_KEY_ID, AWS_WEB_IDENTITY_TOKEN_FILE, AWS_CONTAINER_CREDENTIALS_*; {creds} and {config} \
+                 (profile '{profile}'); the policy"
+            ),
+            metadata: b
+                .get_config_value(&AmazonS3ConfigKey::MetadataEndpoint)
+                .unwrap_or_else(|| "http://169.254.169.254".to_string())
+                .trim_end_matches('/')
+                .to_string(),
+        }
+    });
+    Ok((b.with_url(url), secrets, no_credentials))
 }
 
 /// The GCS client builder for `url` with settings from files, environment and policy.

@@ -7,7 +7,8 @@ use super::source::{line_of, Node, Value};
 use super::tier::*;
 use super::units::{parse_bandwidth, parse_size, Compression, DEFAULT_ZSTD_LEVEL};
 use super::{
-    Policy, CHUNK_ALIGN, DEFAULT_CHUNK_SIZE, DEFAULT_IO_THREADS, DEFAULT_MEMORY_KEEP, MAX_CHUNK_SIZE, MAX_DEFAULT_THREADS, MIN_CHUNK_SIZE,
+    PickleMode, Policy, CHUNK_ALIGN, DEFAULT_CHUNK_SIZE, DEFAULT_IO_THREADS, DEFAULT_MEMORY_KEEP, MAX_CHUNK_SIZE, MAX_DEFAULT_THREADS,
+    MIN_CHUNK_SIZE,
 };
 use crate::error::{Error, Result};
 
@@ -43,7 +44,7 @@ const RESTORE_KEYS: &[&str] = &["order", "resume_from"];
 const MAX_THREADS: usize = 1024;
 const MAX_IO_THREADS: usize = 256;
 
-pub(super) const STORE_KEYS: &[&str] = &["chunk_size", "threads", "io_threads", "run", "other_jobs"];
+pub(super) const STORE_KEYS: &[&str] = &["chunk_size", "threads", "io_threads", "run", "other_jobs", "pickle"];
 /// Where each key belongs, to point a key written in the wrong table to the right one.
 const SECTIONS: &[(&str, &[&str])] =
     &[("the top level", TOP_KEYS), ("[[tier]]", TIER_KEYS), ("[restore]", RESTORE_KEYS), ("[store]", STORE_KEYS)];
@@ -219,6 +220,7 @@ impl Checker<'_> {
             run: None,
             refuse_other_jobs: false,
             resume_from,
+            pickle: PickleMode::default(),
         };
         if let Some(node) = get("store") {
             self.store(node, &mut policy)?;
@@ -536,6 +538,11 @@ impl Checker<'_> {
                     "refuse" => policy.refuse_other_jobs = true,
                     _ => return Err(self.expected(value, &path, "\"ignore\" or \"refuse\"")),
                 },
+                "pickle" => {
+                    let s = self.string(value, &path)?;
+                    policy.pickle = PickleMode::parse(s)
+                        .ok_or_else(|| self.expected(value, &path, "\"warn\" (the default), \"error\" or \"allow\""))?;
+                }
                 _ => unreachable!("check_keys admits only STORE_KEYS"),
             }
         }

@@ -57,6 +57,43 @@ pub struct Policy {
     /// `[restore] resume_from`: the run id of another job whose steps this job may restore
     /// (and then saves on from).
     pub resume_from: Option<String>,
+    /// What happens to values that can only be stored by pickling them (`[store] pickle`).
+    pub pickle: PickleMode,
+}
+
+/// `[store] pickle`: values no leaf handler claims are pickled; unpickling runs code chosen by
+/// whoever wrote the checkpoint. The store writes and reads pickles as this says (the rule
+/// itself is applied in Python, where pickles are made and loaded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PickleMode {
+    /// Pickle with a warning naming the value; refuse to unpickle on restore.
+    #[default]
+    Warn,
+    /// Refuse to pickle (the save fails naming the value) and to unpickle.
+    Error,
+    /// Pickle and unpickle silently: for checkpoints the job trusts.
+    Allow,
+}
+
+impl PickleMode {
+    pub const NAMES: [&'static str; 3] = ["warn", "error", "allow"];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PickleMode::Warn => "warn",
+            PickleMode::Error => "error",
+            PickleMode::Allow => "allow",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<PickleMode> {
+        match s {
+            "warn" => Some(PickleMode::Warn),
+            "error" => Some(PickleMode::Error),
+            "allow" => Some(PickleMode::Allow),
+            _ => None,
+        }
+    }
 }
 
 impl Policy {

@@ -104,6 +104,17 @@ fn store_settings_and_file_urls() {
 }
 
 #[test]
+fn pickle_mode_defaults_to_warn_and_names_its_values() {
+    assert_eq!(Policy::from_toml(MINIMAL, "p.toml").unwrap().pickle, PickleMode::Warn);
+    for mode in PickleMode::NAMES {
+        let p = Policy::from_toml(&format!("{MINIMAL}[store]\npickle = \"{mode}\"\n"), "p.toml").unwrap();
+        assert_eq!(p.pickle.as_str(), mode);
+    }
+    let msg = toml_err(&format!("{MINIMAL}[store]\npickle = \"never\"\n"));
+    assert_at(&msg, 6, &["store.pickle", "expected \"warn\" (the default), \"error\" or \"allow\", got \"never\""]);
+}
+
+#[test]
 fn load_reads_a_file_and_names_a_missing_one() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiercel.toml");

@@ -8,6 +8,7 @@
 mod copy;
 mod handle;
 mod job;
+mod metrics;
 mod restore;
 mod save;
 
@@ -26,6 +27,7 @@ use crate::tier::{run_gc, Tier};
 pub use copy::copy_step;
 pub use handle::{SaveHandle, TierState};
 pub use job::{job_of, JobFilter, RUN_ID_VARS};
+pub use metrics::{Metrics, TierMetrics};
 pub use restore::{ItemData, StepReader};
 pub use save::{ItemSpec, StepWriter};
 
@@ -52,6 +54,7 @@ pub struct Store {
     foreign: job::Foreign,
     /// Opened for tools (`open_as`): every job's steps count as this job's.
     tool: bool,
+    metrics: Metrics,
 }
 
 /// The slot of the memory tier, into which every save copies first: policy validation puts
@@ -86,6 +89,12 @@ impl Store {
         for s in &slots {
             s.tier.set_job(&job);
         }
+        if let (Some(p), 1) = (&peer, world_size) {
+            // A job of one process is on one host: fewer than any `replicas`, so the peer tier
+            // runs degraded from the start (a larger job learns its hosts in `set_cluster`).
+            p.set_cluster(&job.run.clone().unwrap_or_default(), &["this host".to_string()], &[p.local_addr().to_string()])?;
+        }
+        let metrics = Metrics::new(policy.tiers.iter().map(|t| t.name.clone()));
         let store = Store {
             policy,
             rank,
@@ -99,6 +108,7 @@ impl Store {
             job,
             foreign: Default::default(),
             tool,
+            metrics,
         };
         if !tool {
             store.check_other_jobs()?;
@@ -161,9 +171,22 @@ impl Store {
         self.peer.as_ref()
     }
 
+    /// What this process has done per tier, in policy order (see `metrics`).
+    pub fn metrics(&self) -> Vec<TierMetrics> {
+        self.metrics.snapshot()
+    }
+
+    /// Why tier `name` cannot take a step now, if it cannot: a peer tier on fewer hosts than
+    /// its `replicas` ("not enough hosts (1 < 2)"). Saves skip it with that reason.
+    pub fn degraded(&self, name: &str) -> Option<String> {
+        self.peer.as_ref().filter(|p| p.name() == name).and_then(|p| p.degraded())
+    }
+
     /// Committed steps per tier, in policy order.
-    pub fn steps(&self) -> Result<Vec<(String, Vec<u64>)>> {
-        self.slots.iter().map(|s| Ok((s.config.name.clone(), s.tier.committed_steps()?))).collect()
+    pub fn steps(&self) -> Vec<(String, Result<Vec<u64>>)> {
+        // Per tier: one that cannot be listed (a server down) gives its error and hides none
+        // of the others.
+        self.slots.iter().map(|s| (s.config.name.clone(), s.tier.committed_steps())).collect()
     }
 
     /// Steps this rank could restore from some tier in restore order, newest last. A tier

@@ -3,6 +3,7 @@
 //! tier when it can, else chunk by chunk from the first tier with a valid copy.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -39,6 +40,9 @@ pub struct StepReader {
     /// Problems met on the way (a bad chunk read from the next tier instead, a tier whose
     /// manifest could not be read), for logs and for the caller to show.
     pub warnings: Mutex<Vec<String>>,
+    /// Counted as a step read (of its first source) once something is read, not on open:
+    /// a restore opens readers just to see whether a step can be read.
+    counted: AtomicBool,
     /// Objects of the first source mapped so far (memory tier), by name: mapped once for the
     /// reader's life, so reading many items or ranges of one part does not map (and
     /// pre-populate) the whole part again each time.
@@ -90,8 +94,9 @@ impl StepReader {
             seen.push(name.clone());
             if rank >= record.world_size {
                 return Err(Error::invalid(format!(
-                    "tier '{name}': step {step} was saved by {} ranks; there is no rank {rank}",
-                    record.world_size
+                    "tier '{name}': step {step} was saved by {} rank{}; there is no rank {rank}",
+                    record.world_size,
+                    if record.world_size == 1 { "" } else { "s" }
                 ))
                 .with_tier(name.as_str())
                 .at(step, rank));
@@ -122,7 +127,15 @@ impl StepReader {
         for w in &warnings {
             log::warn!("{w}");
         }
-        Ok(StepReader { step, rank, sources, store: store.clone(), warnings: Mutex::new(warnings), views: Mutex::new(HashMap::new()) })
+        Ok(StepReader {
+            step,
+            rank,
+            sources,
+            store: store.clone(),
+            warnings: Mutex::new(warnings),
+            counted: AtomicBool::new(false),
+            views: Mutex::new(HashMap::new()),
+        })
     }
 
     /// The manifest of the first tier that has the step.
@@ -185,6 +198,9 @@ impl StepReader {
 
     /// Bytes `start..end` of item `i`: zero-copy if it can, else chunk by chunk.
     fn read_span(&self, i: usize, start: u64, end: u64, views: &mut HashMap<String, Arc<View>>) -> Result<(ItemData, String)> {
+        if !self.counted.swap(true, Ordering::Relaxed) {
+            self.store.metrics.tier(self.sources[0].0).step_read();
+        }
         if let Some(v) = self.try_zero_copy(i, start, end, views)? {
             return Ok(v);
         }
@@ -240,6 +256,7 @@ impl StepReader {
         }
         // The first overlapping chunk starts at or before `start` (chunks tile the item).
         let (offset, len) = ((first.stored_offset + (start - first.offset)) as usize, (end - start) as usize);
+        self.store.metrics.tier(*idx).read(len as u64);
         Ok(Some((ItemData::View { view, offset, len }, slot.config.name.clone())))
     }
 
@@ -304,6 +321,7 @@ impl StepReader {
             };
             match read_chunk(tier, m, j, c, dst) {
                 Ok(()) => {
+                    self.store.metrics.tier(*idx).read(dst.len() as u64);
                     if s > 0 {
                         let msg = format!(
                             "step {} rank {} item '{}' chunk {c} read from tier '{}' after: {}",

@@ -3,10 +3,11 @@
 //! publishes and commits it there, then hands it to every other tier's job.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use rayon::prelude::*;
 
-use super::{SaveHandle, Store, TierState};
+use super::{SaveHandle, Store, TierState, MEMORY_SLOT};
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkMeta, ItemMeta, Manifest, ObjectMeta, ShardInfo};
 use crate::scheduler::{Job, Priority, Start};
@@ -232,6 +233,7 @@ impl StepWriter {
         let handle = SaveHandle::new(manifest.step, &store.slots);
         store.track(&handle);
         let lease = self.lease.take();
+        store.metrics.saved(manifest.step);
         let (store2, handle2) = (store.clone(), handle.clone());
         store.scheduler.submit(Job {
             link: store.memory_slot().link.clone(),
@@ -251,6 +253,7 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
     let mem = store.memory_slot();
     let mem_name = mem.config.name.clone();
     handle.set(&mem_name, TierState::Running);
+    let started = Instant::now();
     let work = manifest.chunk_refs();
     let crcs: Vec<u32> = store.copy_pool.install(|| {
         work.par_iter()
@@ -274,11 +277,13 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
                 let memory = Arc::downgrade(&store.memory);
                 handle.set_probe(&mem_name, Box::new(move || memory.upgrade().is_some_and(|m| m.commit_record(step).is_ok())));
             }
+            store.metrics.tier(MEMORY_SLOT).written(step, manifest.total_bytes(), started.elapsed());
             handle.set(&mem_name, if committed { TierState::Done } else { TierState::Written })
         }
         Err(e) => {
             let e = e.context(format!("step {step} rank {}", store.rank)).with_tier(&mem_name).at(step, store.rank);
             log::error!("{e}");
+            store.metrics.tier(MEMORY_SLOT).failed();
             for (_, slot) in store.later_slots() {
                 handle.set(&slot.config.name, TierState::Skipped(format!("the memory tier failed: {}", e.message)));
             }
@@ -292,8 +297,14 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
             handle.set(&slot.config.name, TierState::NotScheduled);
             continue;
         }
+        if let Some(why) = store.degraded(&slot.config.name) {
+            store.metrics.tier(idx).skipped();
+            handle.set(&slot.config.name, TierState::Skipped(why));
+            continue;
+        }
         let (store2, handle2, manifest2, parts2) = (store.clone(), handle.clone(), manifest.clone(), parts.clone());
         let name = slot.config.name.clone();
+        store.metrics.tier(idx).queue(1);
         store.scheduler.submit(Job {
             link: slot.link.clone(),
             priority: slot.tier.priority(),
@@ -301,17 +312,33 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
             label: format!("step {step}"),
             supersede_key: Some(format!("persist:{name}")),
             run: Box::new(move |start| {
+                let counters = store2.metrics.tier(idx);
+                counters.queue(-1);
                 if let Start::Superseded { by } = start {
-                    handle2.set(&name, TierState::Skipped(format!("a newer save ({by}) replaced it while it waited")));
+                    // One line per skip at the default level: a tier falling behind shows.
+                    let why = format!("a newer save ({by}) replaced it while it waited");
+                    log::warn!("tier '{name}': step {step} of rank {} skipped: {why}", store2.rank);
+                    counters.skipped();
+                    handle2.set(&name, TierState::Skipped(why));
                     return;
                 }
                 handle2.set(&name, TierState::Running);
                 let slot = &store2.slots[idx];
                 let src = SegmentSource { manifest: &manifest2, segments: &parts2 };
+                let started = Instant::now();
                 let res = slot.tier.write_rank(&manifest2, &src, &slot.link).and_then(|_| slot.tier.try_commit(step, store2.world_size));
                 drop(parts2);
                 match res {
                     Ok(committed) => {
+                        let took = started.elapsed();
+                        counters.written(step, manifest2.total_bytes(), took);
+                        log::info!(
+                            "tier '{name}': step {step} of rank {} {} ({} bytes in {:.2} s)",
+                            store2.rank,
+                            if committed { "committed" } else { "written" },
+                            manifest2.total_bytes(),
+                            took.as_secs_f64()
+                        );
                         handle2.set(&name, if committed { TierState::Done } else { TierState::Written });
                         if let Err(e) = store2.retain(slot) {
                             log::warn!("tier '{name}': retention after step {step} failed: {e}");
@@ -323,6 +350,7 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
                             .with_tier(&name)
                             .at(step, store2.rank);
                         log::error!("{e}");
+                        counters.failed();
                         handle2.set(&name, TierState::Failed(e));
                     }
                 }

@@ -19,6 +19,7 @@ mod trust_tests;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -113,6 +114,11 @@ pub struct PeerTier {
     timeout: Duration,
     secret: Arc<RwLock<Option<Vec<u8>>>>,
     cluster: Arc<RwLock<Option<Cluster>>>,
+    /// Why the tier runs degraded, when the job spans fewer hosts than `replicas`: saves go
+    /// on without peer copies (their handles say so) and restores find none here.
+    degraded: RwLock<Option<String>>,
+    /// The one warning about running degraded has been logged.
+    warned: AtomicBool,
     idle: Mutex<HashMap<String, Vec<Conn>>>,
     /// Addresses whose last connect or transfer failed, and since when.
     down: Mutex<HashMap<String, Instant>>,
@@ -169,6 +175,8 @@ impl PeerTier {
             timeout: opts.timeout,
             secret,
             cluster,
+            degraded: RwLock::new(None),
+            warned: AtomicBool::new(false),
             idle: Mutex::new(HashMap::new()),
             down: Mutex::new(HashMap::new()),
             stats,
@@ -213,13 +221,38 @@ impl PeerTier {
             )));
         }
         let (host_of, names) = crate::placement::host_of_ranks(hosts_by_rank);
+        self.idle.lock().clear();
+        self.manifests.lock().clear();
+        if names.len() < self.replicas_wanted {
+            // Every copy must live on a distinct host: with too few hosts there is nowhere to
+            // put one. A job on one machine still saves and restores, without peer copies.
+            *self.cluster.write() = None;
+            *self.degraded.write() = Some(format!("not enough hosts ({} < {})", names.len(), self.replicas_wanted));
+            return Ok(());
+        }
+        // (At least `replicas` >= 2 hosts here: "hosts" is plural.)
         let placement = Placement::new(names.len(), self.replicas_wanted, self.strategy)
             .map_err(|e| e.context(format!("tier '{}': {} hosts ({})", self.name, names.len(), names.join(", "))))?;
         *self.cluster.write() = Some(Cluster { job: job.to_string(), host_of, names, addrs: addrs.to_vec(), placement });
         self.idle.lock().clear();
         self.down.lock().clear();
         self.manifests.lock().clear();
+        *self.degraded.write() = None;
         Ok(())
+    }
+
+    /// Why the tier cannot keep copies now ("not enough hosts (1 < 2)"), if it cannot. The
+    /// first time a save meets it, one warning is logged.
+    pub fn degraded(&self) -> Option<String> {
+        let why = self.degraded.read().clone()?;
+        if !self.warned.swap(true, Ordering::Relaxed) {
+            log::warn!(
+                "tier '{}': {why}: replicas = {} needs as many hosts (the failure domain); saves go on without peer copies",
+                self.name,
+                self.replicas_wanted
+            );
+        }
+        Some(why)
     }
 
     fn secret(&self) -> Result<Vec<u8>> {
@@ -227,6 +260,9 @@ impl PeerTier {
     }
 
     fn holders(&self, rank: u32) -> Result<Vec<HolderHost>> {
+        if self.degraded.read().is_some() {
+            return Ok(vec![]); // no peer host: nothing is held, nothing to ask
+        }
         let c = self.cluster.read();
         let c = c.as_ref().ok_or_else(|| {
             Error::unavailable(format!("tier '{}': the peers are not known yet (the store was not connected to its cluster)", self.name))

@@ -1,0 +1,137 @@
+"""Persistence falling behind shows: `store.metrics()` per tier (written, read, rate, last
+step, lag, queue, skips, failures), the same as Prometheus text and over HTTP for
+`tiercel stats`, one log line per skip and per failure at the default level, and `TIERCEL_LOG`
+levels that mean what config.md says.
+
+A real slow tier: an fs tier whose `bandwidth` makes each persist take ~0.3 s while saves come
+every few milliseconds, so queued persists are replaced by newer ones (skipped); a real
+failing tier: an s3 tier at a port nobody listens on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from test_multirank import free_port
+
+import tiercel
+from tiercel import cli, metrics
+
+from conftest import make_policy, run_python
+
+STEP_BYTES = 256 << 10
+
+
+def state(step: int) -> dict:
+    return {"w": np.full(STEP_BYTES // 4, step, dtype=np.float32)}
+
+
+@pytest.fixture
+def slow(shm_root, disk_root, make_store):
+    """ram, then disk with every = 1 at 1 MB/s: a 256 KiB persist takes ~0.26 s."""
+    return make_store(make_policy(shm_root, disk_root, every=1, compression="none", disk_opts={"bandwidth": "1MB/s"}))
+
+
+def test_counts_lag_skips_and_one_log_line_per_skip(slow, capfd):
+    handles = [slow.save(s, state(s)) for s in range(1, 9)]
+    slow.flush()
+    states = [h.wait(60)["disk"] for h in handles]
+    skipped = [s for s in states if s.startswith("skipped")]
+    assert skipped, states  # 8 saves in milliseconds, persists ~0.26 s each
+    m = slow.metrics()
+    ram, disk = m["ram"], m["disk"]
+    assert (ram["steps_written"], ram["bytes_written"], ram["last_step"], ram["lag_steps"]) == (8, 8 * STEP_BYTES, 8, 0)
+    assert ram["failures"] == 0 and ram["skips"] == 0 and ram["queue_depth"] == 0
+    assert disk["steps_written"] + disk["skips"] == 8 and disk["skips"] == len(skipped)
+    assert disk["bytes_written"] == disk["steps_written"] * STEP_BYTES
+    assert disk["last_step"] == 8 and disk["lag_steps"] == 0 and disk["queue_depth"] == 0  # the newest is never replaced
+    # Written at 1 MB/s: the rate says so (the token bucket allows a 50 ms burst).
+    assert 0.5e6 < disk["write_bytes_per_second"] < 2e6, disk
+    err = capfd.readouterr().err
+    lines = [l for l in err.splitlines() if "skipped: a newer save" in l]
+    assert len(lines) == len(skipped), err
+    assert all(re.match(r"tiercel warn: tier 'disk': step \d+ of rank 0 skipped: a newer save \(step \d+\)", l) for l in lines)
+
+    # Lag while a persist runs: a save the disk tier has not reached yet.
+    slow.save(9, state(9))
+    slow.save(10, state(10))
+    lagging = slow.metrics()["disk"]
+    assert lagging["lag_steps"] >= 1 and lagging["lag_seconds"] >= 0
+    slow.flush()
+
+    # Reads: from ram (zero-copy) and from disk alone.
+    slow.restore()
+    slow.reader(8, tiers=["disk"]).get_all()
+    m = slow.metrics()
+    assert (m["ram"]["steps_read"], m["ram"]["bytes_read"]) == (1, STEP_BYTES)
+    assert (m["disk"]["steps_read"], m["disk"]["bytes_read"]) == (1, STEP_BYTES)
+
+
+def test_failures_are_counted_and_logged(make_store, policy, monkeypatch, capfd):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    bucket = {"name": "bucket", "kind": "s3", "url": "s3://tiercel-test/m", "endpoint": f"http://127.0.0.1:{free_port()}",
+              "retries": 0, "timeout": 5}
+    store = make_store({**policy, "tier": policy["tier"] + [bucket]})
+    for s in (2, 4):
+        with pytest.raises(tiercel.TierUnavailableError, match=f"step {s}: tier 'bucket' failed: "):
+            store.save(s, state(s)).wait(60)
+    m = store.metrics()["bucket"]
+    assert (m["failures"], m["steps_written"], m["last_step"], m["lag_steps"]) == (2, 0, None, None)
+    err = capfd.readouterr().err
+    assert len([l for l in err.splitlines() if l.startswith("tiercel error: persisting step")]) == 2, err
+
+
+def test_prometheus_text_serve_and_tiercel_stats(slow, capsys):
+    slow.save(2, state(2)).wait(60)
+    text = metrics.prometheus_text(slow)
+    assert "# TYPE tiercel_steps_written_total counter" in text and "# TYPE tiercel_lag_steps gauge" in text
+    assert 'tiercel_steps_written_total{tier="disk",rank="0"} 1.0' in text
+    parsed = metrics.parse_prometheus(text)
+    for tier, m in slow.metrics().items():
+        assert parsed[(tier, 0)] == {k: float(v) for k, v in m.items() if v is not None}
+
+    server = metrics.serve(slow)
+    try:
+        url = f"127.0.0.1:{server.port}"
+        with urllib.request.urlopen(f"http://{url}/metrics", timeout=10) as r:
+            assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            assert r.read().decode() == metrics.prometheus_text(slow)
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(f"http://{url}/other", timeout=10)
+
+        assert cli.main(["stats", "--url", url]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].split() == ["TIER", "RANK", "STEPS", "WRITTEN", "RATE", "LAST", "LAG", "LAG", "S", "QUEUE", "SKIPS",
+                                  "FAILS", "READ"]
+        assert [l.split()[:3] for l in out[1:]] == [["ram", "0", "1"], ["disk", "0", "1"]]
+        assert cli.main(["stats", "--json", "--url", f"http://{url}/metrics"]) == 0
+        rows = json.loads(capsys.readouterr().out)["tiers"]
+        assert [(r["tier"], r["rank"], r["steps_written"], r["last_step"]) for r in rows] == [("ram", 0, 1, 2), ("disk", 0, 1, 2)]
+    finally:
+        server.close()
+    code = cli.main(["stats", "--url", f"127.0.0.1:{free_port()}"])
+    assert code == 4 and "cannot read metrics from http://127.0.0.1:" in capsys.readouterr().err
+
+
+LOG_CHILD = r"""
+import sys, numpy as np, tiercel
+policy = {"tier": [{"name": "ram", "kind": "memory", "root": sys.argv[1]},
+                   {"name": "disk", "kind": "fs", "url": sys.argv[2]}]}
+with tiercel.Store(policy, rank=0, world_size=1) as s:
+    s.save(3, {"x": np.ones(10)}).wait(60)
+"""
+
+
+@pytest.mark.parametrize("level, shown", [("info", True), ("warn", False), ("off", False)])
+def test_tiercel_log_levels(level, shown, shm_root, disk_root):
+    p = run_python(LOG_CHILD, str(shm_root), str(disk_root), env={"TIERCEL_LOG": level})
+    line = "tiercel info: tier 'disk': step 3 of rank 0 committed (80 bytes in "
+    assert (line in p.stderr) is shown, p.stderr
+    if level == "off":
+        assert p.stderr == ""
