@@ -36,13 +36,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import tiercel.dcp
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _measure import drop_page_cache, write_results
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+
+import tiercel.dcp
+
+from _measure import drop_page_cache, write_results
 
 HERE = Path(__file__).resolve().parent
 WORLD = 2

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import tiercel  # noqa: E402
+
 from servers import ACCESS_KEY, SECRET_KEY, MotoServer, SeaweedServer  # noqa: E402
 
 MiB = 1 << 20

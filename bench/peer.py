@@ -28,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from _measure import drop_page_cache, write_results
 from tiercel import _core
+
+from _measure import drop_page_cache, write_results
 
 HERE = Path(__file__).resolve().parent
 

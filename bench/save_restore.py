@@ -14,7 +14,6 @@ Targets (issue #2): save blocking <= 1.5x memcpy, restore from RAM <= 1.5x memcp
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -28,6 +27,7 @@ import numpy as np
 import torch
 
 import tiercel
+
 from _measure import drop_page_cache, median_time, write_results
 
 HERE = Path(__file__).resolve().parent

@@ -23,7 +23,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import tiercel.dcp
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -32,6 +31,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+
+import tiercel.dcp
 
 DIM = 64
 

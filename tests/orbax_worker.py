@@ -20,11 +20,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from orbax_state import COLS, ROWS, global_values
 
 import tiercel
 import tiercel.orbax
 from tiercel.leaves import Leaf, LeafHandler, register
+
+from orbax_state import COLS, ROWS, global_values
 
 #: This process's part: phase, pid, nproc, ndev, port, out, policy, dir, ... (see main).
 CFG: dict[str, Any] = {}

@@ -12,9 +12,9 @@ import threading
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import tiercel
+
 from conftest import (
     assert_same,
     du,

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import tiercel
+
 from conftest import assert_same, error_of
 
 GOOD = """\

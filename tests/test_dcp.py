@@ -15,16 +15,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-import tiercel
-import tiercel.dcp
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import tiercel
+import tiercel.dcp
+from tiercel.dcp.reader import metadata_bytes, unpickle_metadata
+
 from conftest import assert_same, chunk_location, error_of, flip_byte, make_policy, manifest_path, read_manifest, step_dir
 from dcp_worker import build_model
 from test_multirank import run_ranks
-from tiercel.dcp.reader import metadata_bytes, unpickle_metadata
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 SCRIPT = "import dcp_worker; dcp_worker.main()"
 

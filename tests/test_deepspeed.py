@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 import torch
-from test_multirank import run_ranks
 from test_peer import base  # noqa: F401 - the fixture: a run directory with per-host /dev/shm roots
 
 import tiercel
@@ -30,6 +29,7 @@ import tiercel.deepspeed
 from tiercel.deepspeed.layout import Layout, Save, step_for_tag
 
 from conftest import PYTHON, assert_same, child_env, make_policy
+from test_multirank import run_ranks
 
 pytest.importorskip("deepspeed")  # the ranks run it; this process never imports it
 

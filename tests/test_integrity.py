@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tiercel
+
 from conftest import (
     assert_same,
     chunk_location,

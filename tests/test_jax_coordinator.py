@@ -6,7 +6,6 @@ each other, and agree on the step to restore, with no torch.distributed anywhere
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import time

@@ -9,11 +9,11 @@ import json
 
 import numpy as np
 import pytest
-from test_multirank import run_ranks
 
 import tiercel
 
 from conftest import error_of, make_policy, step_dir
+from test_multirank import run_ranks
 
 
 def state(step: int, n: int = 1000) -> dict:

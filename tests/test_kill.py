@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import threading
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import tiercel
-from conftest import PYTHON, assert_same, child_env, make_policy, step_dir
+
+from conftest import PYTHON, assert_same, child_env, make_policy
 
 SEED = 20240601
 RUNS = 6

@@ -17,12 +17,12 @@ import urllib.request
 
 import numpy as np
 import pytest
-from test_multirank import free_port
 
 import tiercel
 from tiercel import cli, metrics
 
 from conftest import make_policy, run_python
+from test_multirank import free_port
 
 STEP_BYTES = 256 << 10
 

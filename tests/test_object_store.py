@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import tiercel
+
 from faultproxy import FaultProxy
 from servers import SECRET_KEY, gcs_server, moto_server, s3_env, seaweed_server  # noqa: F401 (fixtures)
 

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from orbax_state import COLS, ROWS
-from test_multirank import free_port
 
 from conftest import PYTHON, TESTS_DIR, child_env, make_policy, new_shm_root, run_isolated, run_python
+from orbax_state import COLS, ROWS
+from test_multirank import free_port
 
 pytest.importorskip("jax")
 pytest.importorskip("orbax.checkpoint")

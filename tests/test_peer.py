@@ -9,9 +9,9 @@ import json
 import shutil
 
 import pytest
-from test_multirank import run_ranks
 
 from conftest import new_shm_root
+from test_multirank import run_ranks
 
 WORKER = r"""
 import json, os, sys

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 
-
 import tiercel
+from tiercel.advertise import advertised_address, is_loopback
+
 from conftest import error_of, make_policy
 from test_multirank import run_ranks
-from tiercel.advertise import advertised_address, is_loopback
 
 
 def peer_policy(shm_root, **peer) -> dict:

@@ -9,9 +9,11 @@ import random
 
 import numpy as np
 import pytest
+import torch
+
 import tiercel
 import tiercel.torch
-import torch
+
 from conftest import error_of, run_python
 
 

@@ -14,9 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
-from test_multirank import free_port
 
 from conftest import assert_same
+from test_multirank import free_port
 
 
 def with_bucket(policy: dict, **opts) -> dict:

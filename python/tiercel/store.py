@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from . import _core
 from .advertise import advertised_address, is_loopback
 from .coordinator import Coordinator, default_coordinator
-from .errors import ConfigError, InvalidArgumentError, NotFoundError, TiercelError
+from .errors import InvalidArgumentError, NotFoundError, TiercelError
 from .step import Reader, RestoreInfo, SaveHandle, Writer
 
 PolicyLike = str | os.PathLike | Mapping[str, Any]

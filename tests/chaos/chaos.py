@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import tiercel
+
 from chaos_state import state
 from conftest import PYTHON, assert_same, child_env
 

@@ -11,9 +11,9 @@ import os
 import random
 
 import numpy as np
-import pytest
 
 import tiercel
+
 from conftest import assert_same, make_policy, manifest_path
 
 FLIPS = int(os.environ.get("TIERCEL_SWEEP_FLIPS", "300"))
