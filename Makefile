@@ -71,8 +71,14 @@ chaos: build
 	TIERCEL_CHAOS_KILLS=700 TIERCEL_CHAOS_PEER_KILLS=25 TIERCEL_SWEEP_FLIPS=1500 $(PY) -m pytest -q -s tests/chaos
 	TIERCEL_FUZZ_SECS=60 cargo test --release -p tiercel-core --lib fuzz -- --nocapture
 
+# The benchmarks of docs/performance.md, each against its physical limit and the framework's
+# own checkpointer in the same run. Run them on an otherwise idle machine.
 bench: build
 	$(PY) bench/save_restore.py
+	$(PY) bench/peer.py
+	$(PY) bench/deepspeed.py
+	$(PY) bench/dcp.py
+	$(PY) bench/orbax.py
 
 clean:
 	rm -rf $(BUILD_STAMP) $(WHEEL_STAMP) python/tiercel/_core*.so
