@@ -158,14 +158,16 @@ class Reader:
     """One rank's view of a committed step; reads only the items (or byte ranges) asked for."""
 
     def __init__(self, store: Store, step: int, rank: int | None = None, tiers: list[str] | None = None,
-                 job: str | None = None):
+                 job: str | None = None, *, trust_pickles: bool = False):
         self._core = store._core.reader(step, rank, tiers, job)
         self.step = step
         self.rank: int = self._core.rank
         #: The manifest of the first tier in restore order that has the step.
         self.manifest = Manifest.from_json(self._core.manifest_json())
         self.info = RestoreInfo(step=step, seconds=0.0)
-        self._pickle = store._core.pickle
+        # An adapter whose framework itself unpickles these values (DeepSpeed's torch.load of
+        # its own files) reads them with the same trust; `[store] pickle` rules everything else.
+        self._pickle = "allow" if trust_pickles else store._core.pickle
 
     def names(self) -> list[str]:
         """The names that were put in this step."""

@@ -71,7 +71,7 @@ class Loading:
 
     def reader(self, rank: int) -> Reader:
         if rank not in self.readers:
-            self.readers[rank] = Reader(self.store, self.found.step, rank)
+            self.readers[rank] = Reader(self.store, self.found.step, rank, trust_pickles=True)
         return self.readers[rank]
 
     def read(self, rank: int, put: str) -> Any:
@@ -215,7 +215,7 @@ class TiercelCheckpointEngine(CheckpointEngine):
         deadline = time.monotonic() + COMMIT_WAIT_S
         while True:
             try:
-                return Reader(self.store, step)
+                return Reader(self.store, step, trust_pickles=True)
             except NotFoundError:
                 if time.monotonic() > deadline:
                     raise

@@ -52,7 +52,7 @@ def _export(store: Store, step_or_tag: int | str, out: Path, progress: Progress 
 
     def reader(rank: int) -> Reader:
         if rank not in readers:
-            readers[rank] = Reader(store, layout.step, rank)
+            readers[rank] = Reader(store, layout.step, rank, trust_pickles=True)
         return readers[rank]
 
     sizes = {rel: sum(it.nbytes for it in reader(rank).items(put)) for rel, (rank, put) in files.items()}

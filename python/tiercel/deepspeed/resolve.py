@@ -27,7 +27,7 @@ class Found:
 
 def read_layout(store: Store, step: int, rank: int | None = None) -> Layout:
     """One rank's DeepSpeed layout of a committed step (default: this rank's)."""
-    reader = Reader(store, step, rank)
+    reader = Reader(store, step, rank, trust_pickles=True)
     if LAYOUT_PUT not in reader.manifest.trees:
         raise NotFoundError(f"step {step} was not saved through tiercel's DeepSpeed engine "
                             f"(it holds {', '.join(reader.manifest.trees) or 'nothing'})")
