@@ -23,6 +23,8 @@ pub struct TierSubject {
     pub tier: Arc<dyn Tier>,
     pub storage: Arc<dyn Blobs>,
     pub rules: Rules,
+    /// Rank 1's view of the same tier, where ranks write through tiers of their own (peer).
+    pub rank1: Option<Arc<dyn Tier>>,
     pub guard: Guard,
 }
 
@@ -52,14 +54,14 @@ pub fn memory_tier() -> TierSubject {
     let dir = tempdir_in("/dev/shm");
     let tier: Arc<dyn Tier> = MemoryTier::open("ram", dir.path(), None).expect("open memory tier");
     let storage = Arc::new(FsBlobs::new("ram", dir.path()).expect("open fs blobs"));
-    TierSubject { tier, storage, rules: Rules::default(), guard: Box::new(dir) }
+    TierSubject { tier, storage, rules: Rules::default(), rank1: None, guard: Box::new(dir) }
 }
 
 pub fn fs_tier(compression: Compression) -> TierSubject {
     let dir = tempdir_in(&temp_base());
     let storage: Arc<dyn Blobs> = Arc::new(FsBlobs::new("disk", dir.path()).expect("open fs blobs"));
     let tier: Arc<dyn Tier> = Arc::new(BlobTier::new("disk", storage.clone(), compression));
-    TierSubject { tier, storage, rules: Rules::default(), guard: Box::new(dir) }
+    TierSubject { tier, storage, rules: Rules::default(), rank1: None, guard: Box::new(dir) }
 }
 
 /// Why the object-store kinds of `var` cannot run here (`hint`: how to make them run), or
@@ -110,7 +112,7 @@ pub fn object_blobs(kind: TierKind, var: &str) -> BlobsSubject {
 pub fn object_tier(kind: TierKind, var: &str, compression: Compression) -> TierSubject {
     let BlobsSubject { blobs, guard } = object_blobs(kind, var);
     let tier: Arc<dyn Tier> = Arc::new(BlobTier::new(kind.as_str(), blobs.clone(), compression));
-    TierSubject { tier, storage: blobs, rules: Rules::default(), guard }
+    TierSubject { tier, storage: blobs, rules: Rules::default(), rank1: None, guard }
 }
 
 pub fn fs_blobs() -> BlobsSubject {
@@ -148,6 +150,6 @@ pub fn peer_tier() -> TierSubject {
             self.0.iter().for_each(|p| p.shutdown());
         }
     }
-    let guard = Box::new(Peers(vec![a.clone(), b], dir));
-    TierSubject { tier: a, storage, rules: Rules { per_rank_commit: true, deletes: false }, guard }
+    let guard = Box::new(Peers(vec![a.clone(), b.clone()], dir));
+    TierSubject { tier: a, storage, rules: Rules { per_rank_commit: true, deletes: false }, rank1: Some(b), guard }
 }

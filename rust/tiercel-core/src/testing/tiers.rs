@@ -365,7 +365,8 @@ fn commits_per_rank(subject: &TierSubject) {
     let rec = tier.commit_record(1).unwrap();
     assert_eq!((rec.step, rec.world_size, rec.tier.as_str()), (1, 2, tier.name()));
     assert_eq!(tier.read_manifest(1, 1).unwrap_err().kind, ErrorKind::NotFound);
-    write(tier, 1, 1, 2);
+    // Rank 1 writes through its own tier: a holder takes a replica only from its own rank.
+    write(subject.rank1.as_deref().unwrap_or(tier), 1, 1, 2);
     let m = tier.read_manifest(1, 1).unwrap();
     assert_eq!((m.rank, m.world_size), (1, 2));
     read_item(tier, &m, m.item_index(TARGET).unwrap()).unwrap();

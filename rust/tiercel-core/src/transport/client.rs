@@ -82,7 +82,7 @@ impl Conn {
                 self.peer, them.job, me.job
             )));
         }
-        if them.host == me.host {
+        if them.host == me.host && to_host != me.host {
             return Err(Error::unavailable(format!(
                 "peer {}: that address reaches this host ({}) itself, not host {to_host}: a replica there would not \
                  survive this host; advertise an address other hosts can reach (TIERCEL_ADVERTISE, or a `listen` \

@@ -109,7 +109,9 @@ impl Handler for ReplicaStore {
             if client.job != me.job {
                 return Err(Error::invalid(format!("this peer serves job {}, not job {}", me.job, client.job)));
             }
-            if client.host == me.host {
+            // A rank may read what its own host holds for others (to_host is this host), but
+            // an address meant for another host that reaches this one is a misrouted push.
+            if client.host == me.host && to_host != me.host {
                 return Err(Error::invalid(format!(
                     "a connection from this host ({}) itself: a replica here would not survive the host",
                     me.host
@@ -131,6 +133,12 @@ impl Handler for ReplicaStore {
             return Err(Error::invalid(format!("rank {} may push only its own replicas, not rank {rank}'s", client.rank)));
         }
         self.with_cluster(|c| {
+            if client.host == c.ident(self.rank).host {
+                return Err(Error::invalid(format!(
+                    "a connection from this host ({}) itself: a replica here would not survive the host",
+                    client.host
+                )));
+            }
             let (mine, theirs) = (c.host_of[self.rank as usize], c.host_of[rank as usize]);
             if !c.placement.peers(theirs).contains(&mine) {
                 return Err(Error::invalid(format!(
