@@ -11,7 +11,7 @@ import secrets
 import socket
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from . import _core
 from .advertise import advertised_address, is_loopback
@@ -101,6 +101,8 @@ class Store:
             return  # without one, all ranks are taken to share one host
         host = self.host
         addr = secret = job = None
+        # This launch of the job: a save's generation names it (see `Store.set_launch`).
+        launch = secrets.token_hex(8) if self.rank == 0 else None
         if has_peer:
             listen = self._core.peer_address()
             assert listen is not None  # the policy has a peer tier
@@ -109,11 +111,12 @@ class Store:
                 if not self._core.peer_has_secret():
                     secret = secrets.token_hex(32)
                 job = getattr(self._core, "run_id", None) or secrets.token_hex(8)
-        everyone = self.coordinator.all_gather((host, addr, secret, job))
+        everyone = self.coordinator.all_gather((host, addr, secret, job, launch))
         self.hosts = hosts = [e[0] for e in everyone]
         self._core.set_local_ranks([r for r, h in enumerate(hosts) if h == host])
+        self._core.set_launch(everyone[0][4])
         if has_peer:
-            _, _, shared, job = everyone[0]
+            _, _, shared, job, _ = everyone[0]
             others = [e[1] for e in everyone if e[0] != host]
             if addr is not None and is_loopback(addr) and any(not is_loopback(a) for a in others):
                 raise InvalidArgumentError(
@@ -204,12 +207,20 @@ class Store:
         # usually just the first.
         chosen = None
         for step in common:
-            oks = self.coordinator.all_gather(self._can_open(step))
-            if all(oks):
+            opened = self.coordinator.all_gather(self._open_save(step))
+            bad = [r for r, o in enumerate(opened) if o is False]
+            saves = {o for o in opened if o is not False}
+            if not bad and len(saves) == 1:
                 chosen = step
                 break
-            bad = [r for r, ok in enumerate(oks) if not ok]
-            self._skipped.append(f"step {step} passed over: rank(s) {bad} cannot restore it")
+            if bad:
+                self._skipped.append(f"step {step} passed over: rank(s) {bad} cannot restore it")
+            else:
+                # Each rank's part is whole, but not of one save: the step was saved again
+                # and some rank's new part is not on the tier it reads from (never mixed).
+                self._skipped.append(
+                    f"step {step} passed over: the ranks hold different saves of it "
+                    f"({', '.join(f'rank {r}: {o}' for r, o in enumerate(opened))}): a save of it again did not finish")
         # Newer steps that some ranks have and others not: every rank says which and why.
         for step in sorted(set().union(*map(set, everyone)) - set(common), reverse=True):
             if chosen is None or step > chosen:
@@ -220,9 +231,13 @@ class Store:
         return chosen
 
     def _can_open(self, step: int) -> bool:
+        return self._open_save(step) is not False
+
+    def _open_save(self, step: int) -> str | None | Literal[False]:
+        """Which save of `step` this rank would read (its generation; None for steps saved
+        before generations were recorded), or False when it cannot open the step."""
         try:
-            self._core.reader(step, None, None)
-            return True
+            return self._core.reader(step, None, None).generation
         except TiercelError as e:
             self._skipped.append(f"step {step} skipped on rank {self.rank}: {e}")
             return False

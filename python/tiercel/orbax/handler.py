@@ -78,19 +78,6 @@ def wait_for_tier(handle: SaveHandle, tier: str, timeout: float) -> str:
         pause = min(pause * 2, 0.02)
 
 
-def _barrier(store: Store, name: str, timeout: float) -> None:
-    """Waits until every process of the job got here: JAX's coordination service barrier when
-    the Store's job is the JAX job (one round trip, no device collective), else an all-gather
-    through the Store's coordinator."""
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is not None and jax.process_count() == store.world_size:
-        client.wait_at_barrier(name, int(timeout * 1000))
-    elif store.coordinator is not None:
-        store.coordinator.all_gather(name)
-
-
 class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     """Saves and restores a pytree of jax.Arrays (any sharding), numpy arrays, Python scalars
     and strings through a tiercel Store.
@@ -108,7 +95,6 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self._own_store = store is None
         self._timeout = timeout
         self._saved: tuple[int, str] | None = None
-        self._saves = 0  # saves started: names each save's barrier alike on every process
         #: tiercel's handle of the last save: `states()` per tier, `wait()` for all tiers.
         self.last_save: SaveHandle | None = None
         #: Where the last restore's bytes came from (tiers, bytes, seconds, warnings).
@@ -142,8 +128,10 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"step {step}: this handler already saved item '{self._saved[1]}'; one handler stores one item per step: "
                 f"register another TiercelCheckpointHandler for '{put}', or save both in one pytree"
             )
+        # A step of this number that tiercel still holds (Orbax deleted it, or max_to_keep
+        # dropped it, and training went back) is simply saved again: the core never commits
+        # or reads the old save's ranks with the new one's (see docs/reliability.md).
         store = self.store
-        self._drop_stale(step)
         try:
             value = leaf_records(args.item, store.rank, store.world_size)
         except TypeError as e:
@@ -164,30 +152,6 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         }
         commit = self._commit(w.handle, memory, directory, marker, store.rank == 0)
         return [ocp_future.CommitFutureAwaitingContractedSignals(commit, name="tiercel_save")]
-
-    def _drop_stale(self, step: int) -> None:
-        """Orbax saves `step` anew, but tiercel may still hold a step of that number from an
-        abandoned run (Orbax deleted it, or max_to_keep dropped it, and training went back):
-        every process removes the copies it sees, then all wait for each other, so that no
-        tier ever mixes ranks of the old and the new step. Peer copies are replaced by the
-        new step's replication."""
-        store = self.store
-        for t in store.tiers():
-            if t["kind"] == "peer":
-                continue
-            try:
-                store._core.commit_record(t["name"], step)
-            except NotFoundError:
-                continue
-            except TiercelError:
-                pass  # there but unreadable: remove it all the same
-            try:
-                store._core.delete_step(t["name"], step)
-            except NotFoundError:
-                pass  # another rank of the host (or job) removed it first
-        self._saves += 1
-        if store.world_size > 1:
-            _barrier(store, f"tiercel_orbax_save_{step}_{self._saves}", self._timeout)
 
     async def _commit(self, handle: SaveHandle, memory: str, directory: epath.Path, marker: dict, primary: bool) -> None:
         # Runs on Orbax's commit thread, after Orbax has created the directory.

@@ -152,6 +152,10 @@ pub struct Manifest {
     /// in the order they were put. Opaque to tiercel-core.
     pub trees: Vec<(String, serde_json::Value)>,
     pub items: Vec<ItemMeta>,
+    /// Which save of this step number the manifest belongs to (see `CommitRecord::generation`);
+    /// absent in manifests written before generations were recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<String>,
 }
 
 impl Manifest {
@@ -167,6 +171,7 @@ impl Manifest {
             objects: vec![],
             trees: vec![],
             items: vec![],
+            generation: None,
         }
     }
 
@@ -253,6 +258,11 @@ pub struct CommitRecord {
     /// The job that saved the step; absent in records written before jobs were recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job: Option<JobId>,
+    /// The save of this step number that the commit covers: every rank's manifest of the
+    /// step carries the same generation (a launch of the job and how many times it has saved
+    /// the step), so a step saved again never commits, nor reads, old ranks with new ones.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<String>,
 }
 
 /// Which job saved a step: its run id when it has one (policy `[store] run`, else
@@ -296,6 +306,7 @@ impl CommitRecord {
             time,
             ranks: None,
             job: None,
+            generation: None,
         }
     }
 

@@ -161,6 +161,13 @@ impl StepReader {
         self.inner.rank
     }
 
+    /// Which save of the step this reader reads ("<launch>.<n>"), or None for steps saved
+    /// before generations were recorded.
+    #[getter]
+    fn generation(&self) -> Option<String> {
+        self.inner.generation().map(str::to_string)
+    }
+
     fn manifest_json(&self) -> String {
         json(self.inner.manifest())
     }

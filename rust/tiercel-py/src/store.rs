@@ -244,6 +244,12 @@ impl Store {
         self.inner.memory().set_local_ranks(ranks)
     }
 
+    /// Sets this launch of the job (the same token on every rank, made by rank 0 at open):
+    /// the ranks' saves of one step then carry one generation.
+    fn set_launch(&self, token: &str) {
+        self.inner.set_launch(token)
+    }
+
     /// The peer tier's server address ("ip:port" as bound), or None without a peer tier.
     fn peer_address(&self) -> Option<String> {
         self.inner.peer().map(|p| p.local_addr().to_string())

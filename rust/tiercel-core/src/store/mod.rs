@@ -55,6 +55,24 @@ pub struct Store {
     /// Opened for tools (`open_as`): every job's steps count as this job's.
     tool: bool,
     metrics: Metrics,
+    /// This launch of the job (the same on every rank: `set_launch`) and how many times this
+    /// process has committed a save of each step: together a save's generation (`next_generation`).
+    launch: parking_lot::RwLock<Option<String>>,
+    committed: parking_lot::Mutex<std::collections::BTreeMap<u64, u32>>,
+}
+
+/// How many steps' save counts a process remembers: a step saved again after this many other
+/// steps counts from 1 again (its generation then names the launch and 1).
+const REMEMBERED_STEPS: usize = 4096;
+
+/// A random token naming one launch of a job.
+pub fn launch_token() -> String {
+    let mut b = [0u8; 8];
+    if getrandom::fill(&mut b).is_err() {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        b = (t.as_nanos() as u64 ^ u64::from(std::process::id()).rotate_left(32)).to_le_bytes();
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 /// The slot of the memory tier, into which every save copies first: policy validation puts
@@ -109,6 +127,10 @@ impl Store {
             foreign: Default::default(),
             tool,
             metrics,
+            // One process is the whole job: its own launch. A larger job's ranks agree on one
+            // at open (`set_launch`); until then saves carry no generation.
+            launch: parking_lot::RwLock::new((world_size == 1).then(launch_token)),
+            committed: Default::default(),
         };
         if !tool {
             store.check_other_jobs()?;
@@ -164,6 +186,31 @@ impl Store {
             }
             other => Some(format!("this process's save of step {step} on tier '{mem}': {}", other.describe())),
         }
+    }
+
+    /// Sets this launch of the job: a token every rank of the job was given at open (rank 0
+    /// makes it), so that the ranks' saves of one step carry one generation.
+    pub fn set_launch(&self, token: &str) {
+        *self.launch.write() = Some(token.to_string());
+    }
+
+    /// The generation of a save of `step` that this process begins now: the launch and how
+    /// many times this process has committed a save of `step` in it ("<launch>.<n>"). Every rank saves the
+    /// same steps in the same order, so every rank's manifest of one save carries the same
+    /// generation, and a save of the step again (or one of another launch) another one.
+    /// None before the launch is known (a job of several ranks without a coordinator).
+    pub(super) fn next_generation(&self, step: u64) -> Option<String> {
+        let launch = self.launch.read().clone()?;
+        let mut committed = self.committed.lock();
+        let n = {
+            let n = committed.entry(step).or_insert(0);
+            *n += 1;
+            *n
+        };
+        while committed.len() > REMEMBERED_STEPS {
+            committed.pop_first();
+        }
+        Some(format!("{launch}.{n}"))
     }
 
     /// The peer tier, when the policy has one.

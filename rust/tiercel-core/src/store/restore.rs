@@ -102,9 +102,32 @@ impl StepReader {
                 .at(step, rank));
             }
             match tier.read_manifest(step, rank) {
+                Ok(m) if m.generation != record.generation => warnings.push(format!(
+                    "tier '{name}': step {step} rank {rank}: the manifest is of another save of this step ({}) than the \
+                     commit ({}): the step is being saved again, or a save of it again was interrupted",
+                    m.generation.as_deref().unwrap_or("-"),
+                    record.generation.as_deref().unwrap_or("-")
+                )),
                 Ok(m) => sources.push((idx, m)),
                 Err(e) => warnings.push(e.message),
             }
+        }
+        // One save of the step only: a tier holding another save of it (the step saved again,
+        // and not yet persisted there) is not mixed in chunk by chunk.
+        if let Some((_, first)) = sources.first() {
+            let generation = first.generation.clone();
+            sources.retain(|(idx, m)| {
+                let same = m.generation == generation;
+                if !same {
+                    warnings.push(format!(
+                        "tier '{}': step {step} rank {rank} there is another save of the step ({}) than the one read ({}): not read",
+                        store.slots[*idx].config.name,
+                        m.generation.as_deref().unwrap_or("-"),
+                        generation.as_deref().unwrap_or("-")
+                    ));
+                }
+                same
+            });
         }
         if sources.is_empty() {
             let mut have = vec![];
@@ -139,6 +162,11 @@ impl StepReader {
     }
 
     /// The manifest of the first tier that has the step.
+    /// Which save of the step this reader reads (see `CommitRecord::generation`).
+    pub fn generation(&self) -> Option<&str> {
+        self.sources.first().and_then(|(_, m)| m.generation.as_deref())
+    }
+
     pub fn manifest(&self) -> &Manifest {
         &self.sources[0].1
     }

@@ -228,7 +228,10 @@ impl StepWriter {
         }
         self.finished = true;
         let store = self.store.clone();
-        let manifest = std::mem::take(&mut self.manifest);
+        let mut manifest = std::mem::take(&mut self.manifest);
+        // Counted here, not at `begin`: a save that one rank aborts and retries (bad input)
+        // must not put it out of step with the others.
+        manifest.generation = store.next_generation(manifest.step);
         let parts = std::mem::take(&mut self.parts);
         let handle = SaveHandle::new(manifest.step, &store.slots);
         store.track(&handle);
@@ -274,8 +277,12 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
         Ok(committed) => {
             if !committed {
                 // Another rank of this host commits it when it finishes: let the handle see.
-                let memory = Arc::downgrade(&store.memory);
-                handle.set_probe(&mem_name, Box::new(move || memory.upgrade().is_some_and(|m| m.commit_record(step).is_ok())));
+                // The commit must be of this save, not of a later save of the same step.
+                let (memory, generation) = (Arc::downgrade(&store.memory), manifest.generation.clone());
+                handle.set_probe(
+                    &mem_name,
+                    Box::new(move || memory.upgrade().is_some_and(|m| m.commit_record(step).is_ok_and(|r| r.generation == generation))),
+                );
             }
             store.metrics.tier(MEMORY_SLOT).written(step, manifest.total_bytes(), started.elapsed());
             handle.set(&mem_name, if committed { TierState::Done } else { TierState::Written })

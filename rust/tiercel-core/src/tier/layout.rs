@@ -117,19 +117,52 @@ impl StepLayout {
         if names.iter().any(|n| n == format::COMMIT_NAME) {
             return Ok(true);
         }
-        let complete = match &ranks {
-            Some(rs) => rs.iter().all(|r| names.contains(&format::manifest_name(*r))),
-            None => (0..world_size).all(|r| names.contains(&format::manifest_name(r))),
+        let needed: Vec<u32> = match &ranks {
+            Some(rs) => rs.clone(),
+            None => (0..world_size).collect(),
         };
-        if !complete {
+        if !needed.iter().all(|r| names.contains(&format::manifest_name(*r))) {
             return Ok(false);
         }
+        let Some(generation) = self.one_generation(step, &needed)? else {
+            return Ok(false);
+        };
         let mut record = CommitRecord::new(step, world_size, &self.tier);
         record.ranks = ranks;
         record.job = self.job.read().clone();
+        record.generation = generation;
         crate::failpoint::hit("commit");
         self.blobs.put_if_absent(&key(step, format::COMMIT_NAME), &record.to_json())?;
         Ok(true)
+    }
+
+    /// The generation that the manifests of `ranks` share: `Some(generation)` when they all
+    /// belong to one save of `step`, None while some rank's manifest is still of an earlier
+    /// save (a re-save in progress, or one whose rank died: the step then stays uncommitted
+    /// here rather than commit old ranks with new ones) or was removed meanwhile.
+    fn one_generation(&self, step: u64, ranks: &[u32]) -> Result<Option<Option<String>>> {
+        let mut seen: Option<Option<String>> = None;
+        for &r in ranks {
+            let m = match self.read_manifest(step, r) {
+                Ok(m) => m,
+                Err(e) if e.kind == ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(e),
+            };
+            match &seen {
+                None => seen = Some(m.generation),
+                Some(g) if *g == m.generation => {}
+                Some(g) => {
+                    log::debug!(
+                        "tier '{}': step {step} not committed yet: rank {r}'s manifest is of save {:?}, another rank's of {:?}",
+                        self.tier,
+                        m.generation,
+                        g
+                    );
+                    return Ok(None);
+                }
+            }
+        }
+        Ok(Some(seen.flatten()))
     }
 
     /// Removes a step; its commit record goes first, so no reader sees it half-deleted.

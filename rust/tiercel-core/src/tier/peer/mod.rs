@@ -502,7 +502,9 @@ impl Tier for PeerTier {
 
     fn commit_record(&self, step: u64) -> Result<CommitRecord> {
         let (m, _) = self.fetch_manifest(step, self.rank)?;
-        Ok(CommitRecord::new(step, m.world_size, &self.name))
+        let mut record = CommitRecord::new(step, m.world_size, &self.name);
+        record.generation = m.generation;
+        Ok(record)
     }
 
     fn read_manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
