@@ -174,3 +174,48 @@ def test_three_ranks_save_agree_and_fall_back(tmp_path, shm_root, disk_root):
     assert any("step 4" in w for w in reports[0]["second"]["warnings"]), reports[0]
     # The files are as the test left them: rank 1's manifests of step 4 are gone, others' not.
     assert not manifest_path(shm_root, 4, 1).exists() and manifest_path(shm_root, 4, 0).exists()
+
+
+HOST_COMMIT_WORKER = r"""
+import json, os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+import tiercel
+from test_multirank import rank_state
+
+policy, out_dir = json.loads(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
+rank = dist.get_rank()
+store = tiercel.Store(policy)
+report = {}
+if rank == 0:
+    h = store.save(1, rank_state(rank, 1))
+    try:
+        report["early"] = h.wait(0.3)
+    except TimeoutError as e:
+        report["early"] = f"TimeoutError: {e}"
+    dist.barrier()  # rank 1 saves only now
+    report["final"] = h.wait(60)
+else:
+    dist.barrier()
+    time.sleep(0.5)
+    store.save(1, rank_state(rank, 1)).wait(60)
+store.close()
+dist.destroy_process_group()
+with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
+    json.dump(report, f)
+"""
+
+
+def test_wait_returns_once_the_host_has_committed(tmp_path, shm_root):
+    """Two ranks on one host share its memory tier, which commits a step once both have
+    written it. Repro: rank 0 saved step 1 and `handle.wait()` returned at once with
+    `ram: written`, although rank 1 had not saved yet (and `wait(0.3)` raised nothing).
+    Now `wait` returns once the host's commit is there, and `wait(timeout)` raises
+    TimeoutError meanwhile, as docs/config.md says."""
+    out_dir = tmp_path / "reports"
+    out_dir.mkdir()
+    run_ranks(HOST_COMMIT_WORKER, [json.dumps(make_policy(shm_root, None)), str(out_dir)], tmp_path, world=2)
+    r = json.loads((out_dir / "rank-0.json").read_text())
+    assert r["early"].startswith("TimeoutError") and "'ram': 'written'" in r["early"], r
+    assert r["final"] == {"ram": "committed"}, r

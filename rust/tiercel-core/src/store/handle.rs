@@ -51,8 +51,22 @@ pub struct SaveHandle {
     probe: Mutex<Option<(String, Probe)>>,
 }
 
-/// Whether a step is committed on a tier now.
-pub type Probe = Box<dyn Fn() -> bool + Send + Sync>;
+/// Where a step left `Written` stands on its tier now.
+pub enum Probed {
+    /// Committed there (by another rank's hand).
+    Committed,
+    /// Still waiting for other ranks.
+    Pending,
+    /// It will never commit there (why): this rank's part was removed or replaced meanwhile.
+    Gone(String),
+}
+
+/// Looks at where a step left `Written` stands on its tier.
+pub type Probe = Box<dyn Fn() -> Probed + Send + Sync>;
+
+/// How often `wait` looks again at a tier whose commit another process writes: from the
+/// first value, doubling up to the second.
+const PROBE_PAUSE: (Duration, Duration) = (Duration::from_millis(1), Duration::from_millis(50));
 
 impl SaveHandle {
     pub(super) fn new(step: u64, slots: &[TierSlot]) -> Arc<SaveHandle> {
@@ -78,15 +92,22 @@ impl SaveHandle {
         *self.probe.lock() = Some((tier.to_string(), probe));
     }
 
-    /// A `Written` tier whose commit another rank has written since becomes `Done`: the
-    /// rank that commits a step on a host's memory tier is whichever finishes last, and the
-    /// others' handles learn it here rather than staying `written` for ever.
-    fn refresh(&self) {
+    /// A `Written` tier whose commit another rank has written since becomes `Done` (and
+    /// one whose part was removed meanwhile `Skipped`): the rank that commits a step on a
+    /// host's memory tier is whichever finishes last, and the others' handles learn it here
+    /// rather than staying `written` for ever. True while such a tier is still pending.
+    fn refresh(&self) -> bool {
         let probe = self.probe.lock();
-        let Some((tier, check)) = probe.as_ref() else { return };
-        if self.state(tier) == Some(TierState::Written) && check() {
-            self.set(tier, TierState::Done);
+        let Some((tier, check)) = probe.as_ref() else { return false };
+        if self.state(tier) != Some(TierState::Written) {
+            return false;
         }
+        match check() {
+            Probed::Committed => self.set(tier, TierState::Done),
+            Probed::Pending => return true,
+            Probed::Gone(why) => self.set(tier, TierState::Skipped(why)),
+        }
+        false
     }
 
     pub fn states(&self) -> Vec<(String, TierState)> {
@@ -115,26 +136,35 @@ impl SaveHandle {
         self.states.lock().iter().all(|(_, s)| s.is_final())
     }
 
-    /// Waits until every tier is final or `timeout` passes; true when all are final.
+    /// Waits until every tier is final, and a tier that commits per host (the memory tier)
+    /// has committed the step or will never (the other ranks of the host save it in other
+    /// processes, so this looks again every few milliseconds), or until `timeout` passes.
+    /// True when all that is so.
     pub fn wait(&self, timeout: Option<Duration>) -> bool {
-        self.refresh();
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut v = self.states.lock();
         while !v.iter().all(|(_, s)| s.is_final()) {
             match deadline {
                 Some(d) => {
                     if self.changed.wait_until(&mut v, d).timed_out() {
-                        let done = v.iter().all(|(_, s)| s.is_final());
                         drop(v);
                         self.refresh();
-                        return done;
+                        return false;
                     }
                 }
                 None => self.changed.wait(&mut v),
             }
         }
         drop(v);
-        self.refresh();
+        let mut pause = PROBE_PAUSE.0;
+        while self.refresh() {
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return false;
+            }
+            std::thread::sleep(deadline.map_or(pause, |d| pause.min(d - now)));
+            pause = (pause * 2).min(PROBE_PAUSE.1);
+        }
         true
     }
 

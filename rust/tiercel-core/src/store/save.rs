@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
+use super::handle::Probed;
 use super::{SaveHandle, Store, TierState, MEMORY_SLOT};
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkMeta, ItemMeta, Manifest, ObjectMeta, ShardInfo};
@@ -250,6 +251,25 @@ impl StepWriter {
     }
 }
 
+/// Where this rank's save of `step` (of `generation`) stands on the memory tier, whose
+/// commit the last rank of the host to finish writes: committed (a commit of this save, not
+/// of a later save of the step), pending, or gone (retention removed this rank's part as an
+/// uncommitted leftover, or a later save replaced it) and never to commit.
+fn probe_host_commit(memory: Option<Arc<crate::tier::memory::MemoryTier>>, step: u64, rank: u32, generation: &Option<String>) -> Probed {
+    let Some(m) = memory else { return Probed::Gone("the store was closed".into()) };
+    if m.commit_record(step).is_ok_and(|r| &r.generation == generation) {
+        return Probed::Committed;
+    }
+    match m.read_manifest(step, rank) {
+        Ok(mine) if &mine.generation == generation => Probed::Pending,
+        Ok(_) => Probed::Gone(format!("step {step} was saved again before the other ranks of this host saved this save of it")),
+        Err(e) if e.kind == crate::error::ErrorKind::NotFound => {
+            Probed::Gone(format!("step {step} was removed before the other ranks of this host saved it (retention keeps newer steps)"))
+        }
+        Err(_) => Probed::Pending, // unreadable for a moment (being replaced): look again
+    }
+}
+
 /// The background half of a save (see `StepWriter::commit`).
 fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest, parts: Vec<Arc<Segment>>, lease: Option<Lease>) {
     let step = manifest.step;
@@ -277,12 +297,8 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
         Ok(committed) => {
             if !committed {
                 // Another rank of this host commits it when it finishes: let the handle see.
-                // The commit must be of this save, not of a later save of the same step.
-                let (memory, generation) = (Arc::downgrade(&store.memory), manifest.generation.clone());
-                handle.set_probe(
-                    &mem_name,
-                    Box::new(move || memory.upgrade().is_some_and(|m| m.commit_record(step).is_ok_and(|r| r.generation == generation))),
-                );
+                let (memory, rank, generation) = (Arc::downgrade(&store.memory), store.rank, manifest.generation.clone());
+                handle.set_probe(&mem_name, Box::new(move || probe_host_commit(memory.upgrade(), step, rank, &generation)));
             }
             store.metrics.tier(MEMORY_SLOT).written(step, manifest.total_bytes(), started.elapsed());
             handle.set(&mem_name, if committed { TierState::Done } else { TierState::Written })
