@@ -70,6 +70,7 @@ demo: build
 chaos: build
 	TIERCEL_CHAOS_KILLS=700 TIERCEL_CHAOS_PEER_KILLS=25 TIERCEL_SWEEP_FLIPS=1500 $(PY) -m pytest -q -s tests/chaos
 	TIERCEL_FUZZ_SECS=60 cargo test --release -p tiercel-core --lib fuzz -- --nocapture
+	TIERCEL_FUZZ_SECS=60 $(PY) -m pytest -q -s tests/test_tree_fuzz.py
 
 # The benchmarks of docs/performance.md, each against its physical limit and the framework's
 # own checkpointer in the same run. Run them on an otherwise idle machine.

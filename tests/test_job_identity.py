@@ -114,8 +114,9 @@ def test_another_world_size_is_another_job_by_run_id_and_said_without(shm_root, 
     two cannot be told from one job resuming resharded (DCP does), and the restore says so."""
     base = make_policy(shm_root, disk_root, every=1)
     stores = [tiercel.Store(with_run(base, "three"), rank=r, world_size=3) for r in range(3)]
-    for r, s in enumerate(stores):
-        s.save(9, state(9 + r)).wait(60)
+    handles = [s.save(9, state(9 + r)) for r, s in enumerate(stores)]
+    for h in handles:  # each waits for the others' parts of the memory commit
+        h.wait(60)
     for s in stores:
         s.close()
     with tiercel.Store(with_run(base, "two"), rank=0, world_size=2) as s:

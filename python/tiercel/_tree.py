@@ -32,6 +32,14 @@ def _scalar(v: Any) -> dict | None:
     return None
 
 
+#: Node types a tree holds, and the scalar ones among them (dict keys are scalar nodes).
+_SCALAR_TYPES = ("none", "bool", "int", "float", "str")
+_NODE_TYPES = (*_SCALAR_TYPES, "item", "dict", "list", "tuple")
+
+#: Python refuses to parse an int of more digits than this (sys.int_info's default limit).
+_INT_DIGITS = 4300
+
+
 def _unscalar(node: dict) -> Any:
     t = node["t"]
     if t == "none":
@@ -136,7 +144,7 @@ def _tuple_class(path: str) -> type | None:
         obj: Any = importlib.import_module(module)
         for part in qualname.split("."):
             obj = getattr(obj, part)
-    except (ImportError, AttributeError):
+    except Exception:  # not importable here (ImportError, an empty or odd name, a failing import)
         return None
     return obj if isinstance(obj, type) and issubclass(obj, tuple) else None
 
@@ -166,8 +174,80 @@ def unflatten(node: dict, items: Mapping[int, Any] | Sequence[Any]) -> Any:
         cls = _tuple_class(node["c"]) if "c" in node else None
         if cls is None:
             return vals
-        return cls(*vals) if hasattr(cls, "_fields") else cls(vals)
+        try:
+            return cls(*vals) if hasattr(cls, "_fields") else cls(vals)
+        except Exception as e:  # the class here differs from the one that saved the tree
+            from .errors import IntegrityError
+
+            raise IntegrityError(f"the tree's tuple class {node['c']} cannot be rebuilt from {len(vals)} values here: {e}") from None
     return _unscalar(node)
+
+
+def check_tree(tree: Any, where: str) -> list[int]:
+    """Checks a tree read from a manifest before anything uses it, and returns its item
+    references in order (as `tree_items`). A tree that this module would not have written
+    (a damaged or hand-edited manifest) is an IntegrityError naming `where` (step, rank,
+    put) and the path in the tree, never a KeyError or TypeError later. The references must
+    number the put's items 0..n-1, each once."""
+    from .errors import IntegrityError
+
+    refs: list[int] = []
+
+    def bad(path: str, why: str) -> IntegrityError:
+        return IntegrityError(f"{where}: the tree at '{path or '$'}' {why}; the manifest is damaged")
+
+    def scalar(node: dict, path: str) -> None:
+        t, v = node["t"], node.get("v")
+        ok = (t == "none" or (t == "bool" and isinstance(v, bool)) or (t == "str" and isinstance(v, str))
+              or (t in ("int", "float") and isinstance(v, str) and len(v) <= _INT_DIGITS))
+        if ok and t in ("int", "float"):
+            try:
+                int(str(v)) if t == "int" else float.fromhex(str(v))
+            except ValueError:
+                ok = False
+        if not ok:
+            raise bad(path, f"is a '{t}' node with the value {v!r:.60}")
+
+    def walk(node: Any, path: str, depth: int) -> None:
+        if depth > 2 * MAX_DEPTH + 8:
+            raise bad(path, "nests deeper than any tree tiercel writes")
+        if not isinstance(node, dict) or node.get("t") not in _NODE_TYPES:
+            raise bad(path, f"is not a tree node: {node!r:.80}")
+        t = node["t"]
+        if t in _SCALAR_TYPES:
+            scalar(node, path)
+        elif t == "item":
+            i = node.get("i")
+            if type(i) is not int:
+                raise bad(path, f"refers to item {i!r:.40}, not an item number")
+            refs.append(i)
+        elif not isinstance(node.get("v"), list):
+            raise bad(path, f"is a '{t}' without a list of entries")
+        elif t == "dict":
+            if node.get("c", "OrderedDict") != "OrderedDict" or ("a" in node and node.get("c") != "OrderedDict"):
+                raise bad(path, f"is a dict of an unknown class {node.get('c')!r:.60}")
+            for n, pair in enumerate(node["v"]):
+                if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], dict)
+                        and pair[0].get("t") in _SCALAR_TYPES):
+                    raise bad(f"{path}/{n}", f"is not a [scalar key, value] pair: {pair!r:.80}")
+                scalar(pair[0], f"{path}/{n}")
+                walk(pair[1], f"{path}/{_unscalar(pair[0])}", depth + 1)
+            if "a" in node:
+                attrs = node["a"]
+                walk(attrs, f"{path}/@attrs", depth + 1)
+                names = [k.get("v") if k["t"] == "str" else None for k, _ in attrs["v"]] if attrs["t"] == "dict" else [None]
+                if not all(isinstance(k, str) and k.isidentifier() and not k.startswith("__") for k in names):
+                    raise bad(f"{path}/@attrs", "is not a dict of attribute names")
+        else:
+            if "c" in node and (t != "tuple" or not isinstance(node["c"], str)):
+                raise bad(path, f"names a class {node['c']!r:.60} a '{t}' cannot have")
+            for n, x in enumerate(node["v"]):
+                walk(x, f"{path}/{n}", depth + 1)
+
+    walk(tree, "", 0)
+    if sorted(refs) != list(range(len(refs))):
+        raise bad("", f"refers to items {refs[:20]}, not to each of its {len(refs)} items once")
+    return refs
 
 
 def tree_items(node: dict) -> list[int]:

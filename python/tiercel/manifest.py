@@ -10,7 +10,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ._tree import tree_items
+from ._tree import check_tree
+from .errors import IntegrityError
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,10 @@ class Manifest:
         # Items are numbered across puts in put order; each tree refers to its own put's items.
         owners: list[str] = []
         for name, tree in d["trees"]:
-            owners += [name] * len(tree_items(tree))
+            owners += [name] * len(check_tree(tree, f"step {d['step']} rank {d['rank']} put '{name}'"))
+        if len(owners) != len(d["items"]):
+            raise IntegrityError(f"step {d['step']} rank {d['rank']}: the trees refer to {len(owners)} items, the manifest "
+                                 f"lists {len(d['items'])}; the manifest is damaged")
         items = tuple(
             Item(
                 index=i,
