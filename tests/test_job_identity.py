@@ -185,3 +185,25 @@ def test_commit_records_name_the_run(shm_root, monkeypatch, var):
         assert json.loads(s._core.job)["run"] == "job-42"
     body = (step_dir(shm_root, 1) / "COMMIT").read_text()
     assert json.loads(body)["job"]["run"] == "job-42"
+
+
+def test_without_run_ids_another_world_size_is_a_resharded_resume_and_said_at_open(shm_root, disk_root, capfd):
+    """Without run ids a job cannot be told from the same job resuming resharded (DCP 2->1,
+    an Orbax mesh change): its steps stay restorable (the restore's warnings name both world
+    sizes), and opening the store logs once that the tiers hold steps of a job without a run
+    id of another world size, naming the setting that keeps jobs apart."""
+    base = make_policy(shm_root, disk_root, every=1)
+    stores = [tiercel.Store(base, rank=r, world_size=3) for r in range(3)]
+    for h in [s.save(4, state(4 + r)) for r, s in enumerate(stores)]:
+        h.wait(60)
+    for s in stores:
+        s.close()
+    capfd.readouterr()
+    with tiercel.Store(base, rank=0, world_size=2) as s:
+        err = capfd.readouterr().err
+        assert "a job without a run id (world size 3" in err and "`[store] run` or $TIERCEL_RUN_ID" in err, err
+        assert s._core.restorable_steps() == [4]
+        s.restore(4)
+        assert any("saved by 3 ranks, this job has 2" in w for w in s.last_restore.warnings), s.last_restore.warnings
+    with tiercel.Store(base, rank=0, world_size=3) as s:  # the same job again: nothing to say
+        assert "without a run id" not in capfd.readouterr().err

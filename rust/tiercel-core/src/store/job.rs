@@ -107,6 +107,37 @@ impl Store {
         steps.into_iter().filter(|s| self.other_job(slot, *s).is_some()).collect()
     }
 
+    /// At open, for a job without a run id: steps that jobs without one saved at another
+    /// world size or into other persistent tiers count as this job's (a resharded resume, a
+    /// copied checkpoint: nothing tells them from another job), and the log says so once,
+    /// with the setting that keeps jobs apart. Refusing them would break resharded resumes;
+    /// the restore's warnings name both world sizes too.
+    fn warn_unnamed_jobs(&self) {
+        if self.job.run.is_some() {
+            return;
+        }
+        let mut seen = vec![];
+        for slot in self.slots.iter().filter(|s| s.config.kind() != TierKind::Peer) {
+            let steps = slot.tier.committed_steps().unwrap_or_default();
+            // The newest step says which job a restore would continue from.
+            let Some(&last) = steps.last() else { continue };
+            let Ok(record) = slot.tier.commit_record(last) else { continue };
+            if let Some(j) = record.job.filter(|j| j.run.is_none() && *j != self.job) {
+                seen.push(format!("tier '{}': step {last} by {}", slot.config.name, j.describe()));
+            }
+        }
+        if !seen.is_empty() {
+            log::warn!(
+                "{} holds steps of a job without a run id that differs from this one ({}): {}. Without run ids they \
+                 count as this job's (a resharded resume); if they belong to another job, give each job a run id \
+                 (`[store] run` or $TIERCEL_RUN_ID) or its own tiers",
+                self.policy.source,
+                self.job.describe(),
+                seen.join("; ")
+            );
+        }
+    }
+
     /// At open: finds other jobs' committed steps on every tier. Logged once; an error when
     /// the policy says `[store] other_jobs = "refuse"`.
     pub(super) fn check_other_jobs(&self) -> Result<()> {
@@ -123,6 +154,7 @@ impl Store {
                 ));
             }
         }
+        self.warn_unnamed_jobs();
         if found.is_empty() {
             return Ok(());
         }
