@@ -412,6 +412,45 @@ def test_kill_9_during_a_multipart_upload(s3, shm, request):
     assert server.uploads(bucket) == []
 
 
+UNMARKED_WRITER = textwrap.dedent(
+    """
+    import json, sys, tiercel
+    from test_object_store import state
+    store = tiercel.Store(json.loads(sys.argv[1]), rank=0, world_size=1)
+    store.save(1, state(51, noise_bytes=12 << 20, floats=1000)).wait(120)
+    """
+)
+
+
+def test_an_upload_killed_before_its_marker_is_aborted_by_gc(s3, shm):
+    """Repro (issue 14.14): a writer killed between starting a multipart upload and writing
+    its marker under `.uploads/` left an upload that `tiercel gc` never found (it looked at
+    markers only): it held its parts' storage until a bucket lifecycle rule, if any, removed
+    it. gc now also asks the server (ListMultipartUploads under the tier's prefix) and aborts
+    the uploads no marker names, once older than the grace (`--tmp-age`, 600 s)."""
+    server, bucket = s3
+    pol = policy(shm(), f"s3://{bucket}/early", endpoint=server.endpoint, part_size="5MiB", compression="none")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
+               TIERCEL_FAILPOINT="upload")
+    child = subprocess.run([sys.executable, "-c", UNMARKED_WRITER, json.dumps(pol)], capture_output=True, text=True,
+                           env=env, cwd=TESTS_DIR, timeout=120)
+    assert child.returncode == -signal.SIGABRT and "failpoint 'upload'" in child.stderr, child.stderr
+    assert [u["Key"] for u in server.uploads(bucket)] == ["early/step-000000000001/rank-00000.data"]
+    assert server.keys(bucket, "early/.uploads/") == []  # it died before its marker
+    # An upload under another prefix of the bucket is not this tier's to abort.
+    other = server.client().create_multipart_upload(Bucket=bucket, Key="elsewhere/x.data")["UploadId"]
+    pol["tier"][0]["root"] = str(shm())
+    with tiercel.Store(pol, rank=0, world_size=1) as store:
+        # A young upload is spared: its writer may be about to record it. (moto dates every
+        # upload 2010-11-10, so there it looks old.)
+        young = [r for r in store._core.gc_plan("s3") if r["what"] == "upload"]
+        assert len(young) == (1 if server.name == "moto" else 0), young
+        done = [r["reason"] for r in store._core.gc("s3", tmp_age=0) if r["what"] == "upload"]
+    assert len(done) == 1 and "early/step-000000000001/rank-00000.data that no marker names" in done[0], done
+    assert [(u["Key"], u["UploadId"]) for u in server.uploads(bucket)] == [("elsewhere/x.data", other)]
+    server.client().abort_multipart_upload(Bucket=bucket, Key="elsewhere/x.data", UploadId=other)
+
+
 # -- GCS -----------------------------------------------------------------------------------------
 #
 # No GCS emulator that runs here accepts the XML API writes (object PUT, multipart uploads,

@@ -5,7 +5,8 @@
 //! Points: `commit` (a tier's data and manifests are written, its COMMIT record is not),
 //! `evict` (the memory tier removed a step's COMMIT record, not yet its data), `persist`
 //! (a slower tier's data object is written, its manifest is not), `replicate` (before each
-//! data frame of a replica push).
+//! data frame of a replica push), `upload` (an object store's multipart upload is started,
+//! its marker under `.uploads/` not yet written).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;

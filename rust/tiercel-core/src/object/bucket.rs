@@ -12,6 +12,7 @@ use object_store::path::Path as ObjPath;
 use object_store::{GetOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
 use super::block_on;
+use super::server_uploads::S3Uploads;
 use super::settings::{gcs_builder, s3_builder, sanitize, Env, NoCredentials, Secrets};
 use super::uploads::host_id;
 use super::writer::ObjectWriter;
@@ -37,6 +38,8 @@ pub(super) struct Inner {
     pub(super) no_conditional_put: AtomicBool,
     /// This process, as upload markers name it: host (and pid namespace) and pid.
     pub(super) host: String,
+    /// The server's own list of multipart uploads (S3 only; see `server_uploads`).
+    pub(super) server_uploads: Option<S3Uploads>,
 }
 
 /// An s3 or gcs bucket prefix as `Blobs`.
@@ -59,17 +62,19 @@ impl ObjectBlobs {
             Error::config(format!("tier '{name}': cannot set up a client for {url}: {}", sanitize(&e.to_string(), secrets)))
         };
         let context = |e: Error| e.context(format!("tier '{name}'"));
-        type Clients = (Arc<dyn ObjectStore>, Arc<dyn MultipartStore>, Secrets, Option<NoCredentials>);
-        let (store, multipart, secrets, no_credentials): Clients = match spec {
+        type Clients = (Arc<dyn ObjectStore>, Arc<dyn MultipartStore>, Secrets, Option<NoCredentials>, Option<S3Uploads>);
+        let (store, multipart, secrets, no_credentials, server_uploads): Clients = match spec {
             TierSpec::Gcs(_) => {
                 let (b, secrets) = gcs_builder(&url, opts, env).map_err(context)?;
                 let s = Arc::new(b.build().map_err(|e| fail(e, &secrets))?);
-                (s.clone(), s, secrets, None)
+                (s.clone(), s, secrets, None, None)
             }
             _ => {
                 let (b, secrets, no_credentials) = s3_builder(&url, opts, env).map_err(context)?;
-                let s = Arc::new(b.build().map_err(|e| fail(e, &secrets))?);
-                (s.clone(), s, secrets, no_credentials)
+                let s = Arc::new(b.clone().build().map_err(|e| fail(e, &secrets))?);
+                let bucket = url.splitn(4, '/').nth(2).unwrap_or("");
+                let lister = S3Uploads::new(&b, s.clone(), bucket).map_err(context)?;
+                (s.clone(), s, secrets, no_credentials, Some(lister))
             }
         };
         let prefix = url.splitn(4, '/').nth(3).unwrap_or("").to_string();
@@ -86,6 +91,7 @@ impl ObjectBlobs {
                 no_credentials,
                 no_conditional_put: AtomicBool::new(false),
                 host: host_id(),
+                server_uploads,
             }),
         })
     }
@@ -337,8 +343,8 @@ impl Blobs for ObjectBlobs {
         block_on(self.inner.delete_prefix(prefix))
     }
 
-    fn leftovers(&self, _temp_age: Option<Duration>) -> Result<Vec<Removal>> {
-        block_on(self.inner.abandoned())
+    fn leftovers(&self, temp_age: Option<Duration>) -> Result<Vec<Removal>> {
+        block_on(self.inner.abandoned(temp_age))
     }
 
     fn remove_leftover(&self, r: &Removal) -> Result<bool> {

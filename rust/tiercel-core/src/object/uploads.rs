@@ -3,6 +3,11 @@
 //! A writer killed meanwhile leaves its marker, and gc aborts such uploads: those of this
 //! host whose process is gone, those of other hosts once they are old. `tiercel gc` and the
 //! retention run after a persist list them (`abandoned`) and remove them (`abort`).
+//!
+//! A writer killed after starting an upload and before writing its marker leaves an upload
+//! no marker names: `tiercel gc` (which gives a grace period, `--tmp-age`) also asks an S3
+//! server for the uploads under the prefix (`server_uploads`) and aborts those that no
+//! marker names, that no writer of this process runs, and that are older than the grace.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -12,7 +17,10 @@ use futures_util::TryStreamExt;
 use object_store::path::Path as ObjPath;
 use object_store::{ObjectStore, ObjectStoreExt};
 
+use std::collections::HashSet;
+
 use super::bucket::{Inner, ObjectBlobs};
+use super::server_uploads::S3Uploads;
 use super::settings::sanitize;
 use crate::blobs::Blobs;
 use crate::error::Result;
@@ -79,12 +87,15 @@ impl Inner {
     }
 
     /// The multipart uploads that killed writers left (see the module docs), as gc removals.
-    pub(super) async fn abandoned(&self) -> Result<Vec<Removal>> {
+    /// `grace`: also those the server lists that nothing names and that are at least this
+    /// old (None: markers only, as the retention after every persist does).
+    pub(super) async fn abandoned(&self, grace: Option<Duration>) -> Result<Vec<Removal>> {
         let dir = self.path(UPLOADS_DIR);
         let markers: Vec<object_store::ObjectMeta> =
             self.store.list(Some(&dir)).try_collect().await.map_err(|e| self.err("LIST", UPLOADS_DIR, e))?;
         let now = unix_now();
         let mut out = vec![];
+        let mut marked = std::collections::HashSet::new();
         for meta in markers {
             let Some(name) = meta.location.filename().map(String::from) else { continue };
             let marker_key = format!("{UPLOADS_DIR}/{name}");
@@ -100,6 +111,7 @@ impl Inner {
                 Err(e) => return Err(self.err("GET", &marker_key, e)),
             };
             let marker: Option<UploadMarker> = serde_json::from_slice(&bytes).ok();
+            marked.extend(marker.as_ref().map(|m| m.upload_id.clone()));
             let stale = match &marker {
                 Some(m) if m.host == self.host && m.pid == std::process::id() => !active_uploads().lock().contains(&m.upload_id),
                 Some(m) if m.host == self.host => !gc::pid_alive(m.pid) || age > STALE_UPLOAD_AGE.as_secs(),
@@ -127,6 +139,32 @@ impl Inner {
                 ),
             });
         }
+        if let (Some(grace), Some(lister)) = (grace, &self.server_uploads) {
+            out.extend(self.unmarked(lister, &marked, grace, now).await?);
+        }
+        Ok(out)
+    }
+
+    /// Uploads the server holds under this tier's prefix that no marker names, that this
+    /// process is not writing, and that were started at least `grace` ago: a writer killed
+    /// between starting the upload and recording it.
+    async fn unmarked(&self, lister: &S3Uploads, marked: &HashSet<String>, grace: Duration, now: u64) -> Result<Vec<Removal>> {
+        let root = self.root.as_ref();
+        let prefix = if root.is_empty() { String::new() } else { format!("{root}/") };
+        let mut out = vec![];
+        for u in lister.list(&prefix).await.map_err(|e| e.with_tier(&self.tier))? {
+            let age = u.initiated.map(|t| now.saturating_sub(t));
+            if marked.contains(&u.upload_id) || active_uploads().lock().contains(&u.upload_id) || age.is_none_or(|a| a < grace.as_secs()) {
+                continue;
+            }
+            let key = u.key.strip_prefix(&prefix).unwrap_or(&u.key).to_string();
+            let reason = format!(
+                "abandoned multipart upload of {} that no marker names ({} s old: its writer died before recording it)",
+                self.describe(&key),
+                age.unwrap_or(0)
+            );
+            out.push(Removal::new(Target::Upload { key, marker: String::new(), upload_id: u.upload_id }, reason));
+        }
         Ok(out)
     }
 
@@ -147,6 +185,9 @@ impl Inner {
                     return Ok(false);
                 }
             }
+        }
+        if marker.is_empty() {
+            return Ok(true); // an upload no marker names
         }
         let location = ObjPath::parse(marker).unwrap_or_else(|_| ObjPath::from(marker.as_str()));
         match self.store.delete(&location).await {

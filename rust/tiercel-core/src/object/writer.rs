@@ -51,6 +51,7 @@ impl ObjectWriter {
         let path = self.path();
         let id = block_on(i.multipart.create_multipart(&path)).map_err(|e| i.err("POST (start multipart upload)", &self.key, e))?;
         active_uploads().lock().insert(id.clone());
+        crate::failpoint::hit("upload");
         let marker = match block_on(i.record_upload(&self.key, &id)) {
             Ok(m) => m,
             Err(e) => {
