@@ -72,7 +72,7 @@ impl ObjectBlobs {
             _ => {
                 let (b, secrets, no_credentials) = s3_builder(&url, opts, env).map_err(context)?;
                 let s = Arc::new(b.clone().build().map_err(|e| fail(e, &secrets))?);
-                let bucket = url.splitn(4, '/').nth(2).unwrap_or("");
+                let bucket = url.split('/').nth(2).unwrap_or("");
                 let lister = S3Uploads::new(&b, s.clone(), bucket).map_err(context)?;
                 (s.clone(), s, secrets, no_credentials, Some(lister))
             }
