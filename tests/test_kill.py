@@ -37,27 +37,8 @@ def step_state(step: int) -> dict:
     }
 
 
-SAVER = r"""
-import json, sys
-import tiercel
-from test_kill import step_state
-policy = json.loads(sys.argv[1])
-store = tiercel.Store(policy, rank=0, world_size=1)
-# As a restarted trainer: continue after the newest step it can restore.
-newest = store.latest_step() or 0
-if newest:
-    store.restore()
-step = newest + 1
-print("ready", step, flush=True)
-previous = None
-while True:
-    handle = store.save(step, step_state(step))
-    print("saved", step, flush=True)
-    if previous is not None:  # one save in flight behind the current one, as trainers do
-        previous.wait(60)
-    previous = handle
-    step += 1
-"""
+# The trainer loop this test kills (shared with the chaos campaign).
+SAVER = Path(__file__).resolve().parent / "saver.py"
 
 
 def policy_for(shm_root, disk_root) -> dict:
@@ -71,7 +52,8 @@ def run_and_kill(policy: dict, delay: float, log_dir: Path) -> list[int]:
     lines: list[str] = []
     err_path = log_dir / f"saver-{time.monotonic_ns()}.stderr"
     with open(err_path, "w") as err:
-        p = subprocess.Popen([PYTHON, "-c", SAVER, json.dumps(policy)], stdout=subprocess.PIPE, stderr=err, text=True, env=child_env())
+        p = subprocess.Popen([PYTHON, str(SAVER), json.dumps(policy), "test_kill:step_state", "--wait", "60"],
+                             stdout=subprocess.PIPE, stderr=err, text=True, env=child_env())
     reader = threading.Thread(target=lambda: lines.extend(iter(p.stdout.readline, "")), daemon=True)
     reader.start()
     try:

@@ -27,29 +27,8 @@ from conftest import PYTHON, assert_same, child_env
 # The points the core can abort at (rust/tiercel-core/src/failpoint.rs).
 FAILPOINTS = ("commit", "evict", "persist")
 
-SAVER = r"""
-import json, sys
-import tiercel
-from chaos_state import state
-policy, nbytes = json.loads(sys.argv[1]), int(sys.argv[2])
-store = tiercel.Store(policy, rank=0, world_size=1)
-# As a restarted trainer: restore the newest step (a kill point too), then save on.
-newest = store.latest_step() or 0
-if newest:
-    store.restore()
-step = newest + 1
-print("ready", step, flush=True)
-previous = None
-while True:
-    handle = store.save(step, state(step, nbytes))
-    print("saved", step, flush=True)
-    if previous is not None:  # one save in flight behind the current one, as trainers do
-        previous.wait(120)
-    previous = handle
-    if step % 5 == 0:
-        store.flush()  # a flush of every background tier: a kill point of its own
-    step += 1
-"""
+# The trainer loop the campaign kills (shared with tests/test_kill.py).
+SAVER = Path(__file__).resolve().parent.parent / "saver.py"
 
 
 @dataclass
@@ -73,7 +52,8 @@ class Chaos:
         err_path = self.log_dir / f"saver-{time.monotonic_ns()}.stderr"
         lines: list[str] = []
         with open(err_path, "w") as err:
-            p = subprocess.Popen([PYTHON, "-c", SAVER, json.dumps(self.policy), str(self.nbytes)], stdout=subprocess.PIPE,
+            p = subprocess.Popen([PYTHON, str(SAVER), json.dumps(self.policy), "chaos_state:state", "--nbytes", str(self.nbytes),
+                                  "--flush-every", "5"], stdout=subprocess.PIPE,
                                  stderr=err, text=True, env=child_env(extra))
         assert p.stdout is not None
         reader = threading.Thread(target=lambda: lines.extend(iter(p.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]

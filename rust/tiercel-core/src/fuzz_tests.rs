@@ -167,35 +167,14 @@ fn fuzz_commit_record_parser() {
 /// The policy parser on mutated TOML and JSON: a policy or a Config error, never a panic.
 #[test]
 fn fuzz_policy_parser() {
-    let toml = br#"[[tier]]
-name = "ram"
-kind = "memory"
-root = "/dev/shm/tiercel/run1"
-capacity = "8GiB"
-keep = 2
-
-[[tier]]
-name = "disk"
-kind = "fs"
-url = "/mnt/ckpt/run1"
-every = 10
-compression = "zstd:3"
-bandwidth = "2GB/s"
-
-[[tier]]
-name = "peer"
-kind = "peer"
-listen = "0.0.0.0:0"
-replicas = 2
-secret = "0123456789abcdef0123"
-
-[restore]
-order = ["ram", "peer", "disk"]
-
-[store]
-chunk_size = "64MiB"
-threads = 4
-"#;
+    // The policy tests' example with a peer tier and store settings added (array-of-tables
+    // entries may follow other tables in TOML).
+    let seed = format!(
+        "{}\n[[tier]]\nname = \"peer\"\nkind = \"peer\"\nlisten = \"0.0.0.0:0\"\nreplicas = 2\n\
+         secret = \"0123456789abcdef0123\"\n\n[store]\nchunk_size = \"64MiB\"\nthreads = 4\n",
+        crate::policy::tests::EXAMPLE
+    );
+    let toml = seed.as_bytes();
     Policy::from_toml(std::str::from_utf8(toml).unwrap(), "seed").expect("the seed policy parses");
     fuzz_for("policy", 0x706f_6c69, |rng, i| {
         let input = mutate(rng, toml);

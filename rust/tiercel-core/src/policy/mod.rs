@@ -137,4 +137,4 @@ impl Policy {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -3,7 +3,8 @@
 use super::check::{closest, edit_distance, fs_path, STORE_KEYS, TIER_KEYS};
 use super::*;
 
-const EXAMPLE: &str = r#"[[tier]]
+/// The example policy of docs/config.md (also the fuzzer's seed, with a peer tier added).
+pub(crate) const EXAMPLE: &str = r#"[[tier]]
 name = "ram"
 kind = "memory"
 root = "/dev/shm/tiercel/run1"
