@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 import time
 
-import pytest
-
 import tiercel
+
 from conftest import error_of
 from test_multirank import run_ranks
 
