@@ -1,12 +1,16 @@
 """`tiercel.torch.interleave` on a real 2-rank DDP job (gloo, loopback): the comm hook runs
 around every gradient bucket, the signals reach the store, and the gradients are those of
-DDP without the hook."""
+DDP without the hook. `tiercel.deepspeed.interleave` on a real DeepSpeed engine (ZeRO-1, CPU):
+signals around backward and step, training unchanged."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
-from test_multirank import run_ranks
+from conftest import PYTHON, child_env
+from test_multirank import free_port, run_ranks
 
 WORKER = r"""
 import json, os, sys
@@ -69,3 +73,51 @@ def test_ddp_comm_hook_signals_around_each_bucket(tmp_path, shm_root):
         assert rep["profiled"] == 2
         assert "DistributedDataParallel" in rep["wrong"]
 
+
+
+DEEPSPEED = r"""
+import json, os, sys
+import torch
+from ds_worker import batch, make_engine
+import tiercel, tiercel.deepspeed
+
+cfg = json.loads(sys.argv[1])
+def train(engine, steps):
+    for step in range(1, steps + 1):
+        x, y = batch(step, 0, torch.float32)
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+    return {k: v.clone() for k, v in engine.module.state_dict().items()}
+plain = train(make_engine(1, False), 3)
+engine = make_engine(1, False)
+store = tiercel.Store({"tier": [{"name": "ram", "kind": "memory", "root": cfg["shm"]}]})
+store.traffic.record()
+tiercel.deepspeed.interleave(engine, store)
+hooked = train(engine, 3)
+kinds = [e[1] for e in store.traffic.timeline()]
+try:
+    tiercel.deepspeed.interleave(engine.module, store)
+    wrong = None
+except tiercel.InvalidArgumentError as e:
+    wrong = str(e)
+out = {"same": all(torch.equal(plain[k], hooked[k]) for k in plain), "iterations": kinds.count("iteration"),
+       "busy": kinds.count("busy"), "idle": kinds.count("idle"), "still_busy": store.traffic.stats()["busy"], "wrong": wrong}
+store.close()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_deepspeed_engine_signals_around_backward_and_step(tmp_path, shm_root):
+    from test_deepspeed import ds_env  # skips without deepspeed
+
+    env = child_env({**ds_env(0), "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    p = subprocess.run([PYTHON, "-c", DEEPSPEED, json.dumps({"shm": str(shm_root)})], capture_output=True, text=True,
+                       env=env, timeout=300, cwd=str(Path(__file__).parent))
+    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, p.stdout[-3000:] + p.stderr[-5000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["same"], "training with the signals differs from without"
+    # Each of 3 steps: one iteration mark, backward and step each busy once.
+    assert (out["iterations"], out["busy"], out["idle"], out["still_busy"]) == (3, 6, 6, False), out
+    assert "deepspeed.initialize" in out["wrong"]

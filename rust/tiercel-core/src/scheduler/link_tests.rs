@@ -25,7 +25,7 @@ impl FakeClock {
 }
 
 fn traffic(mode: Mode, floor: Option<u64>) -> Arc<Traffic> {
-    Traffic::new(TrafficConfig { mode, floor, ..Default::default() }, super::super::SystemClock::new())
+    Traffic::new(TrafficConfig { mode, floor, ..Default::default() }, super::super::SystemClock::shared())
 }
 
 /// A loopback connection whose receiving end counts bytes as they arrive (a reader thread).

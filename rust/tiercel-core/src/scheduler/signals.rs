@@ -82,7 +82,7 @@ pub trait Clock: Send + Sync {
 pub struct SystemClock(Instant);
 
 impl SystemClock {
-    pub fn new() -> Arc<dyn Clock> {
+    pub fn shared() -> Arc<dyn Clock> {
         Arc::new(SystemClock(Instant::now()))
     }
 }

@@ -86,7 +86,7 @@ impl Store {
             return Err(Error::invalid(format!("rank {rank} is not in a world of size {world_size}")));
         }
         let Tiers { all, memory, peer } = open_tiers(&policy, rank)?;
-        let traffic = Traffic::new(policy.traffic.clone(), SystemClock::new());
+        let traffic = Traffic::new(policy.traffic.clone(), SystemClock::shared());
         let slots: Vec<TierSlot> = policy
             .tiers
             .iter()
