@@ -35,6 +35,7 @@ FIELDS: list[tuple[str, str, str]] = [
     ("queue_depth", "gauge", "background jobs for the tier waiting in the queue"),
     ("skips", "counter", "saves the tier did not get (replaced while queued, not enough hosts)"),
     ("failures", "counter", "writes to the tier that failed"),
+    ("effective_interval", "gauge", "iterations between checkpoints that reach the tier (learned traffic schedule)"),
 ]
 
 

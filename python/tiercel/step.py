@@ -42,6 +42,12 @@ class SaveHandle:
     def done(self) -> bool:
         return self._core.done()
 
+    def intervals(self) -> dict[str, tuple[int, str]]:
+        """{tier: (effective interval in iterations, why)} for the tiers whose checkpoints do
+        not fit the training job's idle time at their `every` (`[traffic] mode = "learned"`):
+        saves in between are skipped there."""
+        return {tier: (n, why) for tier, n, why in self._core.notes()}
+
     def wait(self, timeout: float | None = None) -> dict[str, str]:
         """Waits for the background tiers; raises TimeoutError, or the tier's error if one failed."""
         if not self._core.wait(timeout):

@@ -18,6 +18,7 @@ from .advertise import advertised_address, is_loopback
 from .coordinator import Coordinator, default_coordinator
 from .errors import InvalidArgumentError, NotFoundError, TiercelError
 from .step import Reader, RestoreInfo, SaveHandle, Writer
+from .traffic import Traffic
 
 PolicyLike = str | os.PathLike | Mapping[str, Any]
 
@@ -69,6 +70,8 @@ class Store:
             self._core = _core.Store(rank, world_size, path=str(Path(policy)), tool=tool)
         self.rank: int = rank
         self.world_size: int = world_size
+        #: The training job's communication signals (`with store.traffic.training_comm():`).
+        self.traffic = Traffic(self._core.traffic())
         #: This process's host, the failure domain: $TIERCEL_HOST, else the machine's name.
         self.host: str = os.environ.get("TIERCEL_HOST") or socket.gethostname()
         #: Every rank's host, by rank (learned when the store joins its cluster).

@@ -150,3 +150,41 @@ def _load_into(target: Any, value: Any, name: str) -> None:
             f"{name}= must have a load_state_dict() method, or be a dict to receive the saved "
             f"{type(value).__name__}; got {type(target).__name__}"
         )
+
+
+def interleave(ddp_model: Any, store: Store, process_group: Any = None) -> Any:
+    """Lets checkpoint traffic make way for a DDP model's gradient all-reduces: installs a DDP
+    communication hook that signals `store.traffic` busy around each bucket's all-reduce (the
+    same all-reduce as DDP's default, so gradients are unchanged), and a forward pre-hook
+    that marks each iteration (what `[traffic] mode = "learned"` profiles). Call it once,
+    before the first forward pass (DDP takes one communication hook). Returns the forward
+    pre-hook's handle (`.remove()` stops the iteration marks; the comm hook stays)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        raise InvalidArgumentError(
+            f"interleave() takes a torch.nn.parallel.DistributedDataParallel model, got {type(ddp_model).__name__}"
+        )
+    traffic = store.traffic
+
+    def hook(group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        traffic.busy()
+        try:
+            fut = default_hooks.allreduce_hook(group, bucket)
+        except BaseException:
+            traffic.idle()
+            raise
+
+        def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            try:
+                return f.value()
+            finally:
+                traffic.idle()
+
+        return fut.then(done)
+
+    # DDP checks a hook's annotations against its own classes; these (strings, under
+    # `from __future__ import annotations`) are for type checkers only.
+    hook.__annotations__ = {}
+    ddp_model.register_comm_hook(process_group, hook)
+    return ddp_model.register_forward_pre_hook(lambda _module, _args: traffic.iteration())

@@ -23,7 +23,7 @@ from .layout import step_for_tag
 if TYPE_CHECKING:
     from .engine import TiercelCheckpointEngine
 
-__all__ = ["TiercelCheckpointEngine", "attach", "export", "step_for_tag"]
+__all__ = ["TiercelCheckpointEngine", "attach", "export", "interleave", "step_for_tag"]
 
 
 def attach(engine: Any, policy: Any = None, **store_kwargs: Any) -> Any:
@@ -32,6 +32,14 @@ def attach(engine: Any, policy: Any = None, **store_kwargs: Any) -> Any:
     from .install import attach as _attach
 
     return _attach(engine, policy, **store_kwargs)
+
+
+def interleave(engine: Any, store: Any) -> Any:
+    """Lets checkpoint traffic make way for the engine's backward and step communication
+    (see tiercel.deepspeed.traffic)."""
+    from .traffic import interleave as _interleave
+
+    return _interleave(engine, store)
 
 
 def __getattr__(name: str) -> Any:

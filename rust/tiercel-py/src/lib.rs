@@ -1,12 +1,13 @@
 //! PyO3 bindings of tiercel-core as `tiercel._core`: conversions, GIL release and the one
 //! mapping of core errors to Python exceptions (`errors`). No logic of its own lives here.
-//! `store` binds the Store, `step` a step being written or read, `buffer` the memory handed
+//! `store` binds the Store, `traffic` its training-communication signals, `step` a step being written or read, `buffer` the memory handed
 //! to Python.
 
 mod buffer;
 mod errors;
 mod step;
 mod store;
+mod traffic;
 
 use std::time::Duration;
 
@@ -16,6 +17,7 @@ use buffer::Buffer;
 use errors::{invalid, TcResult};
 use step::{SaveHandle, StepReader, StepWriter};
 use store::Store;
+use traffic::Traffic;
 
 fn json<T: serde::Serialize + ?Sized>(v: &T) -> String {
     serde_json::to_string(v).expect("serializes")
@@ -97,6 +99,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SaveHandle>()?;
     m.add_class::<StepReader>()?;
     m.add_class::<Buffer>()?;
+    m.add_class::<Traffic>()?;
     m.add("FORMAT_VERSION", tiercel_core::format::FORMAT_VERSION)?;
     m.add_function(wrap_pyfunction!(placement, m)?)?;
     m.add_function(wrap_pyfunction!(step_dir_name, m)?)?;

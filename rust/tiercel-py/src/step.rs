@@ -122,6 +122,12 @@ impl SaveHandle {
         self.inner.done()
     }
 
+    /// [(tier, effective interval in iterations, why)]: tiers whose checkpoints do not fit
+    /// the training job's idle time at their `every` (`[traffic] mode = "learned"`).
+    fn notes(&self) -> Vec<(String, u64, String)> {
+        self.inner.notes()
+    }
+
     /// The tiers whose background work failed, each with its error as the exception it is
     /// (its kind's class, message and fields): [(tier, TiercelError)].
     fn errors<'py>(&self, py: Python<'py>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {

@@ -114,7 +114,8 @@ impl Store {
 
     /// What this process has done per tier, in policy order: [{"tier", "steps_written",
     /// "bytes_written", "write_seconds", "write_bytes_per_second", "steps_read", "bytes_read",
-    /// "last_step", "lag_steps", "lag_seconds", "queue_depth", "skips", "failures"}].
+    /// "last_step", "lag_steps", "lag_seconds", "queue_depth", "skips", "failures",
+    /// "effective_interval"}].
     fn metrics<'py>(&self, py: Python<'py>) -> TcResult<Vec<Bound<'py, PyDict>>> {
         self.inner
             .metrics()
@@ -134,6 +135,7 @@ impl Store {
                 d.set_item("queue_depth", m.queue_depth)?;
                 d.set_item("skips", m.skips)?;
                 d.set_item("failures", m.failures)?;
+                d.set_item("effective_interval", m.effective_interval)?;
                 Ok(d)
             })
             .collect()
@@ -300,6 +302,11 @@ impl Store {
     }
 
     /// Background jobs queued or running.
+    /// The training job's communication signals to this store's scheduler.
+    fn traffic(&self) -> crate::traffic::Traffic {
+        crate::traffic::Traffic { store: self.inner.clone() }
+    }
+
     fn pending(&self) -> usize {
         self.inner.scheduler().pending()
     }

@@ -12,7 +12,9 @@ use super::{
 };
 use crate::error::{Error, Result};
 
-const TOP_KEYS: &[&str] = &["tier", "restore", "store"];
+mod traffic;
+
+const TOP_KEYS: &[&str] = &["tier", "restore", "store", "traffic"];
 pub(super) const TIER_KEYS: &[&str] = &[
     "name",
     "kind",
@@ -46,8 +48,13 @@ const MAX_IO_THREADS: usize = 256;
 
 pub(super) const STORE_KEYS: &[&str] = &["chunk_size", "threads", "io_threads", "run", "other_jobs", "pickle"];
 /// Where each key belongs, to point a key written in the wrong table to the right one.
-const SECTIONS: &[(&str, &[&str])] =
-    &[("the top level", TOP_KEYS), ("[[tier]]", TIER_KEYS), ("[restore]", RESTORE_KEYS), ("[store]", STORE_KEYS)];
+const SECTIONS: &[(&str, &[&str])] = &[
+    ("the top level", TOP_KEYS),
+    ("[[tier]]", TIER_KEYS),
+    ("[restore]", RESTORE_KEYS),
+    ("[store]", STORE_KEYS),
+    ("[traffic]", traffic::TRAFFIC_KEYS),
+];
 
 /// One `[[tier]]` table being read: its entries and the key path its errors name.
 struct TierTable<'n> {
@@ -221,9 +228,13 @@ impl Checker<'_> {
             refuse_other_jobs: false,
             resume_from,
             pickle: PickleMode::default(),
+            traffic: Default::default(),
         };
         if let Some(node) = get("store") {
             self.store(node, &mut policy)?;
+        }
+        if let Some(node) = get("traffic") {
+            policy.traffic = self.traffic(node)?;
         }
         Ok(policy)
     }

@@ -59,6 +59,8 @@ pub struct Policy {
     pub resume_from: Option<String>,
     /// What happens to values that can only be stored by pickling them (`[store] pickle`).
     pub pickle: PickleMode,
+    /// `[traffic]`: how checkpoint traffic makes way for the training job's own.
+    pub traffic: crate::scheduler::TrafficConfig,
 }
 
 /// `[store] pickle`: values no leaf handler claims are pickled; unpickling runs code chosen by

@@ -303,6 +303,37 @@ fn store_rules() {
     }
 }
 
+#[test]
+fn traffic_settings_and_rules() {
+    use crate::scheduler::Mode;
+    let p = Policy::from_toml(MINIMAL, "p.toml").unwrap();
+    assert_eq!((p.traffic.mode, p.traffic.mu, p.traffic.floor, p.traffic.warmup), (Mode::Signals, 0.8, None, 20));
+    let p = Policy::from_toml(&format!("{MINIMAL}\n[traffic]\nmode = \"learned\"\nmu = 0.5\nfloor = \"10MB/s\"\nwarmup = 5\n"), "p.toml")
+        .unwrap();
+    assert_eq!((p.traffic.mode, p.traffic.mu, p.traffic.floor, p.traffic.warmup), (Mode::Learned, 0.5, Some(10_000_000), 5));
+    let p = Policy::from_json(
+        r#"{"tier": [{"name": "ram", "kind": "memory", "root": "/dev/shm/t"}], "traffic": {"mode": "off", "mu": 1, "floor": 0}}"#,
+        "<dict>",
+    )
+    .unwrap();
+    assert_eq!((p.traffic.mode, p.traffic.mu, p.traffic.floor), (Mode::Off, 1.0, None));
+    for (value, part) in [
+        ("mode = \"smart\"", "traffic.mode: expected \"off\", \"signals\" (the default) or \"learned\", got \"smart\""),
+        ("mu = 0", "traffic.mu: expected a share of each idle span above 0 and at most 1"),
+        ("mu = 1.5", "traffic.mu: expected a share"),
+        ("floor = \"fast\"", "traffic.floor: \"fast\" is not a bandwidth"),
+        ("floor = -1", "traffic.floor: expected a bandwidth such as \"10MB/s\" (0: pause)"),
+        ("warmup = 0", "traffic.warmup: expected a positive integer, got 0"),
+        ("mood = 1", "traffic"),
+    ] {
+        let msg = toml_err(&format!("{MINIMAL}\n[traffic]\n{value}\n"));
+        assert_at(&msg, 7, &[part]);
+    }
+    // A traffic key in the wrong table is pointed to [traffic].
+    let msg = toml_err(&format!("{MINIMAL}\n[store]\nmu = 0.5\n"));
+    assert!(msg.contains("[traffic]"), "{msg}");
+}
+
 /// Repro (issue 14.14): memory `root = "/"` was accepted (`/.lock`, `/.pool` and step
 /// directories in `/`), and so was an fs `url` equal to the memory root.
 #[test]

@@ -49,6 +49,9 @@ pub struct SaveHandle {
     /// For a tier left `Written` (this rank done, others of its host not yet): tells whether
     /// the step has committed there since, by another rank's hand.
     probe: Mutex<Option<(String, Probe)>>,
+    /// Per tier: the effective checkpoint interval of the learned traffic schedule, when it
+    /// is longer than the tier's `every`, and why.
+    notes: Mutex<Vec<(String, u64, String)>>,
 }
 
 /// Where a step left `Written` stands on its tier now.
@@ -76,6 +79,7 @@ impl SaveHandle {
             changed: Condvar::new(),
             started: Instant::now(),
             probe: Mutex::new(None),
+            notes: Mutex::new(vec![]),
         })
     }
 
@@ -85,6 +89,17 @@ impl SaveHandle {
             e.1 = st;
         }
         self.changed.notify_all();
+    }
+
+    /// The learned schedule reaches `tier` only every `interval` iterations (see `notes`).
+    pub(super) fn note(&self, tier: &str, interval: u64, why: &str) {
+        self.notes.lock().push((tier.to_string(), interval, why.to_string()));
+    }
+
+    /// (tier, effective interval in iterations, why) for each tier whose checkpoints do not
+    /// fit the training job's idle time at the policy's `every`.
+    pub fn notes(&self) -> Vec<(String, u64, String)> {
+        self.notes.lock().clone()
     }
 
     /// Sets how to learn that `tier`, left `Written`, has committed since.

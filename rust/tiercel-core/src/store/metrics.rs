@@ -23,6 +23,8 @@ pub struct TierCounters {
     failures: AtomicU64,
     queued: AtomicI64,
     last_step: Mutex<Option<u64>>,
+    /// The learned traffic schedule's checkpoint interval (0: none planned).
+    interval: AtomicU64,
 }
 
 impl TierCounters {
@@ -43,6 +45,10 @@ impl TierCounters {
     /// A job for this tier entered the scheduler's queue (`+1`) or left it (`-1`).
     pub fn queue(&self, by: i64) {
         self.queued.fetch_add(by, Relaxed);
+    }
+    /// The learned traffic schedule sends a checkpoint to this tier every `n` iterations.
+    pub fn set_interval(&self, n: u64) {
+        self.interval.store(n, Relaxed);
     }
     /// A reader with this tier first in line read its first bytes.
     pub fn step_read(&self) {
@@ -79,6 +85,9 @@ pub struct TierMetrics {
     pub skips: u64,
     /// Writes that failed.
     pub failures: u64,
+    /// Iterations between checkpoints that reach the tier under the learned traffic
+    /// schedule (`[traffic] mode = "learned"`), once it has planned one.
+    pub effective_interval: Option<u64>,
 }
 
 /// The counters of every tier of a store, and when each recent save was made.
@@ -139,6 +148,7 @@ impl Metrics {
                     queue_depth: c.queued.load(Relaxed).max(0) as u64,
                     skips: c.skips.load(Relaxed),
                     failures: c.failures.load(Relaxed),
+                    effective_interval: Some(c.interval.load(Relaxed)).filter(|n| *n > 0),
                 }
             })
             .collect()

@@ -16,8 +16,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+use crate::policy::TierSpec;
 use crate::policy::{Policy, TierConfig};
-use crate::scheduler::{Link, Scheduler};
+use crate::scheduler::plan::{self, Plan};
+use crate::scheduler::{Link, LinkKind, Scheduler, SystemClock, Traffic};
 use crate::tier::gc::{self, GcOptions, Removal, Target};
 use crate::tier::memory::MemoryTier;
 use crate::tier::open::{open_tiers, Tiers};
@@ -44,6 +46,8 @@ pub struct Store {
     memory: Arc<MemoryTier>,
     slots: Vec<TierSlot>,
     scheduler: Arc<Scheduler>,
+    /// The training job's communication signals, and the gate of every link's chunks.
+    traffic: Arc<Traffic>,
     copy_pool: rayon::ThreadPool,
     peer: Option<Arc<PeerTier>>,
     /// This process's saves whose memory-tier flush may not have finished, by step: a read
@@ -75,6 +79,15 @@ pub fn launch_token() -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// Peer and object-store tiers share the network with the training job's collectives; the
+/// memory and fs tiers are taken to be local (an fs tier on NFS is not told apart).
+fn link_kind(spec: &TierSpec) -> LinkKind {
+    match spec {
+        TierSpec::Peer(_) | TierSpec::S3(_) | TierSpec::Gcs(_) => LinkKind::Network,
+        TierSpec::Memory { .. } | TierSpec::Fs { .. } => LinkKind::Local,
+    }
+}
+
 /// The slot of the memory tier, into which every save copies first: policy validation puts
 /// the one memory tier first (`Policy::memory_tier`).
 const MEMORY_SLOT: usize = 0;
@@ -91,11 +104,16 @@ impl Store {
             return Err(Error::invalid(format!("rank {rank} is not in a world of size {world_size}")));
         }
         let Tiers { all, memory, peer } = open_tiers(&policy, rank)?;
+        let traffic = Traffic::new(policy.traffic.clone(), SystemClock::shared());
         let slots: Vec<TierSlot> = policy
             .tiers
             .iter()
             .zip(all)
-            .map(|(cfg, tier)| TierSlot { link: Link::new(&cfg.name, cfg.bandwidth), config: cfg.clone(), tier })
+            .map(|(cfg, tier)| TierSlot {
+                link: Link::with_traffic(&cfg.name, cfg.bandwidth, link_kind(&cfg.spec), traffic.clone()),
+                config: cfg.clone(),
+                tier,
+            })
             .collect();
         let copy_pool = rayon::ThreadPoolBuilder::new()
             .num_threads(policy.threads)
@@ -120,6 +138,7 @@ impl Store {
             memory,
             slots,
             scheduler,
+            traffic,
             copy_pool,
             peer,
             recent: Default::default(),
@@ -270,6 +289,22 @@ impl Store {
 
     pub fn scheduler(&self) -> &Arc<Scheduler> {
         &self.scheduler
+    }
+
+    /// The training job's communication signals (`busy`, `idle`, `iteration`).
+    pub fn traffic(&self) -> &Arc<Traffic> {
+        &self.traffic
+    }
+
+    /// The learned schedule of `slot`'s link for a checkpoint of `bytes` (mode `learned`,
+    /// once the warmup iterations were profiled and the link has sent chunks to measure).
+    pub fn traffic_plan(&self, slot: &TierSlot, bytes: u64) -> Option<Plan> {
+        if self.traffic.config.mode != crate::scheduler::Mode::Learned || slot.link.kind != LinkKind::Network {
+            return None;
+        }
+        let profile = self.traffic.profile()?;
+        let model = slot.link.model()?;
+        Some(plan::plan(&profile, model, self.traffic.config.mu, self.policy.chunk_size, bytes, slot.config.every))
     }
 
     /// Retention on one tier, as after every save: `keep`, uncommitted leftovers, abandoned

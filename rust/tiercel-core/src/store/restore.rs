@@ -347,7 +347,12 @@ impl StepReader {
                 errs.push(format!("tier '{}' has no matching copy of item '{}' chunk {c}", tier.name(), primary.name));
                 continue;
             };
-            match read_chunk(tier, m, j, c, dst) {
+            // The read goes through the scheduler's link: it takes its tokens, and background
+            // chunks wait until it is done (a restore preempts a persist between chunks).
+            let read = self.store.slots[*idx].link.read(dst.len() as u64);
+            let res = read_chunk(tier, m, j, c, dst);
+            drop(read);
+            match res {
                 Ok(()) => {
                     self.store.metrics.tier(*idx).read(dst.len() as u64);
                     if s > 0 {

@@ -325,6 +325,14 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
             handle.set(&slot.config.name, TierState::Skipped(why));
             continue;
         }
+        if let Some(plan) = store.traffic_plan(slot, manifest.total_bytes()) {
+            // Learned schedule: a checkpoint that does not fit one iteration's idle time
+            // reaches the tier less often than `every` (the newer save supersedes the queued).
+            store.metrics.tier(idx).set_interval(plan.effective_interval);
+            if let Some(note) = &plan.note {
+                handle.note(&slot.config.name, plan.effective_interval, note);
+            }
+        }
         let (store2, handle2, manifest2, parts2) = (store.clone(), handle.clone(), manifest.clone(), parts.clone());
         let name = slot.config.name.clone();
         store.metrics.tier(idx).queue(1);

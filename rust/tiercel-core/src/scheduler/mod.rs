@@ -1,12 +1,27 @@
 //! The one scheduler of background byte movement. Every job has a link (the tier it moves
-//! bytes to or from), a priority and a size. Links carry token-bucket bandwidth limits, so a
-//! persist to a shared NFS or bucket never takes more than the policy grants; priorities make
-//! a restore overtake a flush, a flush overtake replication, replication overtake persistence.
+//! bytes to or from), a priority and a size; priorities make a restore overtake a flush, a
+//! flush overtake replication, replication overtake persistence.
+//!
+//! Jobs are whole steps, but their bytes pass their link one chunk at a time (`Link::acquire`
+//! before each chunk), and that is where the rest of the scheduling happens, chunk-granular:
+//! - `link`: per-link token buckets (the policy's `bandwidth`), restore reads that take their
+//!   link first, and the measurements of each chunk's cost;
+//! - `signals`: the training loop's communication signals (`Traffic`): checkpoint chunks on
+//!   network links wait while the job's own collectives run, and a restore preempts background
+//!   writes between two chunks;
+//! - `plan`: the learned schedule (GEMINI): idle spans per iteration and the link's alpha and
+//!   bandwidth learned from the first iterations, and chunks planned to fit mu x span.
+
+mod link;
+pub mod plan;
+mod signals;
+
+pub use link::{Link, LinkKind, ReadGuard};
+pub use signals::{Clock, Event, Mode, SystemClock, Traffic, TrafficConfig};
 
 use std::collections::BinaryHeap;
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
@@ -16,41 +31,6 @@ pub enum Priority {
     Flush = 1,
     Replicate = 2,
     Persist = 3,
-}
-
-/// A named path for bytes with an optional bandwidth limit (bytes per second).
-pub struct Link {
-    pub name: String,
-    rate: Option<f64>,
-    bucket: Mutex<(f64, Instant)>,
-}
-
-impl Link {
-    pub fn new(name: &str, bytes_per_sec: Option<u64>) -> Arc<Link> {
-        Arc::new(Link { name: name.into(), rate: bytes_per_sec.map(|r| r as f64), bucket: Mutex::new((0.0, Instant::now())) })
-    }
-
-    /// Takes `bytes` tokens, sleeping while the bucket is in debt. The bucket holds at most
-    /// 50 ms worth of tokens, so an idle link cannot burst far above its rate.
-    pub fn acquire(&self, bytes: u64) {
-        let Some(rate) = self.rate else { return };
-        let wait = {
-            let mut b = self.bucket.lock();
-            let now = Instant::now();
-            let burst = rate * 0.05;
-            b.0 = (b.0 + now.duration_since(b.1).as_secs_f64() * rate).min(burst);
-            b.1 = now;
-            b.0 -= bytes as f64;
-            if b.0 < 0.0 {
-                -b.0 / rate
-            } else {
-                0.0
-            }
-        };
-        if wait > 0.0 {
-            std::thread::sleep(Duration::from_secs_f64(wait));
-        }
-    }
 }
 
 /// How a job is started: run it, or tell it that a newer job with the same key replaced it
@@ -233,6 +213,7 @@ fn worker(s: Arc<Shared>) {
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
 
     fn job(link: &Arc<Link>, p: Priority, key: Option<&str>, log: &Arc<Mutex<Vec<String>>>, label: &str) -> Job {
         let log = log.clone();
@@ -319,23 +300,6 @@ mod tests {
         s.wait_idle();
         assert_eq!(worst.load(Ordering::SeqCst), 1);
         s.shutdown();
-    }
-
-    #[test]
-    fn token_bucket_limits_rate() {
-        let link = Link::new("slow", Some(10_000_000)); // 10 MB/s
-        let t = Instant::now();
-        for _ in 0..10 {
-            link.acquire(500_000); // 5 MB in all: ~0.5 s
-        }
-        // The limit is a floor on the time taken; an upper bound would only measure how
-        // busy the machine is (2 shared cores in CI), so it is generous.
-        let dt = t.elapsed().as_secs_f64();
-        assert!(dt > 0.4 && dt < 30.0, "took {dt}");
-        let unlimited = Link::new("fast", None);
-        let t = Instant::now();
-        unlimited.acquire(1 << 40); // 1 TB at no limit: returns at once, not after a wait
-        assert!(t.elapsed() < Duration::from_secs(5));
     }
 
     #[test]

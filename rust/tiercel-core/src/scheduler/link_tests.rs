@@ -1,0 +1,277 @@
+//! Links and the traffic gate: bandwidth caps on a real socket, pauses during training
+//! communication, restores first, and the learned gate on a synthetic timeline (fake clock).
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::scheduler::signals::{Clock, Decision, Mode, TrafficConfig};
+
+/// A clock the test moves by hand.
+struct FakeClock(parking_lot::Mutex<f64>);
+impl Clock for FakeClock {
+    fn now(&self) -> f64 {
+        *self.0.lock()
+    }
+}
+impl FakeClock {
+    fn set(&self, t: f64) {
+        *self.0.lock() = t;
+    }
+}
+
+fn traffic(mode: Mode, floor: Option<u64>) -> Arc<Traffic> {
+    Traffic::new(TrafficConfig { mode, floor, ..Default::default() }, super::super::SystemClock::shared())
+}
+
+/// A loopback connection whose receiving end counts bytes as they arrive (a reader thread).
+struct Counted {
+    tx: TcpStream,
+    received: Arc<AtomicU64>,
+    first_last: Arc<parking_lot::Mutex<(Option<Instant>, Option<Instant>)>>,
+}
+
+fn counted() -> Counted {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let tx = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (mut rx, _) = l.accept().unwrap();
+    let received = Arc::new(AtomicU64::new(0));
+    let first_last = Arc::new(parking_lot::Mutex::new((None, None)));
+    let (r, fl) = (received.clone(), first_last.clone());
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 1 << 16];
+        while let Ok(n) = rx.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            let now = Instant::now();
+            let mut g = fl.lock();
+            g.0.get_or_insert(now);
+            g.1 = Some(now);
+            r.fetch_add(n as u64, Ordering::SeqCst);
+        }
+    });
+    Counted { tx, received, first_last }
+}
+
+/// Sends `n` chunks of `size` through `link` into a socket, on a thread; true in `stop` ends it.
+fn sender(link: Arc<Link>, mut tx: TcpStream, size: usize, n: usize, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let chunk = vec![7u8; size];
+        for _ in 0..n {
+            if stop.load(Ordering::SeqCst) {
+                break;
+            }
+            link.acquire(size as u64);
+            tx.write_all(&chunk).unwrap();
+        }
+    })
+}
+
+#[test]
+fn bandwidth_cap_holds_within_ten_percent_on_a_socket() {
+    let rate = 20_000_000u64; // 20 MB/s, 1.5 s of 64 KiB chunks
+    let link = Link::new("capped", Some(rate));
+    let c = counted();
+    let total = 30_000_000usize / 65536 * 65536;
+    sender(link, c.tx, 65536, total / 65536, Arc::new(AtomicBool::new(false))).join().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while c.received.load(Ordering::SeqCst) < total as u64 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (first, last) = *c.first_last.lock();
+    // Bytes after the first chunk arrived, over the time until the last one did.
+    let secs = last.unwrap().duration_since(first.unwrap()).as_secs_f64();
+    let measured = (total - 65536) as f64 / secs;
+    let ratio = measured / rate as f64;
+    assert!((0.9..=1.1).contains(&ratio), "measured {measured:.0} B/s for a cap of {rate} B/s ({ratio:.3})");
+    // No cap: 1 TB of tokens are there at once.
+    let t = Instant::now();
+    Link::new("fast", None).acquire(1 << 40);
+    assert!(t.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn no_chunk_leaves_a_network_link_while_the_training_job_communicates() {
+    let t = traffic(Mode::Signals, None);
+    let link = Link::with_traffic("peer", Some(8_000_000), LinkKind::Network, t.clone());
+    let local = Link::with_traffic("disk", None, LinkKind::Local, t.clone());
+    let c = counted();
+    let stop = Arc::new(AtomicBool::new(false));
+    let h = sender(link.clone(), c.tx, 16384, 100_000, stop.clone());
+    while c.received.load(Ordering::SeqCst) < 200_000 {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    t.busy();
+    // The chunk that was admitted before busy() finishes: give it its time (2 ms at 8 MB/s),
+    // generously, then nothing more may arrive.
+    std::thread::sleep(Duration::from_millis(100));
+    let at_pause = c.received.load(Ordering::SeqCst);
+    let local_t = Instant::now();
+    local.acquire(1 << 20); // a local link does not wait for the network's signals
+    assert!(local_t.elapsed() < Duration::from_millis(500));
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(c.received.load(Ordering::SeqCst), at_pause, "checkpoint bytes left during training communication");
+    t.idle().unwrap();
+    let resumed = Instant::now();
+    while c.received.load(Ordering::SeqCst) == at_pause {
+        assert!(resumed.elapsed() < Duration::from_secs(10), "no bytes after idle()");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    stop.store(true, Ordering::SeqCst);
+    h.join().unwrap();
+    assert!(t.idle().is_err(), "idle() without busy() is refused");
+    let st = t.stats();
+    assert!(st.waits >= 1 && st.wait_seconds >= 0.3, "{st:?}");
+}
+
+#[test]
+fn the_floor_keeps_checkpoint_traffic_at_its_rate_during_communication() {
+    let t = traffic(Mode::Signals, Some(1_000_000)); // 1 MB/s while busy
+    let link = Link::with_traffic("peer", None, LinkKind::Network, t.clone());
+    t.busy();
+    let start = Instant::now();
+    for _ in 0..5 {
+        link.acquire(100_000); // 0.5 MB at the floor: ~0.5 s
+    }
+    let dt = start.elapsed().as_secs_f64();
+    assert!(dt > 0.45, "took {dt}");
+    t.idle().unwrap();
+    let start = Instant::now();
+    link.acquire(10_000_000);
+    assert!(start.elapsed() < Duration::from_millis(500), "no floor outside communication");
+}
+
+#[test]
+fn a_restore_preempts_a_persist_between_chunks() {
+    let t = traffic(Mode::Off, None);
+    // 20 ms per 200 KB chunk: the persist is slow, the restore must not wait for all of it.
+    let persist = Link::with_traffic("disk", Some(10_000_000), LinkKind::Local, t.clone());
+    let other = Link::with_traffic("peer", None, LinkKind::Network, t.clone());
+    let c = counted();
+    let stop = Arc::new(AtomicBool::new(false));
+    let h = sender(persist.clone(), c.tx, 200_000, 10_000, stop.clone());
+    while persist.bytes_sent() < 1_000_000 {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let asked = Instant::now();
+    let guard = other.read(1 << 20);
+    let started = asked.elapsed();
+    assert!(started < Duration::from_millis(20 * 5), "the restore started after {started:?}");
+    // While it reads, the persist sends nothing more (at most the chunk it had been admitted).
+    std::thread::sleep(Duration::from_millis(30));
+    let held = persist.bytes_sent();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(persist.bytes_sent(), held, "a persist chunk went during the restore");
+    drop(guard);
+    let (done_tx, done) = mpsc::channel();
+    let p = persist.clone();
+    std::thread::spawn(move || {
+        while p.bytes_sent() == held {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        done_tx.send(()).unwrap();
+    });
+    done.recv_timeout(Duration::from_secs(10)).expect("the persist resumes after the restore");
+    stop.store(true, Ordering::SeqCst);
+    h.join().unwrap();
+}
+
+/// A learned iteration of 100 ms: idle 0-30 ms, all-reduce 30-50, idle 50-60, all-reduce
+/// 60-80, idle 80-100; fed through the signals with a fake clock.
+fn learned(clock: &Arc<FakeClock>, warmup: u32) -> Arc<Traffic> {
+    let t = Traffic::new(TrafficConfig { mode: Mode::Learned, mu: 0.8, floor: None, warmup }, clock.clone());
+    for i in 0..warmup as usize {
+        let base = i as f64 * 0.1;
+        clock.set(base);
+        t.iteration();
+        for (a, b) in [(0.03, 0.05), (0.06, 0.08)] {
+            clock.set(base + a);
+            t.busy();
+            clock.set(base + b);
+            t.idle().unwrap();
+        }
+    }
+    clock.set(warmup as f64 * 0.1);
+    t.iteration();
+    t
+}
+
+/// `d` is a wait until `want` (up to rounding: spans are means of measured times).
+fn assert_until(d: Decision, want: f64) {
+    match d {
+        Decision::Until(t) if (t - want).abs() < 1e-9 => {}
+        _ => panic!("{d:?}, expected a wait until {want}"),
+    }
+}
+
+#[test]
+fn the_learned_gate_fits_chunks_into_the_learned_spans() {
+    let clock = Arc::new(FakeClock(parking_lot::Mutex::new(0.0)));
+    let t = learned(&clock, 20);
+    let p = t.profile().expect("learned after the warmup iterations");
+    assert_eq!(p.spans.len(), 3);
+    let it = 2.0; // the 21st iteration started at 2.0 s
+    let view = |cost: f64, pipeline_end: f64| LinkView { network: true, bytes: 1, cost: Some(cost), pipeline_end };
+    let d = |now: f64, cost: f64, pipe: f64| {
+        clock.set(now);
+        t.decide_at(&view(cost, pipe), now)
+    };
+    // 5 ms chunks: the first span (24 ms usable) takes them back to back until 24 ms.
+    assert_eq!(d(it, 0.005, f64::NEG_INFINITY), Decision::Go);
+    assert_eq!(d(it + 0.001, 0.005, it + 0.015), Decision::Go);
+    // One that would end at 25 ms does not fit: wait for the second span (50 ms).
+    assert_until(d(it + 0.016, 0.005, it + 0.020), it + 0.05);
+    // The second span has 8 ms: a 5 ms chunk fits once.
+    assert_eq!(d(it + 0.05, 0.005, f64::NEG_INFINITY), Decision::Go);
+    assert_until(d(it + 0.051, 0.005, it + 0.055), it + 0.08);
+    // A 10 ms chunk skips the 8 ms span altogether.
+    assert_until(d(it + 0.03, 0.010, f64::NEG_INFINITY), it + 0.08);
+    // After the last span: the next iteration's first span.
+    assert_until(d(it + 0.097, 0.005, f64::NEG_INFINITY), it + 0.1);
+    // A chunk longer than every span goes once, at the start of the longest.
+    assert_eq!(d(it + 0.001, 0.050, f64::NEG_INFINITY), Decision::Go);
+    assert_until(d(it + 0.06, 0.050, it + 0.051), it + 0.1);
+    // During communication (a signal) nothing goes, whatever the plan says.
+    clock.set(it + 0.001);
+    t.busy();
+    assert_eq!(t.decide_at(&view(0.001, f64::NEG_INFINITY), it + 0.001), Decision::Wait);
+    t.idle().unwrap();
+    // Training stopped (no iteration for more than two): chunks go.
+    assert_eq!(d(it + 0.5, 0.005, f64::NEG_INFINITY), Decision::Go);
+}
+
+#[test]
+fn before_the_warmup_ends_and_without_a_model_chunks_go() {
+    let clock = Arc::new(FakeClock(parking_lot::Mutex::new(0.0)));
+    let t = learned(&clock, 3);
+    assert!(t.profile().is_some());
+    let t5 = Traffic::new(TrafficConfig { mode: Mode::Learned, warmup: 50, ..Default::default() }, clock.clone());
+    t5.iteration();
+    assert!(t5.profile().is_none());
+    let v = LinkView { network: true, bytes: 1, cost: Some(0.5), pipeline_end: f64::NEG_INFINITY };
+    assert_eq!(t5.decide_at(&v, 0.01), Decision::Go);
+    // No model yet: the chunk goes and is measured.
+    let v = LinkView { network: true, bytes: 1, cost: None, pipeline_end: f64::NEG_INFINITY };
+    clock.set(0.3 + 0.035);
+    assert_eq!(t.decide_at(&v, 0.3 + 0.035), Decision::Go);
+}
+
+#[test]
+fn a_link_learns_its_cost_from_the_chunks_it_sends() {
+    let t = traffic(Mode::Signals, None);
+    let link = Link::with_traffic("peer", Some(20_000_000), LinkKind::Network, t);
+    assert!(link.model().is_none());
+    for _ in 0..20 {
+        link.acquire(100_000);
+        std::thread::sleep(Duration::from_millis(2)); // "sending" takes 2 ms
+    }
+    let m = link.model().unwrap();
+    // The cap (20 MB/s) is slower than the 50 MB/s the gaps show: the model keeps the cap.
+    assert_eq!(m.bandwidth, 20_000_000.0);
+    assert_eq!(link.bytes_sent(), 2_000_000);
+}
