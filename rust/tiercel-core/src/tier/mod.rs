@@ -191,7 +191,7 @@ pub fn encode_rank(
                 Stored::Owned(v) => v,
             };
             link.acquire(bytes.len() as u64);
-            sink(&bytes)?;
+            sink(bytes)?;
             let ch = &mut out.items[i].chunks[c];
             ch.object = 0;
             ch.stored_offset = pos;
