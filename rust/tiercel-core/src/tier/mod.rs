@@ -136,6 +136,13 @@ pub fn read_chunk(tier: &dyn Tier, m: &Manifest, item: usize, chunk: usize, dst:
     res.map_err(|e| e.context(ctx()).with_tier(tier.name()).at(m.step, m.rank).with_item(&it.name).with_chunk(chunk as u64))
 }
 
+/// A chunk's bytes as a blob tier stores them: the source's own memory (a raw chunk of a
+/// source that has it in place) or an encoded copy.
+enum Stored<'a> {
+    Source(&'a [u8]),
+    Owned(Vec<u8>),
+}
+
 /// Chunks are encoded in batches of this many in parallel, then written in order, so a
 /// blob tier's writer holds a bounded amount of memory.
 const ENCODE_BATCH: usize = 8;
@@ -156,19 +163,35 @@ pub fn encode_rank(
     let refs = logical.chunk_refs();
     let mut pos = 0u64;
     for batch in refs.chunks(ENCODE_BATCH) {
-        let encoded: Vec<Result<(String, Vec<u8>)>> = batch
+        let encoded: Vec<Result<(String, Stored)>> = batch
             .par_iter()
             .map(|&(i, c)| {
                 let it = &logical.items[i];
+                let value_size = codec::float_value_size(&it.dtype);
+                // Straight from the segment where the source has its bytes in memory: a
+                // chunk stored raw is then written without any copy of ours.
+                if let Some(raw) = src.raw_slice(i, c) {
+                    return Ok(match codec::encode(raw, compression, value_size) {
+                        Some((name, z)) => (name, Stored::Owned(z)),
+                        None => (codec::RAW.into(), Stored::Source(raw)),
+                    });
+                }
                 let mut raw = vec![0u8; it.chunks[c].len as usize];
                 src.read_raw(i, c, &mut raw)?;
-                Ok(codec::encode(raw, compression, codec::float_value_size(&it.dtype)))
+                Ok(match codec::encode(&raw, compression, value_size) {
+                    Some((name, z)) => (name, Stored::Owned(z)),
+                    None => (codec::RAW.into(), Stored::Owned(raw)),
+                })
             })
             .collect();
         for (&(i, c), enc) in batch.iter().zip(encoded) {
-            let (codec_name, bytes) = enc?;
+            let (codec_name, stored) = enc?;
+            let bytes: &[u8] = match &stored {
+                Stored::Source(s) => s,
+                Stored::Owned(v) => v,
+            };
             link.acquire(bytes.len() as u64);
-            sink(&bytes)?;
+            sink(bytes)?;
             let ch = &mut out.items[i].chunks[c];
             ch.object = 0;
             ch.stored_offset = pos;
