@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tiercel
+
 from conftest import chunk_location, flip_byte, random_numpy, random_torch
 
 

@@ -294,4 +294,4 @@ def writable_bytes(out: Any, what: str) -> memoryview:
     if mv.readonly or not mv.c_contiguous:
         raise InvalidArgumentError(f"{what}: read_into needs writable, C-contiguous memory "
                                    f"(read-only: {mv.readonly}, contiguous: {mv.c_contiguous})")
-    return mv if mv.format == "B" else memoryview(np.frombuffer(mv, dtype=np.uint8))
+    return mv if mv.format == "B" else np.frombuffer(mv, dtype=np.uint8).data
