@@ -217,6 +217,22 @@ class Reader:
             out.append(np.frombuffer(memoryview(buf), dtype=np.uint8) if it.nbytes else np.empty(0, dtype=np.uint8))
         return out
 
+    def read_into(self, item: Item | int | str, out: Any, start: int = 0) -> None:
+        """Reads bytes [start, start + nbytes of `out`) of one item into `out`, the caller's
+        memory: a writable C-contiguous numpy array, CPU torch tensor or other buffer, of any
+        dtype (its bytes are filled). One copy, made with the checksum of every chunk on the
+        core's copy threads in parallel, from the first tier in restore order that has a valid
+        copy (a shared-memory file is read without being mapped). If it raises, `out` may hold
+        part of the bytes."""
+        it = self._item(item)
+        dst = writable_bytes(out, f"step {self.step} item '{it.name}'")
+        if start < 0 or start + dst.nbytes > it.nbytes:
+            raise InvalidArgumentError(f"step {self.step} item '{it.name}': bytes {start}..{start + dst.nbytes} "
+                                       f"are outside its {it.nbytes} bytes")
+        t0 = time.perf_counter()
+        tier = self._core.read_into(it.index, start, dst)
+        self._account(tier, dst.nbytes, t0)
+
     def value(self, item: Item | int | str) -> Any:
         """One item rebuilt by the leaf handler that wrote it (an array, a tensor, bytes)."""
         it = self._item(item)
@@ -265,3 +281,23 @@ class Reader:
         self.info.seconds += time.perf_counter() - t0
         self.info.warnings = self._core.warnings()
         return unflatten(tree, values)
+
+
+def writable_bytes(out: Any, what: str) -> memoryview:
+    """`out` (a numpy array, a CPU torch tensor, any buffer) as a writable memoryview of its
+    bytes, sharing its memory; a clear error for memory that cannot be written in place."""
+    if hasattr(out, "data_ptr") and hasattr(out, "is_contiguous"):  # a torch tensor
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise InvalidArgumentError(f"{what}: read_into needs a contiguous CPU tensor, got one on "
+                                       f"{out.device} (contiguous: {out.is_contiguous()}); read it and copy_() instead")
+        import torch
+
+        out = out.detach().reshape(-1).view(torch.uint8).numpy() if out.numel() else np.empty(0, dtype=np.uint8)
+    try:
+        mv = memoryview(out)
+    except TypeError as e:
+        raise InvalidArgumentError(f"{what}: read_into needs an array, tensor or buffer, got {type(out).__name__}") from e
+    if mv.readonly or not mv.c_contiguous:
+        raise InvalidArgumentError(f"{what}: read_into needs writable, C-contiguous memory "
+                                   f"(read-only: {mv.readonly}, contiguous: {mv.c_contiguous})")
+    return mv if mv.format == "B" else np.frombuffer(mv, dtype=np.uint8).data

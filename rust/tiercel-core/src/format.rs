@@ -340,7 +340,7 @@ const SEAL_LEN: usize = SEAL_PREFIX.len() + 8 + 2;
 /// Appends the checksum field to a serialized JSON object.
 fn seal(mut json: Vec<u8>) -> Vec<u8> {
     assert_eq!(json.pop(), Some(b'}'), "metadata serializes to a JSON object");
-    let crc = crc32c::crc32c(&json);
+    let crc = crate::checksum::crc32c(&json);
     json.extend_from_slice(SEAL_PREFIX);
     json.extend_from_slice(format!("{crc:08x}\"}}").as_bytes());
     json
@@ -364,7 +364,7 @@ pub fn unseal<'a>(bytes: &'a [u8], where_: &str) -> Result<&'a [u8]> {
     };
     let want = std::str::from_utf8(hex).ok().filter(|h| h.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
     let want = want.and_then(|h| u32::from_str_radix(h, 16).ok());
-    let got = crc32c::crc32c(body);
+    let got = crate::checksum::crc32c(body);
     match want {
         // The field is valid JSON: the object parses with it in place.
         Some(w) if w == got => Ok(bytes),

@@ -2,6 +2,7 @@
 //! training. Pure Rust; the Python bindings live in tiercel-py and hold no logic of their own.
 
 pub mod blobs;
+pub mod checksum;
 pub mod codec;
 pub mod error;
 pub mod failpoint;

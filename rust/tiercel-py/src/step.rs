@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 
 use tiercel_core::error::Error;
@@ -198,5 +199,24 @@ impl StepReader {
     fn read_range(&self, py: Python<'_>, item: usize, start: u64, length: u64) -> TcResult<(Buffer, String)> {
         let (d, tier) = py.allow_threads(|| self.inner.read_range(item, start, length))?;
         Ok((Buffer::from(d), tier))
+    }
+
+    /// Reads bytes `start .. start + len(out)` of one item into `out`, a writable
+    /// C-contiguous buffer of bytes (GIL released; the buffer stays exported, so it can be
+    /// neither resized nor freed meanwhile). Each chunk is copied and verified in parallel.
+    /// Returns the tier(s) the bytes came from.
+    fn read_into(&self, py: Python<'_>, item: usize, start: u64, out: PyBuffer<u8>) -> TcResult<String> {
+        if out.readonly() || !out.is_c_contiguous() {
+            return Err(invalid("read_into needs a writable, C-contiguous buffer").into());
+        }
+        let (addr, len) = (out.buf_ptr() as usize, out.len_bytes());
+        // Safety: `out` holds the export until it is dropped after the call; no Python code
+        // runs on it meanwhile, and no other Rust reference to the memory exists.
+        let tier = py.allow_threads(|| {
+            let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+            self.inner.read_into(item, start, dst)
+        })?;
+        drop(out);
+        Ok(tier)
     }
 }

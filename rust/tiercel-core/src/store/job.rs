@@ -32,7 +32,7 @@ fn fingerprint(policy: &Policy) -> String {
     for t in policy.tiers.iter().filter(|t| !matches!(t.kind(), TierKind::Peer | TierKind::Memory)) {
         text.push_str(&format!("{}:{}\n", t.kind().as_str(), t.spec.location()));
     }
-    format!("{:08x}", crc32c::crc32c(text.as_bytes()))
+    format!("{:08x}", crate::checksum::crc32c(text.as_bytes()))
 }
 
 /// Whose steps a read may return.

@@ -30,6 +30,16 @@ impl ItemData {
     }
 }
 
+/// Bytes of one item that a zero-copy view can serve once `StepReader::verify` passed.
+struct ZeroCopy {
+    item: usize,
+    /// The item's chunks that overlap the bytes.
+    chunks: std::ops::Range<usize>,
+    view: Arc<View>,
+    offset: usize,
+    len: usize,
+}
+
 /// Reads one rank's step from the tiers in restore order that have it committed.
 pub struct StepReader {
     pub step: u64,
@@ -177,6 +187,10 @@ impl StepReader {
 
     /// Reads items (indices into `manifest().items`). Returns each item's data and the tier
     /// it came from ("ram", or "ram+disk" when chunks had to come from several tiers).
+    ///
+    /// Items the memory tier holds raw come back as zero-copy views; every chunk of all of
+    /// them is mapped and verified in one parallel pass over the copy threads (no item waits
+    /// for the one before it). The others are read chunk by chunk, with fallback.
     pub fn read_items(&self, items: &[usize]) -> Result<Vec<(ItemData, String)>> {
         let m = self.manifest();
         for &i in items {
@@ -184,22 +198,47 @@ impl StepReader {
                 return Err(Error::invalid(format!("step {}: no item {i}", self.step)).at(self.step, self.rank));
             }
         }
-        let mut views = self.take_views();
-        let out = self.store.copy_pool.install(|| items.iter().map(|&i| self.read_span(i, 0, m.items[i].nbytes, &mut views)).collect());
-        self.views.lock().extend(views);
-        out
+        self.count_read();
+        let plans: Vec<Option<ZeroCopy>> =
+            self.with_views(|views| items.iter().map(|&i| self.plan_zero_copy(i, 0, m.items[i].nbytes, views)).collect());
+        self.store.copy_pool.install(|| {
+            let ok = self.verify(&plans);
+            items.iter().zip(plans).zip(ok).map(|((&i, plan), ok)| self.serve(i, 0, m.items[i].nbytes, plan.filter(|_| ok))).collect()
+        })
     }
 
     /// Reads bytes `start..start + len` of item `item`, touching only the chunks that overlap
     /// them (each still verified whole by its CRC32C, falling back chunk by chunk across tiers
     /// like `read_items`). A zero-copy view when the item qualifies for one.
     pub fn read_range(&self, item: usize, start: u64, len: u64) -> Result<(ItemData, String)> {
+        let end = self.check_range(item, start, len)?;
+        self.count_read();
+        let plan = self.with_views(|views| self.plan_zero_copy(item, start, end, views));
+        self.store.copy_pool.install(|| {
+            let ok = self.verify(std::slice::from_ref(&plan))[0];
+            self.serve(item, start, end, plan.filter(|_| ok))
+        })
+    }
+
+    /// Reads bytes `start..start + dst.len()` of item `item` into `dst`, the caller's memory:
+    /// each overlapping chunk is copied and verified by its CRC32C on the copy threads, in
+    /// parallel, falling back chunk by chunk across tiers like `read_items`. From the memory
+    /// tier that is one copy straight out of shared memory (a `pread`, nothing mapped). On an
+    /// error `dst` holds part of the bytes. Returns the tier(s) the bytes came from.
+    pub fn read_into(&self, item: usize, start: u64, dst: &mut [u8]) -> Result<String> {
+        let end = self.check_range(item, start, dst.len() as u64)?;
+        self.count_read();
+        self.store.copy_pool.install(|| self.read_owned_into(item, start, end, dst))
+    }
+
+    /// The end of bytes `start..start + len` of item `item`, when they lie inside it.
+    fn check_range(&self, item: usize, start: u64, len: u64) -> Result<u64> {
         let it = self
             .manifest()
             .items
             .get(item)
             .ok_or_else(|| Error::invalid(format!("step {}: no item {item}", self.step)).at(self.step, self.rank))?;
-        let end = start.checked_add(len).filter(|e| *e <= it.nbytes).ok_or_else(|| {
+        start.checked_add(len).filter(|e| *e <= it.nbytes).ok_or_else(|| {
             Error::invalid(format!(
                 "step {} rank {} item '{}': bytes {start}..{} lie outside its {} bytes",
                 self.step,
@@ -210,61 +249,73 @@ impl StepReader {
             ))
             .at(self.step, self.rank)
             .with_item(&it.name)
-        })?;
-        let mut views = self.take_views();
-        let out = self.store.copy_pool.install(|| self.read_span(item, start, end, &mut views));
+        })
+    }
+
+    /// A step read is counted (for its first source) once, on the first read.
+    fn count_read(&self) {
+        if !self.counted.swap(true, Ordering::Relaxed) {
+            self.store.metrics.tier(self.sources[0].0).step_read();
+        }
+    }
+
+    /// Runs `f` with the objects mapped so far (and keeps what it maps). Taken rather than
+    /// locked across the call, and handed back before any copy thread runs: concurrent
+    /// calls cannot deadlock (they map again at worst).
+    fn with_views<T>(&self, f: impl FnOnce(&mut HashMap<String, Arc<View>>) -> T) -> T {
+        let mut views = std::mem::take(&mut *self.views.lock());
+        let out = f(&mut views);
         self.views.lock().extend(views);
         out
     }
 
-    /// The objects mapped so far, for one call to use (and hand back). Taken rather than
-    /// locked across the call: no lock is held while the copy pool runs, so concurrent calls
-    /// cannot deadlock in it (they map again at worst).
-    fn take_views(&self) -> HashMap<String, Arc<View>> {
-        std::mem::take(&mut *self.views.lock())
+    /// Bytes `start..end` of item `i`: the verified zero-copy `plan` if there is one, else
+    /// chunk by chunk.
+    fn serve(&self, i: usize, start: u64, end: u64, plan: Option<ZeroCopy>) -> Result<(ItemData, String)> {
+        match plan {
+            Some(ZeroCopy { view, offset, len, .. }) => {
+                let idx = self.sources[0].0;
+                self.store.metrics.tier(idx).read(len as u64);
+                Ok((ItemData::View { view, offset, len }, self.store.slots[idx].config.name.clone()))
+            }
+            None => {
+                let mut buf = vec![0u8; (end - start) as usize];
+                let label = self.read_owned_into(i, start, end, &mut buf)?;
+                Ok((ItemData::Owned(buf), label))
+            }
+        }
     }
 
-    /// Bytes `start..end` of item `i`: zero-copy if it can, else chunk by chunk.
-    fn read_span(&self, i: usize, start: u64, end: u64, views: &mut HashMap<String, Arc<View>>) -> Result<(ItemData, String)> {
-        if !self.counted.swap(true, Ordering::Relaxed) {
-            self.store.metrics.tier(self.sources[0].0).step_read();
-        }
-        if let Some(v) = self.try_zero_copy(i, start, end, views)? {
-            return Ok(v);
-        }
-        self.read_owned(i, start, end)
-    }
-
-    /// The fast path: the first source offers views (the memory tier), the chunks of
-    /// `start..end` sit raw and contiguous in one object, and each of their checksums holds.
-    fn try_zero_copy(&self, i: usize, start: u64, end: u64, views: &mut HashMap<String, Arc<View>>) -> Result<Option<(ItemData, String)>> {
+    /// Whether a zero-copy view can serve bytes `start..end` of item `i`: the first source
+    /// offers views (the memory tier) and the chunks of `start..end` sit raw and contiguous
+    /// in one object. Maps that object (once per reader), but neither touches nor verifies
+    /// the bytes: `verify` does.
+    fn plan_zero_copy(&self, i: usize, start: u64, end: u64, views: &mut HashMap<String, Arc<View>>) -> Option<ZeroCopy> {
         let (idx, m) = &self.sources[0];
         let slot = &self.store.slots[*idx];
         let it = &m.items[i];
-        let chunks = &it.chunks[overlapping(&it.chunks, start, end)];
-        let Some(first) = chunks.first() else {
-            return Ok(Some((ItemData::Owned(vec![]), slot.config.name.clone())));
-        };
-        // Where byte 0 of the item would lie if the item is stored contiguously.
+        let range = overlapping(&it.chunks, start, end);
+        let chunks = &it.chunks[range.clone()];
+        let first = chunks.first()?; // nothing to map: read_owned_into returns the empty bytes
+                                     // Where byte 0 of the item would lie if the item is stored contiguously.
         let base = first.stored_offset.wrapping_sub(first.offset);
         let contiguous = chunks
             .iter()
             .all(|c| c.codec == crate::codec::RAW && c.object == first.object && c.stored_offset == base.wrapping_add(c.offset));
         if !contiguous {
-            return Ok(None);
+            return None;
         }
         let obj = &m.objects[first.object as usize].name;
         let view = match views.get(obj) {
             Some(v) => v.clone(),
-            None => match slot.tier.view(m.step, obj) {
-                None => return Ok(None), // a tier without views
-                Some(Ok(v)) => {
+            None => match slot.tier.view(m.step, obj)? {
+                Ok(v) => {
                     views.insert(obj.clone(), v.clone());
                     v
                 }
-                Some(Err(e)) => {
+                Err(e) => {
                     self.warnings.lock().push(e.message);
-                    return Ok(None);
+                    return None;
                 }
             },
         };
@@ -273,30 +324,48 @@ impl StepReader {
             self.warnings
                 .lock()
                 .push(format!("tier '{}': step {} rank {} object {obj} is shorter than its manifest", slot.config.name, m.step, m.rank));
-            return Ok(None);
-        }
-        let ok = chunks.par_iter().all(|c| {
-            let s = c.stored_offset as usize;
-            crc32c::crc32c(&view[s..s + c.len as usize]) == c.crc32c
-        });
-        if !ok {
-            return Ok(None); // read_owned finds the bad chunks, says which, and falls back
+            return None;
         }
         // The first overlapping chunk starts at or before `start` (chunks tile the item).
         let (offset, len) = ((first.stored_offset + (start - first.offset)) as usize, (end - start) as usize);
-        self.store.metrics.tier(*idx).read(len as u64);
-        Ok(Some((ItemData::View { view, offset, len }, slot.config.name.clone())))
+        Some(ZeroCopy { item: i, chunks: range, view, offset, len })
     }
 
-    /// Reads bytes `start..end` of item `i`: every overlapping chunk from the first source
-    /// that has a valid copy of it. A chunk the range covers only in part is read whole (its
-    /// checksum covers all of it) and cut.
-    fn read_owned(&self, i: usize, start: u64, end: u64) -> Result<(ItemData, String)> {
+    /// Verifies every chunk of every plan, all in one parallel pass on the calling pool:
+    /// each chunk's pages are mapped, then its CRC32C is computed, by the same thread (the
+    /// mapping of one chunk overlaps the checksums of others). True per plan when all its
+    /// chunks match; a plan that fails is read chunk by chunk instead, which says which
+    /// chunk is bad and falls back to another tier.
+    fn verify(&self, plans: &[Option<ZeroCopy>]) -> Vec<bool> {
+        let items = &self.manifest().items;
+        let work: Vec<(usize, &ZeroCopy, &ChunkMeta)> = plans
+            .iter()
+            .enumerate()
+            .filter_map(|(k, p)| p.as_ref().map(|p| (k, p)))
+            .flat_map(|(k, p)| items[p.item].chunks[p.chunks.clone()].iter().map(move |c| (k, p, c)))
+            .collect();
+        let bad: Vec<usize> = work
+            .into_par_iter()
+            .with_max_len(1)
+            .filter(|(_, p, c)| {
+                let s = c.stored_offset as usize..(c.stored_offset + c.len) as usize;
+                p.view.populate(s.clone());
+                crate::checksum::crc32c(&p.view[s]) != c.crc32c
+            })
+            .map(|(k, ..)| k)
+            .collect();
+        (0..plans.len()).map(|k| !bad.contains(&k)).collect()
+    }
+
+    /// Reads bytes `start..end` of item `i` into `buf` (`end - start` bytes): every
+    /// overlapping chunk from the first source that has a valid copy of it, in parallel. A
+    /// chunk the range covers only in part is read whole (its checksum covers all of it)
+    /// and cut. Returns the tier(s) the chunks came from.
+    fn read_owned_into(&self, i: usize, start: u64, end: u64, buf: &mut [u8]) -> Result<String> {
         let primary = &self.manifest().items[i];
         let range = overlapping(&primary.chunks, start, end);
-        let mut buf = vec![0u8; (end - start) as usize];
         let mut dsts: Vec<(usize, &mut [u8])> = vec![];
-        let mut rest = &mut buf[..];
+        let mut rest = buf;
         for c in range {
             let ch = &primary.chunks[c];
             let n = (ch.offset + ch.len).min(end) - ch.offset.max(start);
@@ -328,7 +397,7 @@ impl StepReader {
         from.sort_unstable();
         let names: Vec<String> = from.iter().map(|s| self.store.slots[self.sources[*s].0].config.name.clone()).collect();
         let label = if names.is_empty() { self.store.slots[self.sources[0].0].config.name.clone() } else { names.join("+") };
-        Ok((ItemData::Owned(buf), label))
+        Ok(label)
     }
 
     /// Reads chunk `c` of `primary` (an item of the first source's manifest) into `dst` from

@@ -283,7 +283,7 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
             .map(|&(i, c)| {
                 let ch = &manifest.items[i].chunks[c];
                 let start = ch.stored_offset as usize;
-                crc32c::crc32c(&parts[ch.object as usize].bytes()[start..start + ch.len as usize])
+                crate::checksum::crc32c(&parts[ch.object as usize].bytes()[start..start + ch.len as usize])
             })
             .collect()
     });

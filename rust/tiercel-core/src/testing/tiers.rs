@@ -82,7 +82,7 @@ fn logical(step: u64, rank: u32, world_size: u32) -> (Manifest, VecSource) {
             .map(|(off, len)| ChunkMeta {
                 offset: off,
                 len,
-                crc32c: crc32c::crc32c(&bytes[off as usize..(off + len) as usize]),
+                crc32c: crate::checksum::crc32c(&bytes[off as usize..(off + len) as usize]),
                 object: 0,
                 stored_offset: pos + off,
                 stored_len: len,

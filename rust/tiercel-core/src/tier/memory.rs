@@ -62,6 +62,22 @@ pub struct View {
     _lease: Option<Lease>,
 }
 
+impl View {
+    /// Maps the pages of bytes `range` (clamped to the view) for reading ahead of use, in one
+    /// call rather than one fault per few pages, without copying them (MADV_POPULATE_READ,
+    /// Linux 5.14+; on older kernels a harmless no-op, and the pages fault in on first touch).
+    pub fn populate(&self, range: std::ops::Range<usize>) {
+        const MADV_POPULATE_READ: libc::c_int = 22;
+        const PAGE: usize = 4096;
+        let end = range.end.min(self.map.len());
+        // madvise takes a page-aligned start; the map itself is.
+        let start = range.start / PAGE * PAGE;
+        if start < end {
+            unsafe { libc::madvise(self.map.as_ptr().add(start) as *mut libc::c_void, end - start, MADV_POPULATE_READ) };
+        }
+    }
+}
+
 impl std::ops::Deref for View {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
@@ -364,8 +380,22 @@ impl MemoryTier {
     }
 
     /// Maps a stored object for reading, under a read lease: no writer recycles the file
-    /// while the view lives. A file that retention removed meanwhile is not found.
+    /// while the view lives. A file that retention removed meanwhile is not found. Every page
+    /// is mapped before it returns, on every copy thread (for a reader that sends the whole
+    /// object on, such as the peer server).
     pub fn map_view(&self, step: u64, object: &str) -> Result<Arc<View>> {
+        let view = self.open_view(step, object)?;
+        // Mapping the pages costs about as much as checksumming them: do it on every copy
+        // thread, in slices.
+        const SLICE: usize = 16 << 20;
+        use rayon::prelude::*;
+        (0..view.len().div_ceil(SLICE)).into_par_iter().for_each(|i| view.populate(i * SLICE..view.len().min((i + 1) * SLICE)));
+        Ok(view)
+    }
+
+    /// `map_view` without mapping the pages ahead: each is mapped on first touch, or by
+    /// `View::populate` (the restore path maps and checksums chunk by chunk, on all threads).
+    pub fn open_view(&self, step: u64, object: &str) -> Result<Arc<View>> {
         let path = self.root.join(format::step_dir(step)).join(object);
         let f = File::open(&path).map_err(|e| Error::io(&self.name, &path, e))?;
         let gone = || Error::not_found(format!("tier '{}': step {step} was removed (retention) while it was read", self.name));
@@ -374,23 +404,9 @@ impl MemoryTier {
             .ok_or_else(gone)?;
         let meta = f.metadata().map_err(|e| Error::io(&self.name, &path, e))?;
         // Not MAP_POPULATE: on a private writable mapping it pre-faults for writing, which
-        // copies every page. MADV_POPULATE_READ maps the shared pages without copying.
+        // copies every page. `View::populate` maps the shared pages without copying.
         let map = if meta.len() == 0 { MmapMut::map_anon(0) } else { unsafe { MmapOptions::new().map_copy(&f) } }
             .map_err(|e| Error::io(&self.name, &path, e))?;
-        if !map.is_empty() {
-            // Mapping the pages costs about as much as checksumming them: do it on every
-            // copy thread, in slices.
-            const MADV_POPULATE_READ: libc::c_int = 22; // Linux 5.14+; older kernels refuse, harmlessly
-            const SLICE: usize = 16 << 20;
-            let base = map.as_ptr() as usize;
-            let len = map.len();
-            use rayon::prelude::*;
-            (0..len.div_ceil(SLICE)).into_par_iter().for_each(|i| {
-                let off = i * SLICE;
-                let n = SLICE.min(len - off);
-                unsafe { libc::madvise((base + off) as *mut libc::c_void, n, MADV_POPULATE_READ) };
-            });
-        }
         Ok(Arc::new(View { map, _lease: Some(lease) }))
     }
 
@@ -577,7 +593,9 @@ impl Tier for MemoryTier {
         Ok(done)
     }
 
+    /// Pages are mapped on first touch or by `View::populate`: the restore path maps each
+    /// chunk just before it checksums it.
     fn view(&self, step: u64, object: &str) -> Option<Result<Arc<View>>> {
-        Some(self.map_view(step, object))
+        Some(self.open_view(step, object))
     }
 }

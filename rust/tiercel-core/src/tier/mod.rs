@@ -89,7 +89,8 @@ pub trait Tier: Send + Sync {
     }
 
     /// A zero-copy read view of object `object` of `step`, for a tier that keeps its objects
-    /// in this host's memory; None for every other tier.
+    /// in this host's memory; None for every other tier. Its pages may be mapped lazily
+    /// (`View::populate` maps a range ahead of use).
     fn view(&self, _step: u64, _object: &str) -> Option<Result<Arc<View>>> {
         None
     }
@@ -127,7 +128,7 @@ pub fn read_chunk(tier: &dyn Tier, m: &Manifest, item: usize, chunk: usize, dst:
             tier.read_stored(m, c, &mut stored).map_err(missing)?;
             codec::decode(&c.codec, &stored, dst)?;
         }
-        let crc = crc32c::crc32c(dst);
+        let crc = crate::checksum::crc32c(dst);
         if crc != c.crc32c {
             return Err(Error::integrity(format!("checksum mismatch (stored {:08x}, computed {crc:08x})", c.crc32c)));
         }

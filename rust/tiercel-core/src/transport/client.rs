@@ -236,7 +236,7 @@ impl Conn {
         if !verify {
             return Ok(d);
         }
-        let crc = crc32c::crc32c(dst);
+        let crc = crate::checksum::crc32c(dst);
         if crc != d.crc32c {
             return Err(Error::integrity(format!("peer {}: data frame checksum mismatch ({crc:08x} != {:08x})", self.peer, d.crc32c)));
         }

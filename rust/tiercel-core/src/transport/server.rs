@@ -355,7 +355,7 @@ async fn put(s: &mut TcpStream, handler: &Arc<dyn Handler>, step: u64, rank: u32
             // writer of this fresh segment.
             let dst = unsafe { std::slice::from_raw_parts_mut(seg.ptr().add(d.offset as usize), len as usize) };
             s.read_exact(dst).await.map_err(io)?;
-            if crc32c::crc32c(dst) != d.crc32c {
+            if crate::checksum::crc32c(dst) != d.crc32c {
                 return Err(Error::integrity(format!("chunk at object {} offset {} arrived corrupted", d.object, d.offset)));
             }
             slot.2 = true;

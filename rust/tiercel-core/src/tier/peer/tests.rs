@@ -25,7 +25,7 @@ pub(super) fn manifest(step: u64, rank: u32, data: &[Vec<u8>]) -> Manifest {
             .map(|(off, len)| ChunkMeta {
                 offset: off,
                 len,
-                crc32c: crc32c::crc32c(&d[off as usize..(off + len) as usize]),
+                crc32c: crate::checksum::crc32c(&d[off as usize..(off + len) as usize]),
                 object: 0,
                 stored_offset: pos + off,
                 stored_len: len,
