@@ -11,12 +11,13 @@ import secrets
 import socket
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from . import _core
 from .advertise import advertised_address, is_loopback
 from .coordinator import Coordinator, default_coordinator
 from .errors import InvalidArgumentError, NotFoundError, TiercelError
+from .replicas import replica_group_of
 from .step import Reader, RestoreInfo, SaveHandle, Writer
 
 PolicyLike = str | os.PathLike | Mapping[str, Any]
@@ -46,6 +47,9 @@ class Store:
     `policy` is a TOML file path or a dict of the same shape. rank/world_size default to
     torch.distributed's, else $RANK/$WORLD_SIZE, else a single process. `tool=True` opens it
     for tools that look at the tiers as they are (every job's steps count; the CLI does).
+    `replica_group`: which ranks hold identical copies of this rank's replicated puts
+    (`put(..., replicated=True)`): this rank's group as a list of ranks, or every group as a
+    list of lists; default all ranks (pure data parallelism).
     """
 
     def __init__(
@@ -56,6 +60,7 @@ class Store:
         world_size: int | None = None,
         coordinator: Coordinator | None = None,
         tool: bool = False,
+        replica_group: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ):
         if coordinator is not None:
             rank, world_size = coordinator.rank, coordinator.world_size
@@ -69,6 +74,8 @@ class Store:
             self._core = _core.Store(rank, world_size, path=str(Path(policy)), tool=tool)
         self.rank: int = rank
         self.world_size: int = world_size
+        #: The ranks that hold the same replicated data as this one (itself included), sorted.
+        self.replica_group: list[int] = replica_group_of(replica_group, rank, world_size)
         #: This process's host, the failure domain: $TIERCEL_HOST, else the machine's name.
         self.host: str = os.environ.get("TIERCEL_HOST") or socket.gethostname()
         #: Every rank's host, by rank (learned when the store joins its cluster).
@@ -140,9 +147,11 @@ class Store:
         """A writer for `step`: `with store.writer(step) as w: w.put("model", sd)`."""
         return Writer(self, _check_step(step))
 
-    def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
+    def save(self, step: int, state: Mapping[str, Any], *, replicated: bool = False) -> SaveHandle:
         """Saves a dict state; each top-level key becomes one put ("model", "optim", ...).
-        Returns once the state is in the memory tier; the rest happens in the background."""
+        Returns once the state is in the memory tier; the rest happens in the background.
+        `replicated=True`: every rank of the replica group saves the same state (see
+        `Writer.put`)."""
         if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
             raise InvalidArgumentError(
                 f"save() takes a dict with str keys (e.g. {{'model': ..., 'optim': ...}}), got {type(state).__name__}; "
@@ -151,7 +160,7 @@ class Store:
         w = self.writer(step)
         try:
             for name, value in state.items():
-                w.put(name, value)
+                w.put(name, value, replicated=replicated)
         except BaseException:
             w.abort()
             raise

@@ -45,8 +45,17 @@ impl StepWriter {
 
     /// Lays out one put: items are (name, kind, dtype, shape, nbytes, meta_json[,
     /// shard_json]), shard_json being None or `{"global_shape", "offsets", "replica_id"}`.
-    /// Returns (part, [(item index, offset in the part's segment)]).
-    fn add_part(&self, py: Python<'_>, name: &str, tree_json: &str, items: Vec<SpecTuple>) -> TcResult<(usize, Vec<(usize, u64)>)> {
+    /// `replica`: the lowest rank of the replica group when every rank of it puts the same
+    /// bytes (a replicated put). Returns (part, [(item index, offset in the part's segment)]).
+    #[pyo3(signature = (name, tree_json, items, replica=None))]
+    fn add_part(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        tree_json: &str,
+        items: Vec<SpecTuple>,
+        replica: Option<u32>,
+    ) -> TcResult<(usize, Vec<(usize, u64)>)> {
         let tree = parse_json(tree_json, "tree")?;
         let mut specs = vec![];
         for t in items {
@@ -62,7 +71,7 @@ impl StepWriter {
                 })?),
                 None => None,
             };
-            specs.push(ItemSpec { meta: parse_json(&meta, "item meta")?, name, kind, dtype, shape, nbytes, shard });
+            specs.push(ItemSpec { meta: parse_json(&meta, "item meta")?, name, kind, dtype, shape, nbytes, shard, replica });
         }
         py.allow_threads(|| self.with(|w| w.add_part(name, tree, specs)))
     }

@@ -101,7 +101,7 @@ impl StepReader {
                 .with_tier(name.as_str())
                 .at(step, rank));
             }
-            match tier.read_manifest(step, rank) {
+            match tier.read_manifest(step, rank).and_then(|m| crate::replica::resolve(&**tier, m)) {
                 Ok(m) => sources.push((idx, m)),
                 Err(e) => warnings.push(e.message),
             }

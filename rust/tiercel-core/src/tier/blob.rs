@@ -35,6 +35,8 @@ impl Tier for BlobTier {
     }
 
     fn write_rank(&self, logical: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<Manifest> {
+        // Replicated items are stored once per replica group, by its primary rank.
+        let logical = &crate::replica::share(logical);
         let object = format::data_name(logical.rank);
         self.layout.uncommit(logical.step, logical.rank)?;
         let mut w = self.layout.blobs().create(&layout::key(logical.step, &object))?;
@@ -61,6 +63,12 @@ impl Tier for BlobTier {
     }
 
     fn try_commit(&self, step: u64, world_size: u32) -> Result<bool> {
+        // Once every rank is written (and before the commit): a rank whose replicated items
+        // differ from its primary's keeps the step from committing, with an error naming it.
+        let ranks = self.layout.ranks(step)?;
+        if ranks.len() as u32 >= world_size && self.layout.commit_record(step).is_err() {
+            crate::replica::check_copies(self, step, &ranks)?;
+        }
         self.layout.try_commit(step, world_size, None)
     }
 
