@@ -154,6 +154,9 @@ class RestoreInfo:
     tiers: dict[str, int] = field(default_factory=dict)
     nbytes: int = 0
     warnings: list[str] = field(default_factory=list)
+    #: When replicated puts were read together with the replica group: the mode, bytes read
+    #: from the tier, received from and sent to other ranks, fallbacks ([restore] replicated).
+    broadcast: dict[str, Any] | None = None
 
     @property
     def tier(self) -> str:

@@ -17,7 +17,7 @@ from . import _core
 from .advertise import advertised_address, is_loopback
 from .coordinator import Coordinator, default_coordinator
 from .errors import InvalidArgumentError, NotFoundError, TiercelError
-from .replicas import replica_group_of
+from .replicas import replica_group_of, share_replicated
 from .step import Reader, RestoreInfo, SaveHandle, Writer
 
 PolicyLike = str | os.PathLike | Mapping[str, Any]
@@ -265,6 +265,7 @@ class Store:
             log.warning("rank %d restores step %d: %s", self.rank, step, w)
         t0 = time.perf_counter()
         r = Reader(self, step, job=job)
+        r.info.broadcast = share_replicated(self, r)
         state = r.get_all()
         r.info.seconds = time.perf_counter() - t0
         r.info.warnings = skipped + r.info.warnings

@@ -6,9 +6,11 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use tiercel_core::error::Error;
 use tiercel_core::format::ShardInfo;
+use tiercel_core::policy::ReplicatedMode;
 use tiercel_core::store::{self as core, ItemSpec};
 
 use crate::buffer::{Backing, Buffer};
@@ -187,6 +189,31 @@ impl StepReader {
     fn read_items(&self, py: Python<'_>, items: Vec<usize>) -> TcResult<Vec<(Buffer, String)>> {
         let got = py.allow_threads(|| self.inner.read_items(&items))?;
         Ok(got.into_iter().map(|(d, tier)| (Buffer::from(d), tier)).collect())
+    }
+
+    /// Reads every replicated item together with the other ranks of the replica group
+    /// (collective; GIL released). `members`: (rank, host, relay address) of each, this rank
+    /// included; `mode`: "single" or "striped". Returns what it did, as a dict.
+    fn broadcast<'py>(&self, py: Python<'py>, members: Vec<(u32, String, String)>, mode: &str) -> TcResult<Bound<'py, PyDict>> {
+        let policy = self.inner.store().policy.replicated;
+        let mode = match ReplicatedMode::parse(mode) {
+            Some(m @ (ReplicatedMode::Single | ReplicatedMode::Striped)) => m,
+            _ => return Err(invalid(format!("broadcast mode must be \"single\" or \"striped\", got {mode:?}")).into()),
+        };
+        let members = members.into_iter().map(|(rank, host, addr)| core::Member { rank, host, addr }).collect();
+        let group = core::Group { members, mode, window: policy.window, timeout: policy.timeout };
+        let s = py.allow_threads(|| self.inner.broadcast(&group))?;
+        let d = PyDict::new(py);
+        d.set_item("mode", s.mode)?;
+        d.set_item("items", s.items)?;
+        d.set_item("bytes_read", s.bytes_read)?;
+        d.set_item("bytes_received", s.bytes_received)?;
+        d.set_item("bytes_sent", s.bytes_sent)?;
+        d.set_item("fallbacks", s.fallbacks)?;
+        d.set_item("dropped", s.dropped)?;
+        d.set_item("warnings", s.warnings)?;
+        d.set_item("seconds", s.seconds)?;
+        Ok(d)
     }
 
     /// Reads bytes `start .. start + length` of one item (GIL released), reading only the

@@ -5,6 +5,7 @@
 //! `save` holds the writer (the blocking copy) and the background flush, `handle` what a
 //! save has done where, `restore` the reader, `copy` the copy of a step between tiers.
 
+mod broadcast;
 mod copy;
 mod handle;
 mod job;
@@ -24,6 +25,7 @@ use crate::tier::open::{open_tiers, Tiers};
 use crate::tier::peer::PeerTier;
 use crate::tier::{run_gc, Tier};
 
+pub use broadcast::{BroadcastStats, Group, Member};
 pub use copy::copy_step;
 pub use handle::{SaveHandle, TierState};
 pub use job::{job_of, JobFilter, RUN_ID_VARS};
@@ -55,6 +57,8 @@ pub struct Store {
     /// Opened for tools (`open_as`): every job's steps count as this job's.
     tool: bool,
     metrics: Metrics,
+    /// The relay replicas of a group pass chunks over on restore (started on first use).
+    relay: parking_lot::Mutex<Option<Arc<crate::transport::relay::Relay>>>,
 }
 
 /// The slot of the memory tier, into which every save copies first: policy validation puts
@@ -109,6 +113,7 @@ impl Store {
             foreign: Default::default(),
             tool,
             metrics,
+            relay: Default::default(),
         };
         if !tool {
             store.check_other_jobs()?;
@@ -214,6 +219,9 @@ impl Store {
             p.shutdown();
         }
         self.memory.release_pool();
+        if let Some(r) = self.relay.lock().take() {
+            r.stop();
+        }
     }
 
     /// Blocks until the background queue is empty.

@@ -47,6 +47,8 @@ pub struct StepReader {
     /// reader's life, so reading many items or ranges of one part does not map (and
     /// pre-populate) the whole part again each time.
     views: Mutex<HashMap<String, Arc<View>>>,
+    /// Items already read by a broadcast with the other replicas (`broadcast`).
+    pub(super) prefetched: super::broadcast::Prefetched,
 }
 
 impl StepReader {
@@ -135,7 +137,12 @@ impl StepReader {
             warnings: Mutex::new(warnings),
             counted: AtomicBool::new(false),
             views: Mutex::new(HashMap::new()),
+            prefetched: Default::default(),
         })
+    }
+
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
     }
 
     /// The manifest of the first tier that has the step.
@@ -201,10 +208,22 @@ impl StepReader {
         if !self.counted.swap(true, Ordering::Relaxed) {
             self.store.metrics.tier(self.sources[0].0).step_read();
         }
+        if let Some(v) = self.take_prefetched(i, start, end) {
+            return Ok(v);
+        }
         if let Some(v) = self.try_zero_copy(i, start, end, views)? {
             return Ok(v);
         }
         self.read_owned(i, start, end)
+    }
+
+    /// Bytes `start..end` of item `i` if a broadcast read it (the whole item is handed over,
+    /// a range copied out).
+    fn take_prefetched(&self, i: usize, start: u64, end: u64) -> Option<(ItemData, String)> {
+        let mut pre = self.prefetched.lock();
+        let whole = start == 0 && end == self.manifest().items[i].nbytes;
+        let data = if whole { pre.remove(&i)? } else { pre.get(&i)?[start as usize..end as usize].to_vec() };
+        Some((ItemData::Owned(data), self.store.slots[self.sources[0].0].config.name.clone()))
     }
 
     /// The fast path: the first source offers views (the memory tier), the chunks of
@@ -306,7 +325,7 @@ impl StepReader {
     /// Reads chunk `c` of `primary` (an item of the first source's manifest) into `dst` from
     /// the first source with a matching copy that decodes and passes its checksum. Returns
     /// the index of that source.
-    fn read_chunk_anywhere(&self, primary: &ItemMeta, c: usize, dst: &mut [u8]) -> Result<usize> {
+    pub(super) fn read_chunk_anywhere(&self, primary: &ItemMeta, c: usize, dst: &mut [u8]) -> Result<usize> {
         let want = &primary.chunks[c];
         let mut errs = vec![];
         for (s, (idx, m)) in self.sources.iter().enumerate() {
