@@ -57,8 +57,10 @@ struct Entry {
 #[derive(Default)]
 struct Table {
     entries: HashMap<ChunkKey, Entry>,
-    /// Ranks whose connection ended: nothing more is kept for them.
+    /// Ranks whose last connection ended: nothing more is kept for them.
     gone: HashSet<u32>,
+    /// Open connections per rank (a rank fetches over several at once).
+    conns: HashMap<u32, usize>,
 }
 
 pub struct Relay {
@@ -185,10 +187,10 @@ impl Relay {
         // A refusal (ERROR frame) or a frame read whole whose checksum failed leaves the
         // connection in step; a broken transfer does not.
         let reusable = matches!(&res, Ok(_)) || matches!(&res, Err(e) if matches!(e.kind, ErrorKind::NotFound | ErrorKind::Integrity));
-        let d = res.map_err(|e| e.context(format!("relay of rank at {addr}")))?;
         if reusable {
             self.pool.lock().entry(addr.to_string()).or_default().push(conn);
         }
+        let d = res.map_err(|e| e.context(format!("relay of rank at {addr}")))?;
         if d.crc32c != crc32c {
             return Err(Error::integrity(format!(
                 "relay {addr}: chunk {} of item '{}' has checksum {:08x}, this rank's manifest says {crc32c:08x}",
@@ -219,10 +221,16 @@ impl Relay {
         let client = self.identify(&mut s)?;
         // Idle between requests for as long as a restore may take.
         s.set_read_timeout(Some(Duration::from_secs(3600))).ok();
+        *self.table.lock().conns.entry(client.rank).or_default() += 1;
         let res = self.requests(&mut s, client.rank);
-        // However it ended: this rank takes nothing more from here.
+        // However it ended: once its last connection is gone, this rank takes nothing more
+        // from here (a process that died closes all of them at once).
         let mut t = self.table.lock();
-        mark_gone(&mut t, client.rank);
+        let n = t.conns.entry(client.rank).or_default();
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            mark_gone(&mut t, client.rank);
+        }
         self.changed.notify_all();
         res
     }
