@@ -57,11 +57,11 @@ def share_replicated(store: Store, reader: Reader) -> dict[str, Any] | None:
     wants = kinds.get(first) not in FAST_KINDS and any(it.replica_primary is not None for it in reader.manifest.items)
     # Rank 0's secret and job name for this restore's relays (the job's own channel carries them).
     # Agreed on at the first restore and kept: the relay is started once per store.
-    mine = getattr(store, "_relay_shared", None)
+    mine: tuple[str, str] | None = getattr(store, "_relay_shared", None)
     if mine is None and store.rank == 0:
         mine = (secrets.token_hex(32), store.run_id or secrets.token_hex(8))
     shared = store.coordinator.all_gather(mine)[0]
-    store._relay_shared = shared
+    setattr(store, "_relay_shared", shared)
     addr = None
     if wants:
         listen = os.environ.get("TIERCEL_RELAY_LISTEN", "0.0.0.0:0")

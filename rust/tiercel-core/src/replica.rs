@@ -90,7 +90,13 @@ fn differs(m: &Manifest, i: usize, theirs: Option<&crate::format::ItemMeta>) -> 
             return Err(format!("chunk {c} covers different bytes"));
         }
         if a.crc32c != b.crc32c {
-            return Err(format!("chunk {c} (bytes {}..{}): checksum {:08x} here, {:08x} there", a.offset, a.offset + a.len, a.crc32c, b.crc32c));
+            return Err(format!(
+                "chunk {c} (bytes {}..{}): checksum {:08x} here, {:08x} there",
+                a.offset,
+                a.offset + a.len,
+                a.crc32c,
+                b.crc32c
+            ));
         }
     }
     Ok(())
@@ -99,9 +105,9 @@ fn differs(m: &Manifest, i: usize, theirs: Option<&crate::format::ItemMeta>) -> 
 /// `m` (read from `tier`) with its shared items linked to their primaries' stored chunks.
 pub fn resolve(tier: &dyn Tier, mut m: Manifest) -> Result<Manifest> {
     for p in primaries(&m) {
-        let primary = tier.read_manifest(m.step, p).map_err(|e| {
-            e.context(format!("rank {}'s replicated items are stored by rank {p}, whose manifest cannot be read", m.rank))
-        })?;
+        let primary = tier
+            .read_manifest(m.step, p)
+            .map_err(|e| e.context(format!("rank {}'s replicated items are stored by rank {p}, whose manifest cannot be read", m.rank)))?;
         link_shared(&mut m, &primary)?;
     }
     Ok(m)

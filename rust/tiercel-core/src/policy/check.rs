@@ -7,8 +7,8 @@ use super::source::{line_of, Node, Value};
 use super::tier::*;
 use super::units::{parse_bandwidth, parse_size, Compression, DEFAULT_ZSTD_LEVEL};
 use super::{
-    PickleMode, Policy, ReplicatedMode, ReplicatedRestore, CHUNK_ALIGN, DEFAULT_CHUNK_SIZE, DEFAULT_IO_THREADS, DEFAULT_MEMORY_KEEP, MAX_CHUNK_SIZE, MAX_DEFAULT_THREADS,
-    MIN_CHUNK_SIZE,
+    PickleMode, Policy, ReplicatedMode, ReplicatedRestore, CHUNK_ALIGN, DEFAULT_CHUNK_SIZE, DEFAULT_IO_THREADS, DEFAULT_MEMORY_KEEP,
+    MAX_CHUNK_SIZE, MAX_DEFAULT_THREADS, MIN_CHUNK_SIZE,
 };
 use crate::error::{Error, Result};
 

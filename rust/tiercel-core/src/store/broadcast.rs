@@ -75,9 +75,11 @@ impl StepReader {
         let t0 = Instant::now();
         let relay = self.store.relay()?;
         let relay = &*relay;
-        let me = group.members.iter().position(|m| m.rank == self.rank).ok_or_else(|| {
-            Error::invalid(format!("rank {} is not in its own replica group {:?}", self.rank, group.members))
-        })?;
+        let me = group
+            .members
+            .iter()
+            .position(|m| m.rank == self.rank)
+            .ok_or_else(|| Error::invalid(format!("rank {} is not in its own replica group {:?}", self.rank, group.members)))?;
         let r = group.members.len();
         let m = self.manifest();
         let mut items: Vec<usize> = (0..m.items.len()).filter(|&i| m.items[i].replica.is_some() && m.items[i].nbytes > 0).collect();
@@ -120,7 +122,10 @@ impl StepReader {
         for s in sources {
             let x = &group.members[s];
             if let Err(e) = relay.warm(&x.addr, &x.host) {
-                warn(format!("step {} rank {}: rank {} cannot send replicated chunks ({e}); reading them from the tier", self.step, self.rank, x.rank));
+                warn(format!(
+                    "step {} rank {}: rank {} cannot send replicated chunks ({e}); reading them from the tier",
+                    self.step, self.rank, x.rank
+                ));
                 dead.lock().insert(s);
             }
         }

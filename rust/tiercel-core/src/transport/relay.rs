@@ -81,8 +81,7 @@ impl Relay {
     /// Listens on `listen` ("ip:port", port 0 for any) and serves until `stop`.
     pub fn start(listen: &str, me: Ident, secret: Vec<u8>, wait: Duration) -> Result<Arc<Relay>> {
         check_secret(&secret, "the relay secret")?;
-        let listener =
-            TcpListener::bind(listen).map_err(|e| Error::unavailable(format!("relay: cannot listen on {listen}: {e}")))?;
+        let listener = TcpListener::bind(listen).map_err(|e| Error::unavailable(format!("relay: cannot listen on {listen}: {e}")))?;
         let addr = listener.local_addr().map_err(|e| Error::unavailable(format!("relay: {e}")))?;
         let relay = Arc::new(Relay {
             addr,
@@ -186,7 +185,7 @@ impl Relay {
         let res = conn.recv_data_into(dst, true);
         // A refusal (ERROR frame) or a frame read whole whose checksum failed leaves the
         // connection in step; a broken transfer does not.
-        let reusable = matches!(&res, Ok(_)) || matches!(&res, Err(e) if matches!(e.kind, ErrorKind::NotFound | ErrorKind::Integrity));
+        let reusable = res.is_ok() || matches!(&res, Err(e) if matches!(e.kind, ErrorKind::NotFound | ErrorKind::Integrity));
         if reusable {
             self.pool.lock().entry(addr.to_string()).or_default().push(conn);
         }
@@ -242,7 +241,10 @@ impl Relay {
             return Err(send_error(s, Error::invalid("the first request must be IDENT")));
         };
         if client.job != self.me.job || to_host != self.me.host {
-            return Err(send_error(s, Error::unavailable(format!("relay of rank {}: not for job {} on host {to_host}", self.me.rank, client.job))));
+            return Err(send_error(
+                s,
+                Error::unavailable(format!("relay of rank {}: not for job {} on host {to_host}", self.me.rank, client.job)),
+            ));
         }
         send(s, Kind::Response, &serde_json::to_vec(&Reply { ident: Some(self.me.clone()), ..Default::default() }).expect("reply"))?;
         Ok(client)
@@ -271,7 +273,10 @@ impl Relay {
                 continue;
             };
             if data.len() as u64 != len {
-                send_error(s, Error::integrity(format!("relay: item '{}' chunk {} has {} bytes, not {len}", key.item, key.chunk, data.len())));
+                send_error(
+                    s,
+                    Error::integrity(format!("relay: item '{}' chunk {} has {} bytes, not {len}", key.item, key.chunk, data.len())),
+                );
                 continue;
             }
             crate::failpoint::hit("relay_send");
