@@ -215,3 +215,16 @@ def test_the_others_finish_when_a_rank_dies_or_a_chunk_is_corrupted(cluster, tmp
     if victim is None:
         assert any("checksum" in w for w in stats[1]["warnings"]), stats[1]
         assert stats[1]["fallbacks"] == 1, stats
+
+
+def test_replica_groups_are_checked():
+    import tiercel
+    from tiercel.replicas import replica_group_of
+
+    assert replica_group_of(None, 2, 4) == [0, 1, 2, 3]
+    assert replica_group_of([2, 0], 2, 4) == [0, 2]
+    assert replica_group_of([[0, 2], [1, 3]], 3, 4) == [1, 3]
+    for bad, why in [([1, 3], "must hold this rank"), ([0, 0, 2], "each rank once"), ([0, 2, 9], "0..3"),
+                     ([[0, 2], [2, 3]], "exactly one"), (["0", 2], "a list of ranks")]:
+        with pytest.raises(tiercel.InvalidArgumentError, match=why):
+            replica_group_of(bad, 2, 4)
