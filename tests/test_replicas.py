@@ -170,20 +170,23 @@ ONE_COPY = sum(v.nbytes for v in replicated_state(1)["model"].values())
 
 def test_one_copy_in_the_bucket_and_single_and_striped_read_it_once(cluster, tmp_path):
     phases = [cluster.phase("save", "save"), cluster.phase("all", "restore", "all"),
-              cluster.phase("single", "restore", "single"), cluster.phase("striped", "restore", "striped")]
+              cluster.phase("single", "restore", "single"), cluster.phase("striped", "restore", "striped"),
+              cluster.phase("auto", "restore", "auto")]
     reports = run_job(tmp_path, cluster.roots, phases)
     assert all("failed" not in json.dumps(r["save"]) for r in reports), reports
     assert any(r["save"]["states"]["s3"] == "committed" for r in reports), reports
     # One copy of the replicated put, plus each rank's own small put.
     stored = cluster.stored()
     assert ONE_COPY <= stored < ONE_COPY + 64 * 1024, (stored, ONE_COPY)
-    served = {name: cluster.proxies[name].downloaded for name in ("all", "single", "striped")}
+    served = {name: cluster.proxies[name].downloaded for name in ("all", "single", "striped", "auto")}
     # Manifests, listings and HTTP heads on top of the data: well under a chunk per rank.
     assert WORLD * ONE_COPY <= served["all"] < WORLD * ONE_COPY + 2 * MiB, served
-    for mode in ("single", "striped"):
+    # `auto` (a fresh store: nothing measured yet) reads striped.
+    assert all(r["auto"]["broadcast"]["mode"] == "striped" for r in reports), [r["auto"] for r in reports]
+    for mode in ("single", "striped", "auto"):
         assert ONE_COPY <= served[mode] < ONE_COPY + 1 * MiB, (mode, served)
         stats = [r[mode]["broadcast"] for r in reports]
-        assert all(s and s["mode"] == mode and s["fallbacks"] == 0 for s in stats), stats
+        assert all(s and s["mode"] in (mode, "striped") and s["fallbacks"] == 0 for s in stats), stats
         assert sum(s["bytes_read"] for s in stats) == ONE_COPY, stats
     # Striped: each rank read a quarter; single: rank 0 read it all and each rank passed it on once.
     assert [r["striped"]["broadcast"]["bytes_read"] for r in reports] == [ONE_COPY // WORLD] * WORLD

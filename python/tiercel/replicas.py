@@ -67,11 +67,40 @@ def share_replicated(store: Store, reader: Reader) -> dict[str, Any] | None:
         listen = os.environ.get("TIERCEL_RELAY_LISTEN", "0.0.0.0:0")
         bound = store._core.start_relay(listen, shared[1], store.host, shared[0].encode())
         addr = advertised_address(bound)
-    everyone = store.coordinator.all_gather((wants, store.host, addr, reader.step))
+    everyone = store.coordinator.all_gather((wants, store.host, addr, reader.step, auto_mode(store)))
     members = [(r, everyone[r][1], everyone[r][2]) for r in store.replica_group
                if everyone[r][0] and everyone[r][3] == reader.step]
     if not wants or len(members) < 2:
         return None
-    chosen = "striped" if mode == "auto" else mode
+    # `auto`: what the group's first member measured decides, so every member picks alike.
+    chosen = everyone[members[0][0]][4] if mode == "auto" else mode
+    if chosen == "all":
+        return None
     stats: dict[str, Any] = reader._core.broadcast(members, chosen)
+    _remember_rates(store, stats)
     return stats
+
+
+def auto_mode(store: Store) -> str:
+    """`[restore] replicated = "auto"`: `striped` (the bucket serves one copy, spread over
+    every host's link to it), unless this rank's last broadcast showed the network between
+    ranks slower than the tier: then each rank reading on its own (`all`) is faster.
+
+    A chunk received waited for its sender's read of it and then crossed the network, so its
+    time is about a tier read plus a transfer: the relay's per-stream rate falls below half
+    the tier's exactly when a transfer takes longer than a read."""
+    rates: dict[str, float] = getattr(store, "_replica_rates", {})
+    if rates.get("relay", float("inf")) < 0.5 * rates.get("tier", 0.0):
+        return "all"
+    return "striped"
+
+
+def _remember_rates(store: Store, stats: dict[str, Any]) -> None:
+    """Bytes per second of one stream from the tier and of one from another rank (each over
+    the time spent in such transfers, summed over the threads)."""
+    rates = {}
+    if stats["bytes_read"] and stats["read_seconds"] > 0:
+        rates["tier"] = stats["bytes_read"] / stats["read_seconds"]
+    if stats["bytes_received"] and stats["receive_seconds"] > 0:
+        rates["relay"] = stats["bytes_received"] / stats["receive_seconds"]
+    setattr(store, "_replica_rates", rates)

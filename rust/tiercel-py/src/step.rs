@@ -209,6 +209,8 @@ impl StepReader {
         d.set_item("bytes_read", s.bytes_read)?;
         d.set_item("bytes_received", s.bytes_received)?;
         d.set_item("bytes_sent", s.bytes_sent)?;
+        d.set_item("read_seconds", s.read_seconds)?;
+        d.set_item("receive_seconds", s.receive_seconds)?;
         d.set_item("fallbacks", s.fallbacks)?;
         d.set_item("dropped", s.dropped)?;
         d.set_item("warnings", s.warnings)?;

@@ -56,6 +56,10 @@ pub struct BroadcastStats {
     pub bytes_received: u64,
     /// Raw bytes this rank's relay sent to other ranks during this restore.
     pub bytes_sent: u64,
+    /// Seconds spent in reads from the tier and in receiving from other ranks, summed over the
+    /// threads: bytes over these are per-stream rates, comparable with each other (`auto`).
+    pub read_seconds: f64,
+    pub receive_seconds: f64,
     /// Chunks read from the tier because the rank meant to send them could not.
     pub fallbacks: u64,
     /// Ranks dropped because they did not take their chunks in time.
@@ -130,6 +134,7 @@ impl StepReader {
             }
         }
         let (read, received, fallbacks) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
+        let (read_ns, receive_ns) = (AtomicU64::new(0), AtomicU64::new(0));
         let mut dropped = vec![];
         for (w, window) in windows.into_iter().enumerate() {
             if w >= 2 {
@@ -144,8 +149,10 @@ impl StepReader {
                     let mut got = false;
                     if let Some(s) = source.filter(|s| !dead.lock().contains(s)) {
                         let x = &group.members[s];
+                        let t = Instant::now();
                         match relay.fetch(&x.addr, &x.host, &key, ch.crc32c, dst) {
                             Ok(()) => {
+                                receive_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
                                 crate::failpoint::hit("relay_recv");
                                 received.fetch_add(ch.len, Ordering::Relaxed);
                                 got = true;
@@ -167,7 +174,9 @@ impl StepReader {
                         fallbacks.fetch_add(1, Ordering::Relaxed);
                     }
                     if !got {
+                        let t = Instant::now();
                         self.read_chunk_anywhere(it, c, dst)?;
+                        read_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
                         read.fetch_add(ch.len, Ordering::Relaxed);
                     }
                     if !takers.is_empty() {
@@ -192,6 +201,8 @@ impl StepReader {
             bytes_read: read.into_inner(),
             bytes_received: received.into_inner(),
             bytes_sent: relay.served.load(Ordering::Relaxed) - served0,
+            read_seconds: read_ns.into_inner() as f64 / 1e9,
+            receive_seconds: receive_ns.into_inner() as f64 / 1e9,
             fallbacks: fallbacks.into_inner(),
             dropped,
             warnings,
