@@ -382,3 +382,80 @@ fn handshake(s: &mut TcpStream, secret: &[u8]) -> Result<()> {
     }
     send(s, Kind::AuthOk, &mac(secret, b"server", cn, &sn))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECRET: &[u8] = b"relay-test-secret-0123456789";
+
+    fn relay(rank: u32, wait_ms: u64) -> Arc<Relay> {
+        let me = Ident { job: "job".into(), host: format!("h{rank}"), rank };
+        Relay::start("127.0.0.1:0", me, SECRET.to_vec(), Duration::from_millis(wait_ms)).unwrap()
+    }
+
+    fn key(chunk: u32) -> ChunkKey {
+        ChunkKey { step: 7, item: "model/w".into(), chunk }
+    }
+
+    #[test]
+    fn a_chunk_offered_later_is_served_verified_and_then_let_go() {
+        let (a, b) = (relay(0, 5000), relay(1, 5000));
+        let addr = a.local_addr().to_string();
+        let data = vec![7u8; 1000];
+        let crc = crc32c::crc32c(&data);
+        let a2 = a.clone();
+        let d2 = data.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            a2.offer(key(0), &d2, crc, &[1], 0);
+        });
+        let mut dst = vec![0u8; 1000];
+        b.fetch(&addr, "h0", &key(0), crc, &mut dst).unwrap();
+        t.join().unwrap();
+        assert_eq!(dst, data);
+        assert!(a.drain(None, Duration::from_secs(5)).is_empty());
+        assert_eq!(a.held(), 0);
+        assert_eq!(a.served.load(Ordering::Relaxed), 1000);
+        // A checksum other than this rank's manifest's: refused, not used.
+        a.offer(key(1), &data, crc, &[1], 0);
+        let e = b.fetch(&addr, "h0", &key(1), crc ^ 1, &mut dst).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Integrity, "{e}");
+    }
+
+    #[test]
+    fn nothing_waits_past_its_deadline() {
+        let (a, b) = (relay(0, 300), relay(1, 300));
+        let addr = a.local_addr().to_string();
+        // Never offered: an error after the server's wait, not a hang.
+        let t0 = Instant::now();
+        let e = b.fetch(&addr, "h0", &key(3), 0, &mut [0u8; 8]).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::NotFound, "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(3));
+        // Kept for a rank that never takes it: dropped at the deadline, and named.
+        a.offer(key(4), &[1, 2, 3], 0, &[2], 0);
+        assert_eq!(a.drain(Some(0), Duration::from_millis(200)), vec![2]);
+        assert_eq!(a.held(), 0);
+    }
+
+    #[test]
+    fn a_rank_whose_connections_end_is_dropped_at_once() {
+        let (a, b) = (relay(0, 5000), relay(1, 5000));
+        let addr = a.local_addr().to_string();
+        b.warm(&addr, "h0").unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        b.stop(); // closes its pooled connections, as a dying process would
+        std::thread::sleep(Duration::from_millis(300));
+        // Nothing is kept for it: a sender never waits on a rank that is gone.
+        a.offer(key(5), &[1, 2, 3], 0, &[1], 0);
+        assert_eq!(a.held(), 0);
+    }
+
+    #[test]
+    fn another_jobs_client_is_refused() {
+        let a = relay(0, 1000);
+        let stranger = Ident { job: "other".into(), host: "h1".into(), rank: 1 };
+        let e = Conn::connect(&a.local_addr().to_string(), SECRET, Duration::from_secs(2), &stranger, "h0");
+        assert!(e.is_err());
+    }
+}
