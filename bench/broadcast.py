@@ -61,7 +61,7 @@ def policy(mode):
                      {"name": "s3", "kind": "s3", "url": cfg["url"], "endpoint": cfg["endpoint"],
                       "allow_http": True, "compression": "none"}],
             "restore": {"order": ["ram", "s3"], "replicated": mode, "relay_timeout": 60},
-            "store": {"chunk_size": "4MiB"}}
+            "store": {"chunk_size": "1MiB"}}
 
 def store_tx():
     out = subprocess.run(["ip", "-n", cfg["switch"], "-s", "-j", "link", "show", "dev", cfg["store_port"]],

@@ -68,6 +68,9 @@ pub struct BroadcastStats {
     pub seconds: f64,
 }
 
+/// Chunks a rank receives at once (each request waits for its sender to have the chunk).
+const FETCHERS: usize = 4;
+
 /// One chunk's task: its global index, item, chunk index and where it lands.
 type Task<'a> = (usize, usize, usize, &'a mut [u8]);
 
@@ -136,56 +139,81 @@ impl StepReader {
         let (read, received, fallbacks) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
         let (read_ns, receive_ns) = (AtomicU64::new(0), AtomicU64::new(0));
         let mut dropped = vec![];
+        // One chunk: from the rank meant to send it, else (or when that fails) from the tier;
+        // then offered to the ranks that take it from here.
+        let process = |w: usize, (j, i, c, dst): Task| -> Result<()> {
+            let it = &m.items[i];
+            let ch = &it.chunks[c];
+            let key = ChunkKey { step: self.step, item: it.name.clone(), chunk: c as u32 };
+            let (source, takers) = plan(j);
+            let mut got = false;
+            if let Some(s) = source.filter(|s| !dead.lock().contains(s)) {
+                let x = &group.members[s];
+                let t = Instant::now();
+                match relay.fetch(&x.addr, &x.host, &key, ch.crc32c, dst) {
+                    Ok(()) => {
+                        receive_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                        crate::failpoint::hit("relay_recv");
+                        received.fetch_add(ch.len, Ordering::Relaxed);
+                        got = true;
+                    }
+                    Err(e) => {
+                        // A bad copy on the wire: read that chunk from the tier. A sender
+                        // gone or stalled: read the rest of its chunks too.
+                        if e.kind != ErrorKind::Integrity {
+                            dead.lock().insert(s);
+                        }
+                        warn(format!(
+                            "step {} rank {}: item '{}' chunk {c} not received from rank {} ({}); read from the tier instead",
+                            self.step, self.rank, it.name, x.rank, e.message
+                        ));
+                        fallbacks.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            } else if source.is_some() {
+                fallbacks.fetch_add(1, Ordering::Relaxed);
+            }
+            if !got {
+                let t = Instant::now();
+                self.read_chunk_anywhere(it, c, dst)?;
+                read_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                read.fetch_add(ch.len, Ordering::Relaxed);
+            }
+            if !takers.is_empty() {
+                relay.offer(key, dst, ch.crc32c, &takers, w as u64);
+            }
+            Ok(())
+        };
         for (w, window) in windows.into_iter().enumerate() {
             if w >= 2 {
                 dropped.extend(self.drain(relay, Some(w as u64 - 2), group.timeout, &warn));
             }
-            let res: Result<()> = self.store.copy_pool.install(|| {
-                window.into_par_iter().try_for_each(|(j, i, c, dst)| {
-                    let it = &m.items[i];
-                    let ch = &it.chunks[c];
-                    let key = ChunkKey { step: self.step, item: it.name.clone(), chunk: c as u32 };
-                    let (source, takers) = plan(j);
-                    let mut got = false;
-                    if let Some(s) = source.filter(|s| !dead.lock().contains(s)) {
-                        let x = &group.members[s];
-                        let t = Instant::now();
-                        match relay.fetch(&x.addr, &x.host, &key, ch.crc32c, dst) {
-                            Ok(()) => {
-                                receive_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                                crate::failpoint::hit("relay_recv");
-                                received.fetch_add(ch.len, Ordering::Relaxed);
-                                got = true;
+            // This rank's own reads run on the copy threads, the chunks it receives on
+            // threads of their own: a read never waits behind a chunk another rank has yet
+            // to read, so the link to the tier stays busy.
+            let (mine, theirs): (Vec<Task>, Vec<Task>) = window.into_iter().partition(|t| plan(t.0).0.is_none());
+            let queue = Mutex::new(theirs.into_iter());
+            let process = &process;
+            std::thread::scope(|sc| {
+                let fetchers: Vec<_> = (0..FETCHERS)
+                    .map(|_| {
+                        sc.spawn(|| -> Result<()> {
+                            loop {
+                                let Some(t) = queue.lock().next() else { return Ok(()) };
+                                process(w, t)?;
                             }
-                            Err(e) => {
-                                // A bad copy on the wire: read that chunk from the tier. A
-                                // sender gone or stalled: read the rest of its chunks too.
-                                if e.kind != ErrorKind::Integrity {
-                                    dead.lock().insert(s);
-                                }
-                                warn(format!(
-                                    "step {} rank {}: item '{}' chunk {c} not received from rank {} ({}); read from the tier instead",
-                                    self.step, self.rank, it.name, x.rank, e.message
-                                ));
-                                fallbacks.fetch_add(1, Ordering::Relaxed);
-                            }
-                        }
-                    } else if source.is_some() {
-                        fallbacks.fetch_add(1, Ordering::Relaxed);
+                        })
+                    })
+                    .collect();
+                let mut res = self.store.copy_pool.install(|| mine.into_par_iter().try_for_each(|t| process(w, t)));
+                for f in fetchers {
+                    let r = f.join().unwrap_or_else(|_| Err(Error::invalid("a relay fetch thread panicked")));
+                    if res.is_ok() {
+                        res = r;
                     }
-                    if !got {
-                        let t = Instant::now();
-                        self.read_chunk_anywhere(it, c, dst)?;
-                        read_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                        read.fetch_add(ch.len, Ordering::Relaxed);
-                    }
-                    if !takers.is_empty() {
-                        relay.offer(key, dst, ch.crc32c, &takers, w as u64);
-                    }
-                    Ok(())
-                })
-            });
-            res?;
+                }
+                res
+            })?;
         }
         // The last windows: wait until the others took them (or went).
         dropped.extend(self.drain(relay, None, group.timeout, &warn));
