@@ -44,17 +44,18 @@ def replica_group_of(spec: Sequence[int] | Sequence[Sequence[int]] | None, rank:
     return sorted(groups)
 
 
-def share_replicated(store: Store, reader: Reader) -> dict[str, Any] | None:
+def share_replicated(store: Store, reader: Reader | None) -> dict[str, Any] | None:
     """Before `reader` reads its puts: reads its replicated items with the rest of its replica
     group, if the policy says so and they come from a slow tier. Collective over all ranks
-    (two all-gathers) unless `[restore] replicated = "all"`. Returns the broadcast's
+    (two all-gathers) unless `[restore] replicated = "all"`; a rank whose reader could not be
+    opened passes None and only takes part in the all-gathers. Returns the broadcast's
     statistics, or None when this rank reads on its own."""
     mode, _, _ = store._core.replicated_policy()
     if mode == "all" or store.world_size == 1 or store.coordinator is None:
         return None
     kinds = {t["name"]: t["kind"] for t in store.tiers()}
-    first = reader._core.tiers()[0]
-    wants = kinds.get(first) not in FAST_KINDS and any(it.replica_primary is not None for it in reader.manifest.items)
+    wants = reader is not None and kinds.get(reader._core.tiers()[0]) not in FAST_KINDS and any(
+        it.replica_primary is not None for it in reader.manifest.items)
     # Rank 0's secret and job name for this restore's relays (the job's own channel carries them).
     # Agreed on at the first restore and kept: the relay is started once per store.
     mine: tuple[str, str] | None = getattr(store, "_relay_shared", None)
@@ -67,10 +68,11 @@ def share_replicated(store: Store, reader: Reader) -> dict[str, Any] | None:
         listen = os.environ.get("TIERCEL_RELAY_LISTEN", "0.0.0.0:0")
         bound = store._core.start_relay(listen, shared[1], store.host, shared[0].encode())
         addr = advertised_address(bound)
-    everyone = store.coordinator.all_gather((wants, store.host, addr, reader.step, auto_mode(store)))
+    step = reader.step if reader is not None else None
+    everyone = store.coordinator.all_gather((wants, store.host, addr, step, auto_mode(store)))
     members = [(r, everyone[r][1], everyone[r][2]) for r in store.replica_group
-               if everyone[r][0] and everyone[r][3] == reader.step]
-    if not wants or len(members) < 2:
+               if everyone[r][0] and everyone[r][3] == step]
+    if reader is None or not wants or len(members) < 2:
         return None
     # `auto`: what the group's first member measured decides, so every member picks alike.
     chosen = everyone[members[0][0]][4] if mode == "auto" else mode

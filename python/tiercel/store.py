@@ -264,7 +264,11 @@ class Store:
         for w in skipped:
             log.warning("rank %d restores step %d: %s", self.rank, step, w)
         t0 = time.perf_counter()
-        r = Reader(self, step, job=job)
+        try:
+            r = Reader(self, step, job=job)
+        except TiercelError:
+            share_replicated(self, None)  # still take part, so that the others do not wait
+            raise
         r.info.broadcast = share_replicated(self, r)
         state = r.get_all()
         r.info.seconds = time.perf_counter() - t0
