@@ -75,6 +75,12 @@ for ph in phases:
         except tiercel.TiercelError as e:
             report[ph["name"]] = {"error": f"{type(e).__name__}: {e}"}
         dist.barrier()
+    elif ph["what"] == "missing":  # rank 3 asks for a step nobody has: it fails, the others go on
+        try:
+            got = store.restore(99 if rank == 3 else 1)
+            report[ph["name"]] = {"ok": True}
+        except tiercel.NotFoundError as e:
+            report[ph["name"]] = {"error": str(e)}
     else:
         got = store.restore(1)
         assert_same(got["model"], replicated_state(1)["model"])
@@ -171,7 +177,7 @@ ONE_COPY = sum(v.nbytes for v in replicated_state(1)["model"].values())
 def test_one_copy_in_the_bucket_and_single_and_striped_read_it_once(cluster, tmp_path):
     phases = [cluster.phase("save", "save"), cluster.phase("all", "restore", "all"),
               cluster.phase("single", "restore", "single"), cluster.phase("striped", "restore", "striped"),
-              cluster.phase("auto", "restore", "auto")]
+              cluster.phase("auto", "restore", "auto"), cluster.phase("missing", "missing", "single")]
     reports = run_job(tmp_path, cluster.roots, phases)
     assert all("failed" not in json.dumps(r["save"]) for r in reports), reports
     assert any(r["save"]["states"]["s3"] == "committed" for r in reports), reports
@@ -181,6 +187,9 @@ def test_one_copy_in_the_bucket_and_single_and_striped_read_it_once(cluster, tmp
     served = {name: cluster.proxies[name].downloaded for name in ("all", "single", "striped", "auto")}
     # Manifests, listings and HTTP heads on top of the data: well under a chunk per rank.
     assert WORLD * ONE_COPY <= served["all"] < WORLD * ONE_COPY + 2 * MiB, served
+    # A rank that cannot open its step fails alone and clearly; the others restore without it.
+    assert [r["missing"].get("ok") for r in reports] == [True, True, True, None], [r["missing"] for r in reports]
+    assert "step 99" in reports[3]["missing"]["error"], reports[3]["missing"]
     # `auto` (a fresh store: nothing measured yet) reads striped.
     assert all(r["auto"]["broadcast"]["mode"] == "striped" for r in reports), [r["auto"] for r in reports]
     for mode in ("single", "striped", "auto"):
