@@ -65,7 +65,7 @@ def test_good_policy_loads(tmp_path, good, shm_root, disk_root):
         assert tiers["disk"]["compression"] == "zstd:3" and tiers["disk"]["bandwidth"] == 100_000_000
         assert s._core.chunk_size == 64 << 10
         assert s._core.restore_order == ["ram", "disk"]
-        assert s._core.replicated_policy() == ("auto", 64 << 20, 30.0)
+        assert s._core.replicated_policy() == ("all", 64 << 20, 30.0)
         assert s._core.policy_source == str(p)
         h = s.save(2, {"x": np.arange(10)})
         assert h.wait(60) == {"ram": "committed", "disk": "committed"}

@@ -253,7 +253,11 @@ class Store:
         Only this job's steps are restored (and those of `[restore] resume_from`): a step
         another job saved into the same tiers is passed over. `job="<run id>"` (with `step`)
         restores a step of that run, `job="*"` of any job. `last_restore.warnings` names the
-        newer steps passed over and why (also logged)."""
+        newer steps passed over and why (also logged).
+
+        With `[restore] replicated` other than "all", collective over the job's ranks: the
+        ranks of a replica group read its replicated puts from a persistent tier once between
+        them (docs/restore.md); `last_restore.broadcast` says how."""
         skipped: list[str] = []
         if step is not None:
             _check_step(step)

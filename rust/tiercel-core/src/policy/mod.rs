@@ -68,7 +68,9 @@ pub struct Policy {
 /// from a persistent tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ReplicatedMode {
-    /// Every rank reads every byte itself.
+    /// Every rank reads every byte itself. The default: a restore stays a call of one rank;
+    /// the other modes make `restore()` collective over the ranks (as `latest_step()` is).
+    #[default]
     All,
     /// One rank reads; the others receive over the network, rank to rank in a chain.
     Single,
@@ -76,7 +78,6 @@ pub enum ReplicatedMode {
     Striped,
     /// `striped` when the group has several ranks and the step comes from a persistent tier,
     /// unless measured transfers between the ranks were slower than reads from the tier.
-    #[default]
     Auto,
 }
 
@@ -115,7 +116,7 @@ pub struct ReplicatedRestore {
 
 impl Default for ReplicatedRestore {
     fn default() -> Self {
-        ReplicatedRestore { mode: ReplicatedMode::Auto, window: 64 << 20, timeout: std::time::Duration::from_secs(30) }
+        ReplicatedRestore { mode: ReplicatedMode::All, window: 64 << 20, timeout: std::time::Duration::from_secs(30) }
     }
 }
 
