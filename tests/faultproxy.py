@@ -67,6 +67,8 @@ class FaultProxy:
         self.injected: Counter[str] = Counter()
         self.fired: Counter[str] = Counter()
         self.connections = 0
+        #: Bytes the server sent to clients (response heads and bodies): what a bucket served.
+        self.downloaded = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._listener = socket.socket()
@@ -190,6 +192,9 @@ class FaultProxy:
                 readable, _, _ = select.select(socks, [], [], 0.1)
                 for s in readable:
                     data = s.recv(1 << 16)
+                    if s is server:
+                        with self._lock:
+                            self.downloaded += len(data)
                     if not data:
                         client.close()
                         server.close()

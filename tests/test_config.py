@@ -65,6 +65,7 @@ def test_good_policy_loads(tmp_path, good, shm_root, disk_root):
         assert tiers["disk"]["compression"] == "zstd:3" and tiers["disk"]["bandwidth"] == 100_000_000
         assert s._core.chunk_size == 64 << 10
         assert s._core.restore_order == ["ram", "disk"]
+        assert s._core.replicated_policy() == ("all", 64 << 20, 30.0)
         assert s._core.policy_source == str(p)
         h = s.save(2, {"x": np.arange(10)})
         assert h.wait(60) == {"ram": "committed", "disk": "committed"}
@@ -93,6 +94,12 @@ CASES = {
     "unknown kind": (('kind = "fs"', 'kind = "tape"'), ('kind = "tape"', 1), ["kind", '"tape"', '"memory", "fs"']),
     "unknown tier in restore order": (('order = ["ram", "disk"]', 'order = ["ram", "tape"]'), ("order =", 1), ["restore.order[1]", '"tape"']),
     "key in the wrong table": (("threads = 2\n", "threads = 2\nevery = 2\n"), ("every = 2", 2), ["store.every", "[[tier]]"]),
+    "unknown replicated mode": (('order = ["ram", "disk"]\n', 'order = ["ram", "disk"]\nreplicated = "one"\n'),
+                                ('replicated = "one"', 1), ["restore.replicated", '"single", "striped", "all", "auto"']),
+    "bad relay window": (('order = ["ram", "disk"]\n', 'order = ["ram", "disk"]\nrelay_window = "lots"\n'),
+                         ("relay_window", 1), ["restore.relay_window", '"lots"']),
+    "zero relay timeout": (('order = ["ram", "disk"]\n', 'order = ["ram", "disk"]\nrelay_timeout = 0\n'),
+                           ("relay_timeout", 1), ["restore.relay_timeout", "positive integer"]),
     "url on a memory tier": (("keep = 2\n", 'keep = 2\nurl = "/x"\n'), ('url = "/x"', 1), ['("ram").url', "use `root`"]),
 }
 

@@ -64,6 +64,9 @@ class Item:
     meta: dict[str, Any]
     shard: Shard | None
     chunks: tuple[Chunk, ...]
+    #: For a replicated put: the rank whose copy persistent tiers store (its replica group's
+    #: lowest rank); None otherwise.
+    replica_primary: int | None = None
 
     @property
     def framework(self) -> str:
@@ -119,6 +122,7 @@ class Manifest:
                 meta=it.get("meta") or {},
                 shard=Shard.from_json(it["shard"]) if it.get("shard") else None,
                 chunks=tuple(Chunk(**c) for c in it["chunks"]),
+                replica_primary=it["replica"]["primary"] if it.get("replica") else None,
             )
             for i, it in enumerate(d["items"])
         )

@@ -78,8 +78,14 @@ class Writer:
         self.handle: SaveHandle | None = None
         self._t0 = time.perf_counter()
 
-    def put(self, name: str, value: Any) -> None:
-        """Copies `value` (a tree of arrays, tensors, bytes and scalars) into this step."""
+    def put(self, name: str, value: Any, *, replicated: bool = False) -> None:
+        """Copies `value` (a tree of arrays, tensors, bytes and scalars) into this step.
+
+        `replicated=True`: every rank of this store's replica group (`Store(replica_group=)`,
+        default all ranks) puts the same bytes under `name` (data-parallel copies of the
+        model, say). Persistent tiers then store one copy per group, and a restore from them
+        reads it once and shares it over the network ([restore] replicated). A rank whose copy
+        differs is reported when the step commits there (an IntegrityError naming it)."""
         if not isinstance(name, str) or not name or "/" in name:
             raise InvalidArgumentError(f"put name must be a non-empty string without '/', got {name!r}")
         token = PICKLE_MODE.set(self._store._core.pickle)  # what the pickle fallback may do
@@ -92,7 +98,8 @@ class Writer:
         finally:
             PICKLE_MODE.reset(token)
         specs = [_spec(leaf) for leaf in leaves]
-        part, places = self._core.add_part(name, json.dumps(tree), specs)
+        primary = min(self._store.replica_group) if replicated else None
+        part, places = self._core.add_part(name, json.dumps(tree), specs, primary)
         direct: list[tuple[int, int]] = []  # (item index, source address): copied by the core
         framework_copied: list[int] = []
         keep_alive = []
@@ -153,6 +160,9 @@ class RestoreInfo:
     tiers: dict[str, int] = field(default_factory=dict)
     nbytes: int = 0
     warnings: list[str] = field(default_factory=list)
+    #: When replicated puts were read together with the replica group: the mode, bytes read
+    #: from the tier, received from and sent to other ranks, fallbacks ([restore] replicated).
+    broadcast: dict[str, Any] | None = None
 
     @property
     def tier(self) -> str:

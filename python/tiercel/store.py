@@ -11,12 +11,13 @@ import secrets
 import socket
 import time
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence
 
 from . import _core
 from .advertise import advertised_address, is_loopback
 from .coordinator import Coordinator, default_coordinator
 from .errors import InvalidArgumentError, NotFoundError, TiercelError
+from .replicas import replica_group_of, share_replicated
 from .step import Reader, RestoreInfo, SaveHandle, Writer
 from .traffic import Traffic
 
@@ -47,6 +48,9 @@ class Store:
     `policy` is a TOML file path or a dict of the same shape. rank/world_size default to
     torch.distributed's, else $RANK/$WORLD_SIZE, else a single process. `tool=True` opens it
     for tools that look at the tiers as they are (every job's steps count; the CLI does).
+    `replica_group`: which ranks hold identical copies of this rank's replicated puts
+    (`put(..., replicated=True)`): this rank's group as a list of ranks, or every group as a
+    list of lists; default all ranks (pure data parallelism).
     """
 
     def __init__(
@@ -57,6 +61,7 @@ class Store:
         world_size: int | None = None,
         coordinator: Coordinator | None = None,
         tool: bool = False,
+        replica_group: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ):
         if coordinator is not None:
             rank, world_size = coordinator.rank, coordinator.world_size
@@ -72,6 +77,8 @@ class Store:
         self.world_size: int = world_size
         #: The training job's communication signals (`with store.traffic.training_comm():`).
         self.traffic = Traffic(self._core.traffic())
+        #: The ranks that hold the same replicated data as this one (itself included), sorted.
+        self.replica_group: list[int] = replica_group_of(replica_group, rank, world_size)
         #: This process's host, the failure domain: $TIERCEL_HOST, else the machine's name.
         self.host: str = os.environ.get("TIERCEL_HOST") or socket.gethostname()
         #: Every rank's host, by rank (learned when the store joins its cluster).
@@ -146,9 +153,11 @@ class Store:
         """A writer for `step`: `with store.writer(step) as w: w.put("model", sd)`."""
         return Writer(self, _check_step(step))
 
-    def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
+    def save(self, step: int, state: Mapping[str, Any], *, replicated: bool = False) -> SaveHandle:
         """Saves a dict state; each top-level key becomes one put ("model", "optim", ...).
-        Returns once the state is in the memory tier; the rest happens in the background."""
+        Returns once the state is in the memory tier; the rest happens in the background.
+        `replicated=True`: every rank of the replica group saves the same state (see
+        `Writer.put`)."""
         if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
             raise InvalidArgumentError(
                 f"save() takes a dict with str keys (e.g. {{'model': ..., 'optim': ...}}), got {type(state).__name__}; "
@@ -157,7 +166,7 @@ class Store:
         w = self.writer(step)
         try:
             for name, value in state.items():
-                w.put(name, value)
+                w.put(name, value, replicated=replicated)
         except BaseException:
             w.abort()
             raise
@@ -262,7 +271,11 @@ class Store:
         Only this job's steps are restored (and those of `[restore] resume_from`): a step
         another job saved into the same tiers is passed over. `job="<run id>"` (with `step`)
         restores a step of that run, `job="*"` of any job. `last_restore.warnings` names the
-        newer steps passed over and why (also logged)."""
+        newer steps passed over and why (also logged).
+
+        With `[restore] replicated` other than "all", collective over the job's ranks: the
+        ranks of a replica group read its replicated puts from a persistent tier once between
+        them (docs/restore.md); `last_restore.broadcast` says how."""
         skipped: list[str] = []
         if step is not None:
             _check_step(step)
@@ -273,7 +286,12 @@ class Store:
         for w in skipped:
             log.warning("rank %d restores step %d: %s", self.rank, step, w)
         t0 = time.perf_counter()
-        r = Reader(self, step, job=job)
+        try:
+            r = Reader(self, step, job=job)
+        except TiercelError:
+            share_replicated(self, None)  # still take part, so that the others do not wait
+            raise
+        r.info.broadcast = share_replicated(self, r)
         state = r.get_all()
         r.info.seconds = time.perf_counter() - t0
         r.info.warnings = skipped + r.info.warnings

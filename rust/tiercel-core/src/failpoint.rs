@@ -6,7 +6,9 @@
 //! `evict` (the memory tier removed a step's COMMIT record, not yet its data), `persist`
 //! (a slower tier's data object is written, its manifest is not), `replicate` (before each
 //! data frame of a replica push), `upload` (an object store's multipart upload is started,
-//! its marker under `.uploads/` not yet written).
+//! its marker under `.uploads/` not yet written), `relay_send` (before a rank passes a chunk
+//! on to another replica), `relay_recv` (after a rank received one). `relay_corrupt` does not
+//! abort: the count-th chunk passed on has one bit flipped after its checksum was taken (`fires`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -24,13 +26,17 @@ fn parse(v: &str) -> Option<(String, u64)> {
 
 /// Aborts the process here when `name` is the armed failpoint and this is its count-th hit.
 pub fn hit(name: &str) {
-    let armed = ARMED.get_or_init(|| std::env::var("TIERCEL_FAILPOINT").ok().and_then(|v| parse(&v)));
-    if let Some((want, count)) = armed {
-        if want == name && HITS.fetch_add(1, Ordering::SeqCst) + 1 == *count {
-            eprintln!("tiercel: failpoint '{name}' reached (hit {count}): aborting");
-            std::process::abort();
-        }
+    if fires(name) {
+        eprintln!("tiercel: failpoint '{name}' reached: aborting");
+        std::process::abort();
     }
+}
+
+/// Whether `name` is the armed failpoint and this is its count-th hit (for points that do
+/// something other than abort).
+pub fn fires(name: &str) -> bool {
+    let armed = ARMED.get_or_init(|| std::env::var("TIERCEL_FAILPOINT").ok().and_then(|v| parse(&v)));
+    matches!(armed, Some((want, count)) if want == name && HITS.fetch_add(1, Ordering::SeqCst) + 1 == *count)
 }
 
 #[cfg(test)]

@@ -16,7 +16,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
+/// The version written when no item is stored by reference (`Replica::shared`): readers of
+/// version 1 read such manifests as before.
+pub const PLAIN_VERSION: u32 = 1;
 pub const MANIFEST_FORMAT: &str = "tiercel-manifest";
 pub const COMMIT_FORMAT: &str = "tiercel-commit";
 pub const COMMIT_NAME: &str = "COMMIT";
@@ -94,7 +97,23 @@ pub struct ItemMeta {
     /// is the whole value). Omitted from the JSON when absent, so older manifests read as is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shard: Option<ShardInfo>,
+    /// Set when ranks of a replica group hold identical copies of this item (a `replicated`
+    /// put): persistent tiers then store the bytes once. Omitted when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica: Option<Replica>,
     pub chunks: Vec<ChunkMeta>,
+}
+
+/// An item that every rank of a replica group holds identically.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Replica {
+    /// The rank whose copy is stored: the lowest rank of the group.
+    pub primary: u32,
+    /// The bytes are not in this rank's objects on this tier: the chunk table holds offsets,
+    /// lengths and checksums only, and the stored bytes are the primary's, located by the
+    /// primary's manifest of the same step on the same tier (`crate::replica::link_shared`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shared: bool,
 }
 
 /// One shard of a global array: the item's `shape` is the shard's own; it starts at
@@ -162,7 +181,7 @@ impl Manifest {
     pub fn new(step: u64, rank: u32, world_size: u32, tier: &str, chunk_size: u64) -> Self {
         Manifest {
             format: MANIFEST_FORMAT.into(),
-            version: FORMAT_VERSION,
+            version: PLAIN_VERSION,
             step,
             rank,
             world_size,
@@ -203,8 +222,20 @@ impl Manifest {
             if let Some(shard) = &item.shard {
                 shard.check(&item.shape).map_err(|why| Error::integrity(format!("{where_}: item '{}': {why}", item.name)))?;
             }
+            let shared = item.replica.as_ref().is_some_and(|r| r.shared);
+            if shared && m.version < 2 {
+                return Err(Error::integrity(format!("{where_}: item '{}' is stored by reference in a version 1 manifest", item.name)));
+            }
             let mut expect = 0u64;
             for c in &item.chunks {
+                if shared {
+                    // Located through the primary's manifest; only the table must tile.
+                    if c.offset != expect {
+                        return Err(Error::integrity(format!("{where_}: item '{}' has inconsistent chunk table", item.name)));
+                    }
+                    expect += c.len;
+                    continue;
+                }
                 if c.offset != expect || c.object as usize >= m.objects.len() {
                     return Err(Error::integrity(format!("{where_}: item '{}' has inconsistent chunk table", item.name)));
                 }
@@ -299,7 +330,7 @@ impl CommitRecord {
         let time = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
         CommitRecord {
             format: COMMIT_FORMAT.into(),
-            version: FORMAT_VERSION,
+            version: PLAIN_VERSION,
             step,
             world_size,
             tier: tier.into(),
@@ -477,6 +508,7 @@ mod tests {
             nbytes: 8,
             meta: serde_json::Value::Null,
             shard: None,
+            replica: None,
             chunks: vec![ChunkMeta { offset: 0, len: 8, crc32c: 0, object: 0, stored_offset: 4, stored_len: 8, codec: "raw".into() }],
         });
         let e = Manifest::from_json(&m.to_json(), "x").unwrap_err();
@@ -495,6 +527,7 @@ mod tests {
             nbytes: 8,
             meta: serde_json::Value::Null,
             shard,
+            replica: None,
             chunks: vec![ChunkMeta { offset: 0, len: 8, crc32c: 0, object: 0, stored_offset: 0, stored_len: 8, codec: "raw".into() }],
         });
         m

@@ -124,6 +124,7 @@ fn sample_manifest() -> Manifest {
             nbytes: n,
             meta: serde_json::json!({"tree": {"k": [1, 2, {"x": null}]}}),
             shard: None,
+            replica: None,
             chunks,
         });
         pos = format::align_up(pos + n, 64);

@@ -10,6 +10,7 @@ pub mod format;
 pub mod object;
 pub mod placement;
 pub mod policy;
+pub mod replica;
 pub mod scheduler;
 pub mod store;
 #[cfg(feature = "testing")]

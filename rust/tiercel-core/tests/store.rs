@@ -102,6 +102,7 @@ fn spec(it: &Item) -> ItemSpec {
         nbytes: it.bytes.len() as u64,
         meta: json!({"framework": "test"}),
         shard: None,
+        replica: None,
     }
 }
 

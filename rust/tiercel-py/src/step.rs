@@ -7,9 +7,11 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use tiercel_core::error::Error;
 use tiercel_core::format::ShardInfo;
+use tiercel_core::policy::ReplicatedMode;
 use tiercel_core::store::{self as core, ItemSpec};
 
 use crate::buffer::{Backing, Buffer};
@@ -46,8 +48,17 @@ impl StepWriter {
 
     /// Lays out one put: items are (name, kind, dtype, shape, nbytes, meta_json[,
     /// shard_json]), shard_json being None or `{"global_shape", "offsets", "replica_id"}`.
-    /// Returns (part, [(item index, offset in the part's segment)]).
-    fn add_part(&self, py: Python<'_>, name: &str, tree_json: &str, items: Vec<SpecTuple>) -> TcResult<(usize, Vec<(usize, u64)>)> {
+    /// `replica`: the lowest rank of the replica group when every rank of it puts the same
+    /// bytes (a replicated put). Returns (part, [(item index, offset in the part's segment)]).
+    #[pyo3(signature = (name, tree_json, items, replica=None))]
+    fn add_part(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        tree_json: &str,
+        items: Vec<SpecTuple>,
+        replica: Option<u32>,
+    ) -> TcResult<(usize, Vec<(usize, u64)>)> {
         let tree = parse_json(tree_json, "tree")?;
         let mut specs = vec![];
         for t in items {
@@ -63,7 +74,7 @@ impl StepWriter {
                 })?),
                 None => None,
             };
-            specs.push(ItemSpec { meta: parse_json(&meta, "item meta")?, name, kind, dtype, shape, nbytes, shard });
+            specs.push(ItemSpec { meta: parse_json(&meta, "item meta")?, name, kind, dtype, shape, nbytes, shard, replica });
         }
         py.allow_threads(|| self.with(|w| w.add_part(name, tree, specs)))
     }
@@ -192,6 +203,33 @@ impl StepReader {
     fn read_items(&self, py: Python<'_>, items: Vec<usize>) -> TcResult<Vec<(Buffer, String)>> {
         let got = py.allow_threads(|| self.inner.read_items(&items))?;
         Ok(got.into_iter().map(|(d, tier)| (Buffer::from(d), tier)).collect())
+    }
+
+    /// Reads every replicated item together with the other ranks of the replica group
+    /// (collective; GIL released). `members`: (rank, host, relay address) of each, this rank
+    /// included; `mode`: "single" or "striped". Returns what it did, as a dict.
+    fn broadcast<'py>(&self, py: Python<'py>, members: Vec<(u32, String, String)>, mode: &str) -> TcResult<Bound<'py, PyDict>> {
+        let policy = self.inner.store().policy.replicated;
+        let mode = match ReplicatedMode::parse(mode) {
+            Some(m @ (ReplicatedMode::Single | ReplicatedMode::Striped)) => m,
+            _ => return Err(invalid(format!("broadcast mode must be \"single\" or \"striped\", got {mode:?}")).into()),
+        };
+        let members = members.into_iter().map(|(rank, host, addr)| core::Member { rank, host, addr }).collect();
+        let group = core::Group { members, mode, window: policy.window, timeout: policy.timeout };
+        let s = py.allow_threads(|| self.inner.broadcast(&group))?;
+        let d = PyDict::new(py);
+        d.set_item("mode", s.mode)?;
+        d.set_item("items", s.items)?;
+        d.set_item("bytes_read", s.bytes_read)?;
+        d.set_item("bytes_received", s.bytes_received)?;
+        d.set_item("bytes_sent", s.bytes_sent)?;
+        d.set_item("read_seconds", s.read_seconds)?;
+        d.set_item("receive_seconds", s.receive_seconds)?;
+        d.set_item("fallbacks", s.fallbacks)?;
+        d.set_item("dropped", s.dropped)?;
+        d.set_item("warnings", s.warnings)?;
+        d.set_item("seconds", s.seconds)?;
+        Ok(d)
     }
 
     /// Reads bytes `start .. start + length` of one item (GIL released), reading only the

@@ -253,6 +253,17 @@ impl Store {
     }
 
     /// The peer tier's server address ("ip:port" as bound), or None without a peer tier.
+    /// `[restore] replicated`, `relay_window` (bytes) and `relay_timeout` (seconds).
+    fn replicated_policy(&self) -> (&'static str, u64, f64) {
+        let r = self.inner.policy.replicated;
+        (r.mode.name(), r.window, r.timeout.as_secs_f64())
+    }
+
+    /// Starts this rank's relay (once) on `listen`; returns the address it listens on.
+    fn start_relay(&self, py: Python<'_>, listen: &str, job: &str, host: &str, secret: Vec<u8>) -> TcResult<String> {
+        Ok(py.allow_threads(|| self.inner.start_relay(listen, job, host, secret))?.to_string())
+    }
+
     fn peer_address(&self) -> Option<String> {
         self.inner.peer().map(|p| p.local_addr().to_string())
     }

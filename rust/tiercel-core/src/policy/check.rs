@@ -7,8 +7,8 @@ use super::source::{line_of, Node, Value};
 use super::tier::*;
 use super::units::{parse_bandwidth, parse_size, Compression, DEFAULT_ZSTD_LEVEL};
 use super::{
-    PickleMode, Policy, CHUNK_ALIGN, DEFAULT_CHUNK_SIZE, DEFAULT_IO_THREADS, DEFAULT_MEMORY_KEEP, MAX_CHUNK_SIZE, MAX_DEFAULT_THREADS,
-    MIN_CHUNK_SIZE,
+    PickleMode, Policy, ReplicatedMode, ReplicatedRestore, CHUNK_ALIGN, DEFAULT_CHUNK_SIZE, DEFAULT_IO_THREADS, DEFAULT_MEMORY_KEEP,
+    MAX_CHUNK_SIZE, MAX_DEFAULT_THREADS, MIN_CHUNK_SIZE,
 };
 use crate::error::{Error, Result};
 
@@ -41,7 +41,7 @@ pub(super) const TIER_KEYS: &[&str] = &[
 const OBJECT_KEYS: &[&str] = &["endpoint", "region", "allow_http", "part_size", "concurrency", "timeout", "retries"];
 /// Keys that only a peer tier takes.
 const PEER_KEYS: &[&str] = &["replicas", "placement", "listen", "secret"];
-const RESTORE_KEYS: &[&str] = &["order", "resume_from"];
+const RESTORE_KEYS: &[&str] = &["order", "resume_from", "replicated", "relay_window", "relay_timeout"];
 /// Upper bounds of `[store] threads` (copy threads) and `io_threads` (background workers).
 const MAX_THREADS: usize = 1024;
 const MAX_IO_THREADS: usize = 256;
@@ -229,7 +229,11 @@ impl Checker<'_> {
             resume_from,
             pickle: PickleMode::default(),
             traffic: Default::default(),
+            replicated: ReplicatedRestore::default(),
         };
+        if let Some(node) = get("restore") {
+            self.replicated_restore(node, &mut policy.replicated)?;
+        }
         if let Some(node) = get("store") {
             self.store(node, &mut policy)?;
         }
@@ -525,6 +529,26 @@ impl Checker<'_> {
             names.push(name.to_string());
         }
         Ok(Some(names))
+    }
+
+    /// `[restore] replicated`, `relay_window`, `relay_timeout` (the keys were checked by
+    /// `restore_order`).
+    fn replicated_restore(&self, node: &Node, out: &mut ReplicatedRestore) -> Result<()> {
+        for (key, value) in self.table(node, "restore")? {
+            let path = format!("restore.{key}");
+            match key.as_str() {
+                "replicated" => {
+                    let s = self.string(value, &path)?;
+                    out.mode = ReplicatedMode::parse(s).ok_or_else(|| {
+                        self.expected(value, &path, &format!("one of {}", ReplicatedMode::NAMES.map(|n| format!("\"{n}\"")).join(", ")))
+                    })?;
+                }
+                "relay_window" => out.window = self.bytes(value, &path, parse_size, "a size such as \"64MiB\"")?,
+                "relay_timeout" => out.timeout = std::time::Duration::from_secs(self.positive_int(value, &path)? as u64),
+                _ => {}
+            }
+        }
+        Ok(())
     }
 
     /// `[store]` settings, over the defaults already in `policy`.

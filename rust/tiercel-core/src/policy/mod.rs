@@ -61,6 +61,65 @@ pub struct Policy {
     pub pickle: PickleMode,
     /// `[traffic]`: how checkpoint traffic makes way for the training job's own.
     pub traffic: crate::scheduler::TrafficConfig,
+    /// `[restore] replicated`, `relay_window`, `relay_timeout`: how replicas of a replica
+    /// group read replicated items from a slow tier.
+    pub replicated: ReplicatedRestore,
+}
+
+/// `[restore] replicated`: how the ranks of a replica group restore their replicated items
+/// from a persistent tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReplicatedMode {
+    /// Every rank reads every byte itself. The default: a restore stays a call of one rank;
+    /// the other modes make `restore()` collective over the ranks (as `latest_step()` is).
+    #[default]
+    All,
+    /// One rank reads; the others receive over the network, rank to rank in a chain.
+    Single,
+    /// Each of R ranks reads 1/R of the chunks; they exchange the rest.
+    Striped,
+    /// `striped` when the group has several ranks and the step comes from a persistent tier,
+    /// unless measured transfers between the ranks were slower than reads from the tier.
+    Auto,
+}
+
+impl ReplicatedMode {
+    pub const NAMES: [&'static str; 4] = ["single", "striped", "all", "auto"];
+
+    pub fn parse(s: &str) -> Option<ReplicatedMode> {
+        Some(match s {
+            "single" => ReplicatedMode::Single,
+            "striped" => ReplicatedMode::Striped,
+            "all" => ReplicatedMode::All,
+            "auto" => ReplicatedMode::Auto,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ReplicatedMode::Single => "single",
+            ReplicatedMode::Striped => "striped",
+            ReplicatedMode::All => "all",
+            ReplicatedMode::Auto => "auto",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplicatedRestore {
+    pub mode: ReplicatedMode,
+    /// Bytes a rank keeps for the others beyond what it restores itself: chunks are passed on
+    /// in windows of this size, at most two windows held at once.
+    pub window: u64,
+    /// The deadline of every wait on another rank (a chunk from it, a window taken by it).
+    pub timeout: std::time::Duration,
+}
+
+impl Default for ReplicatedRestore {
+    fn default() -> Self {
+        ReplicatedRestore { mode: ReplicatedMode::All, window: 64 << 20, timeout: std::time::Duration::from_secs(30) }
+    }
 }
 
 /// `[store] pickle`: values no leaf handler claims are pickled; unpickling runs code chosen by

@@ -5,6 +5,7 @@
 //! `save` holds the writer (the blocking copy) and the background flush, `handle` what a
 //! save has done where, `restore` the reader, `copy` the copy of a step between tiers.
 
+mod broadcast;
 mod copy;
 mod handle;
 mod job;
@@ -26,6 +27,7 @@ use crate::tier::open::{open_tiers, Tiers};
 use crate::tier::peer::PeerTier;
 use crate::tier::{run_gc, Tier};
 
+pub use broadcast::{BroadcastStats, Group, Member};
 pub use copy::copy_step;
 pub use handle::{SaveHandle, TierState};
 pub use job::{job_of, JobFilter, RUN_ID_VARS};
@@ -63,6 +65,8 @@ pub struct Store {
     /// process has committed a save of each step: together a save's generation (`next_generation`).
     launch: parking_lot::RwLock<Option<String>>,
     committed: parking_lot::Mutex<std::collections::BTreeMap<u64, u32>>,
+    /// The relay replicas of a group pass chunks over on restore (started on first use).
+    relay: parking_lot::Mutex<Option<Arc<crate::transport::relay::Relay>>>,
 }
 
 /// How many steps' save counts a process remembers: a step saved again after this many other
@@ -150,6 +154,7 @@ impl Store {
             // at open (`set_launch`); until then saves carry no generation.
             launch: parking_lot::RwLock::new((world_size == 1).then(launch_token)),
             committed: Default::default(),
+            relay: Default::default(),
         };
         if !tool {
             store.check_other_jobs()?;
@@ -280,6 +285,9 @@ impl Store {
             p.shutdown();
         }
         self.memory.release_pool();
+        if let Some(r) = self.relay.lock().take() {
+            r.stop();
+        }
     }
 
     /// Blocks until the background queue is empty.

@@ -57,6 +57,8 @@ pub struct StepReader {
     /// reader's life, so reading many items or ranges of one part does not map (and
     /// pre-populate) the whole part again each time.
     views: Mutex<HashMap<String, Arc<View>>>,
+    /// Items already read by a broadcast with the other replicas (`broadcast`).
+    pub(super) prefetched: super::broadcast::Prefetched,
 }
 
 impl StepReader {
@@ -111,7 +113,7 @@ impl StepReader {
                 .with_tier(name.as_str())
                 .at(step, rank));
             }
-            match tier.read_manifest(step, rank) {
+            match tier.read_manifest(step, rank).and_then(|m| crate::replica::resolve(&**tier, m)) {
                 Ok(m) if m.generation != record.generation => warnings.push(format!(
                     "tier '{name}': step {step} rank {rank}: the manifest is of another save of this step ({}) than the \
                      commit ({}): the step is being saved again, or a save of it again was interrupted",
@@ -168,7 +170,12 @@ impl StepReader {
             warnings: Mutex::new(warnings),
             counted: AtomicBool::new(false),
             views: Mutex::new(HashMap::new()),
+            prefetched: Default::default(),
         })
+    }
+
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
     }
 
     /// The manifest of the first tier that has the step.
@@ -228,6 +235,10 @@ impl StepReader {
     pub fn read_into(&self, item: usize, start: u64, dst: &mut [u8]) -> Result<String> {
         let end = self.check_range(item, start, dst.len() as u64)?;
         self.count_read();
+        if let Some(data) = self.prefetched.lock().get(&item) {
+            dst.copy_from_slice(&data[start as usize..end as usize]);
+            return Ok(self.store.slots[self.sources[0].0].config.name.clone());
+        }
         self.store.copy_pool.install(|| self.read_owned_into(item, start, end, dst))
     }
 
@@ -272,6 +283,9 @@ impl StepReader {
     /// Bytes `start..end` of item `i`: the verified zero-copy `plan` if there is one, else
     /// chunk by chunk.
     fn serve(&self, i: usize, start: u64, end: u64, plan: Option<ZeroCopy>) -> Result<(ItemData, String)> {
+        if let Some(v) = self.take_prefetched(i, start, end) {
+            return Ok(v);
+        }
         match plan {
             Some(ZeroCopy { view, offset, len, .. }) => {
                 let idx = self.sources[0].0;
@@ -284,6 +298,15 @@ impl StepReader {
                 Ok((ItemData::Owned(buf), label))
             }
         }
+    }
+
+    /// Bytes `start..end` of item `i` if a broadcast read it (the whole item is handed over,
+    /// a range copied out).
+    fn take_prefetched(&self, i: usize, start: u64, end: u64) -> Option<(ItemData, String)> {
+        let mut pre = self.prefetched.lock();
+        let whole = start == 0 && end == self.manifest().items[i].nbytes;
+        let data = if whole { pre.remove(&i)? } else { pre.get(&i)?[start as usize..end as usize].to_vec() };
+        Some((ItemData::Owned(data), self.store.slots[self.sources[0].0].config.name.clone()))
     }
 
     /// Whether a zero-copy view can serve bytes `start..end` of item `i`: the first source
@@ -403,7 +426,7 @@ impl StepReader {
     /// Reads chunk `c` of `primary` (an item of the first source's manifest) into `dst` from
     /// the first source with a matching copy that decodes and passes its checksum. Returns
     /// the index of that source.
-    fn read_chunk_anywhere(&self, primary: &ItemMeta, c: usize, dst: &mut [u8]) -> Result<usize> {
+    pub(super) fn read_chunk_anywhere(&self, primary: &ItemMeta, c: usize, dst: &mut [u8]) -> Result<usize> {
         let want = &primary.chunks[c];
         let mut errs = vec![];
         for (s, (idx, m)) in self.sources.iter().enumerate() {

@@ -27,6 +27,9 @@ pub struct ItemSpec {
     pub meta: serde_json::Value,
     /// Set when the item is one shard of a global array.
     pub shard: Option<ShardInfo>,
+    /// Set when every rank of a replica group holds the same bytes: the group's lowest rank
+    /// (whose copy persistent tiers store).
+    pub replica: Option<u32>,
 }
 
 impl Store {
@@ -157,6 +160,7 @@ impl StepWriter {
                 nbytes: spec.nbytes,
                 meta: spec.meta,
                 shard: spec.shard,
+                replica: spec.replica.map(|primary| format::Replica { primary, shared: false }),
                 chunks,
             });
         }

@@ -102,6 +102,7 @@ fn logical(step: u64, rank: u32, world_size: u32) -> (Manifest, VecSource) {
                 offsets: vec![bytes.len() as u64 / size],
                 replica_id: 1,
             }),
+            replica: None,
             chunks,
         });
         pos += bytes.len() as u64;

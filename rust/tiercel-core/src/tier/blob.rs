@@ -16,11 +16,14 @@ pub struct BlobTier {
     name: String,
     layout: StepLayout,
     compression: Compression,
+    /// Steps this process wrote replicated items of: their commits check every rank's copies
+    /// (`replica::check_copies`); other steps commit without reading every manifest.
+    replicated: parking_lot::Mutex<std::collections::BTreeSet<u64>>,
 }
 
 impl BlobTier {
     pub fn new(name: &str, blobs: Arc<dyn Blobs>, compression: Compression) -> BlobTier {
-        BlobTier { name: name.into(), layout: StepLayout::new(name, blobs), compression }
+        BlobTier { name: name.into(), layout: StepLayout::new(name, blobs), compression, replicated: Default::default() }
     }
 
     /// The objects underneath (for tools and tests that look at or damage stored bytes).
@@ -35,6 +38,15 @@ impl Tier for BlobTier {
     }
 
     fn write_rank(&self, logical: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<Manifest> {
+        // Replicated items are stored once per replica group, by its primary rank.
+        let logical = &crate::replica::share(logical);
+        if logical.items.iter().any(|i| i.replica.is_some()) {
+            let mut r = self.replicated.lock();
+            r.insert(logical.step);
+            while r.len() > 64 {
+                r.pop_first();
+            }
+        }
         let object = format::data_name(logical.rank);
         self.layout.uncommit(logical.step, logical.rank)?;
         let mut w = self.layout.blobs().create(&layout::key(logical.step, &object))?;
@@ -61,6 +73,23 @@ impl Tier for BlobTier {
     }
 
     fn try_commit(&self, step: u64, world_size: u32) -> Result<bool> {
+        // Once every rank is written (and before the commit): a rank whose replicated items
+        // differ from its primary's keeps the step from committing, with an error naming it.
+        // Checked where this process saved replicated items (every rank of a job that uses
+        // them does); a restore checks the same again (`replica::resolve`).
+        if !self.replicated.lock().contains(&step) {
+            return self.layout.try_commit(step, world_size, None);
+        }
+        // Only the ranks listed here are checked, so the commit waits for a listing that
+        // holds them all (the last rank to write always sees one).
+        if self.layout.commit_record(step).is_ok() {
+            return Ok(true);
+        }
+        let ranks = self.layout.ranks(step)?;
+        if (0..world_size).any(|r| ranks.binary_search(&r).is_err()) {
+            return Ok(false);
+        }
+        crate::replica::check_copies(self, step, &ranks)?;
         self.layout.try_commit(step, world_size, None)
     }
 

@@ -161,7 +161,9 @@ pub fn encode_rank(
 ) -> Result<Manifest> {
     let mut out = logical.clone();
     out.tier = tier_name.into();
-    let refs = logical.chunk_refs();
+    // A shared item's bytes are stored by its primary rank (see `replica`).
+    let refs: Vec<(usize, usize)> =
+        logical.chunk_refs().into_iter().filter(|&(i, _)| !logical.items[i].replica.as_ref().is_some_and(|r| r.shared)).collect();
     let mut pos = 0u64;
     for batch in refs.chunks(ENCODE_BATCH) {
         let encoded: Vec<Result<(String, Stored)>> = batch

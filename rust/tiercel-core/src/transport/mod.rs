@@ -25,6 +25,7 @@
 pub mod client;
 pub mod frame;
 pub mod messages;
+pub mod relay;
 pub mod server;
 pub mod throttle;
 

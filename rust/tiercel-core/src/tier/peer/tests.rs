@@ -40,6 +40,7 @@ pub(super) fn manifest(step: u64, rank: u32, data: &[Vec<u8>]) -> Manifest {
             nbytes: d.len() as u64,
             meta: serde_json::Value::Null,
             shard: None,
+            replica: None,
             chunks,
         });
         pos = format::align_up(pos + d.len() as u64, 64);

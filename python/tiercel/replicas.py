@@ -1,0 +1,108 @@
+"""Replica groups: ranks that hold identical copies of replicated puts (data-parallel
+replicas), and the restore in which they read such puts from a slow tier once between them
+and pass the bytes to each other (`[restore] replicated`, docs/restore.md).
+
+The bytes move in the core (tiercel-core's store/broadcast.rs over its relay); this module
+only decides, with the other ranks, who takes part and in which mode.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from typing import TYPE_CHECKING, Any, Sequence
+
+from .advertise import advertised_address
+from .errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from .step import Reader
+    from .store import Store
+
+#: Tier kinds a broadcast is not worth it for: each rank reads its own host's memory.
+FAST_KINDS = ("memory", "peer")
+
+
+def replica_group_of(spec: Sequence[int] | Sequence[Sequence[int]] | None, rank: int, world_size: int) -> list[int]:
+    """This rank's replica group, sorted: `spec` is None (all ranks), this rank's group (a
+    list of ranks) or every group (a list of lists, one of which holds this rank)."""
+    if spec is None:
+        return list(range(world_size))
+    groups: list[Any] = list(spec)
+    if groups and all(isinstance(g, (list, tuple, range)) for g in groups):
+        mine = [g for g in groups if rank in g]
+        if len(mine) != 1:
+            raise InvalidArgumentError(
+                f"replica_group: rank {rank} must be in exactly one of the groups {groups}, is in {len(mine)}")
+        groups = list(mine[0])
+    if not all(isinstance(r, int) and not isinstance(r, bool) for r in groups):
+        raise InvalidArgumentError(f"replica_group must be a list of ranks or a list of such lists, got {spec!r}")
+    bad = [r for r in groups if not 0 <= r < world_size]
+    if bad or rank not in groups or len(set(groups)) != len(groups):
+        raise InvalidArgumentError(
+            f"replica_group {groups} of rank {rank}: it must hold this rank, each rank once, all in 0..{world_size - 1}")
+    return sorted(groups)
+
+
+def share_replicated(store: Store, reader: Reader | None) -> dict[str, Any] | None:
+    """Before `reader` reads its puts: reads its replicated items with the rest of its replica
+    group, if the policy says so and they come from a slow tier. Collective over all ranks
+    (two all-gathers) unless `[restore] replicated = "all"`; a rank whose reader could not be
+    opened passes None and only takes part in the all-gathers. Returns the broadcast's
+    statistics, or None when this rank reads on its own."""
+    mode, _, _ = store._core.replicated_policy()
+    if mode == "all" or store.world_size == 1 or store.coordinator is None:
+        return None
+    kinds = {t["name"]: t["kind"] for t in store.tiers()}
+    wants = reader is not None and kinds.get(reader._core.tiers()[0]) not in FAST_KINDS and any(
+        it.replica_primary is not None for it in reader.manifest.items)
+    # Rank 0's secret and job name for this restore's relays (the job's own channel carries them).
+    # Agreed on at the first restore and kept: the relay is started once per store.
+    mine: tuple[str, str] | None = getattr(store, "_relay_shared", None)
+    if mine is None and store.rank == 0:
+        mine = (secrets.token_hex(32), store.run_id or secrets.token_hex(8))
+    shared = store.coordinator.all_gather(mine)[0]
+    setattr(store, "_relay_shared", shared)
+    addr = None
+    if wants:
+        listen = os.environ.get("TIERCEL_RELAY_LISTEN", "0.0.0.0:0")
+        bound = store._core.start_relay(listen, shared[1], store.host, shared[0].encode())
+        addr = advertised_address(bound)
+    step = reader.step if reader is not None else None
+    everyone = store.coordinator.all_gather((wants, store.host, addr, step, auto_mode(store)))
+    members = [(r, everyone[r][1], everyone[r][2]) for r in store.replica_group
+               if everyone[r][0] and everyone[r][3] == step]
+    if reader is None or not wants or len(members) < 2:
+        return None
+    # `auto`: what the group's first member measured decides, so every member picks alike.
+    chosen = everyone[members[0][0]][4] if mode == "auto" else mode
+    if chosen == "all":
+        return None
+    stats: dict[str, Any] = reader._core.broadcast(members, chosen)
+    _remember_rates(store, stats)
+    return stats
+
+
+def auto_mode(store: Store) -> str:
+    """`[restore] replicated = "auto"`: `striped` (the bucket serves one copy, spread over
+    every host's link to it), unless this rank's last broadcast showed the network between
+    ranks slower than the tier: then each rank reading on its own (`all`) is faster.
+
+    A chunk received waited for its sender's read of it and then crossed the network, so its
+    time is about a tier read plus a transfer: the relay's per-stream rate falls below half
+    the tier's exactly when a transfer takes longer than a read."""
+    rates: dict[str, float] = getattr(store, "_replica_rates", {})
+    if rates.get("relay", float("inf")) < 0.5 * rates.get("tier", 0.0):
+        return "all"
+    return "striped"
+
+
+def _remember_rates(store: Store, stats: dict[str, Any]) -> None:
+    """Bytes per second of one stream from the tier and of one from another rank (each over
+    the time spent in such transfers, summed over the threads)."""
+    rates = {}
+    if stats["bytes_read"] and stats["read_seconds"] > 0:
+        rates["tier"] = stats["bytes_read"] / stats["read_seconds"]
+    if stats["bytes_received"] and stats["receive_seconds"] > 0:
+        rates["relay"] = stats["bytes_received"] / stats["receive_seconds"]
+    setattr(store, "_replica_rates", rates)
