@@ -61,7 +61,7 @@ class Splicing(TorchCoordinator):
     proxy = None
     def all_gather(self, value):
         out = super().all_gather(value)
-        if self.rank == 0 and isinstance(value, tuple) and len(value) == 4 and Splicing.proxy is None:
+        if self.rank == 0 and isinstance(value, tuple) and len(value) >= 4 and Splicing.proxy is None:
             Splicing.proxy = CountingProxy(out[1][1])
             out[1] = (out[1][0], Splicing.proxy.addr, *out[1][2:])
         return out
