@@ -6,7 +6,8 @@ Config keys: stage, bf16, steps (train up to this global step), mode ("plain": n
 no saves; "tiercel": attach and save every step; "stock": stock DeepSpeed loads
 `load_dir` and saves it again to `save_dir`), policy ("{host}" in it becomes
 $TIERCEL_HOST), save_dir, load_dir, resume (load first), kill_after/victim (that rank
-SIGKILLs itself right after saving that step), model_file (save_16bit_model before the last
+SIGKILLs itself right after saving that step), snapshot_delay (seconds each save's background
+snapshot sleeps before it copies: the next optimizer step must wait for it), model_file (save_16bit_model before the last
 checkpoint), out (a directory for this rank's report and state dumps).
 
 The model, the data of each step and every seed are functions of the step and rank only, so
@@ -78,6 +79,19 @@ def main() -> None:
         # One memory root per simulated host: "{host}" in the policy is this rank's host.
         policy = json.loads(json.dumps(cfg["policy"]).replace("{host}", os.environ.get("TIERCEL_HOST", "")))
         assert tiercel.deepspeed.attach(engine, policy) is engine
+        if cfg.get("snapshot_delay"):
+            import time
+
+            from tiercel.step import Writer
+
+            write = Writer.write
+
+            def slow_write(self, prepared, delay=cfg["snapshot_delay"]):  # type: ignore[no-untyped-def]
+                if prepared is not None:
+                    time.sleep(delay)  # on the snapshot thread, once per file
+                return write(self, prepared)
+
+            Writer.write = slow_write  # type: ignore[method-assign]
     start = 0
     if cfg.get("resume") or cfg["mode"] == "stock":
         path, client = engine.load_checkpoint(cfg.get("load_dir") or cfg["save_dir"])
@@ -105,6 +119,8 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)  # right after the save returned
     if cfg["mode"] == "tiercel":
         report["states"] = engine.checkpoint_engine.wait(60)
+        gate = engine.checkpoint_engine.gate
+        report["stalls"] = {"count": gate.stalls, "seconds": gate.stall_seconds}
     torch.save(live_state(engine), os.path.join(out, f"final-{rank}.pt"))
     with open(os.path.join(out, f"report-{rank}.json"), "w") as f:
         json.dump(report, f)
