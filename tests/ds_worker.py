@@ -97,6 +97,8 @@ def main() -> None:
         path, client = engine.load_checkpoint(cfg.get("load_dir") or cfg["save_dir"])
         start = engine.global_steps
         client_state = {"data_step": client["data_step"], "keys": sorted(client)} if client else client
+        if client and "ema" in client:
+            client_state["ema"] = client["ema"].tolist()
         report["loaded"] = {"path": path, "client_state": client_state, "global_steps": start}
         ce = engine.checkpoint_engine
         if getattr(ce, "last_load", None) is not None:
@@ -114,7 +116,15 @@ def main() -> None:
             if cfg.get("model_file") and step == cfg["steps"]:
                 # As HF's Trainer does under ZeRO-3: the 16-bit model, then the checkpoint.
                 engine.save_16bit_model(cfg["save_dir"])
-            engine.save_checkpoint(cfg["save_dir"], tag=f"global_step{step}", client_state={"data_step": step})
+            client_state: dict = {"data_step": step}
+            if cfg.get("snapshot_delay"):
+                # A tensor of the job's own, changed in place right after the save (as an EMA
+                # would be): the save must have copied it while it blocked.
+                client_state["ema"] = ema = torch.full((8,), float(step))
+            engine.save_checkpoint(cfg["save_dir"], tag=f"global_step{step}", client_state=client_state)
+            if cfg.get("snapshot_delay"):
+                ema.fill_(-1.0)
+                report["copied_bytes"] = engine.checkpoint_engine.last_copied_bytes
             if cfg.get("kill_after") == step and rank == cfg.get("victim"):
                 os.kill(os.getpid(), signal.SIGKILL)  # right after the save returned
     if cfg["mode"] == "tiercel":
