@@ -78,8 +78,10 @@ class Prepared:
         copied = 0
         for leaf in self.leaves:
             if leaf.nbytes and not keep(leaf):
-                leaf.obj = _copy_of(leaf.obj)
-                copied += leaf.nbytes
+                copy = _copy_of(leaf.obj)
+                if copy is not leaf.obj:  # immutable values (pickled bytes) stay as they are
+                    leaf.obj = copy
+                    copied += leaf.nbytes
         return copied
 
 
