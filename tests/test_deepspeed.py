@@ -161,7 +161,8 @@ def test_a_snapshot_racing_the_next_update_and_a_kill_during_it_resume_bit_ident
         assert r["loaded"]["client_state"]["ema"] == [float(step)] * 8, r["loaded"]
         # Only the job's own tensor was copied while the save blocked; DeepSpeed's (parameters,
         # ZeRO's partitions, optimizer states) went to the snapshot.
-        assert r["copied_bytes"] == 8 * 4, r
+        # (by the ranks that write model states: rank 0; every rank under ZeRO-3).
+        assert r["copied_bytes"] == (8 * 4 if r["rank"] == 0 or stage == 3 else 0), r
         # Every save but the last was followed by an update that waited for its snapshot.
         assert r["stalls"]["count"] == STEPS - step - 1, r["stalls"]
         assert r["stalls"]["seconds"] > 0.1 * r["stalls"]["count"], r["stalls"]

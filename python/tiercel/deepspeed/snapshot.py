@@ -27,6 +27,11 @@ from ..step import Leaf, Prepared, SaveHandle, Writer
 log = logging.getLogger("tiercel.deepspeed")
 
 
+#: ZeRO optimizer attributes: lists of the flat tensors its step updates.
+_ZERO_FLAT = ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "single_partition_of_fp32_groups",
+              "bit16_groups_flat", "fp32_groups_flat_partition")
+
+
 def updated_by_step(engine: Any) -> set[int]:
     """The storages (data pointers) of the tensors only the optimizer's step writes: the
     module's parameters (and ZeRO-3's partitions of them), and every tensor of the optimizer
@@ -46,6 +51,11 @@ def updated_by_step(engine: Any) -> set[int]:
     opt, seen = engine.optimizer, set()
     while opt is not None and id(opt) not in seen:
         seen.add(id(opt))
+        # ZeRO's flat partitions: ZeRO-3 hands its fp32 ones to the torch optimizer only
+        # during the step, so they are not among its parameters when a save runs.
+        for name in _ZERO_FLAT:
+            for t in getattr(opt, name, None) or []:
+                add(t)
         for group in getattr(opt, "param_groups", None) or []:
             for p in group.get("params", []):
                 add(p)
