@@ -6,7 +6,8 @@ Config keys: stage, bf16, steps (train up to this global step), mode ("plain": n
 no saves; "tiercel": attach and save every step; "stock": stock DeepSpeed loads
 `load_dir` and saves it again to `save_dir`), policy ("{host}" in it becomes
 $TIERCEL_HOST), save_dir, load_dir, resume (load first), kill_after/victim (that rank
-SIGKILLs itself right after saving that step), model_file (save_16bit_model before the last
+SIGKILLs itself right after saving that step), snapshot_delay (seconds each save's background
+snapshot sleeps before it copies: the next optimizer step must wait for it), model_file (save_16bit_model before the last
 checkpoint), out (a directory for this rank's report and state dumps).
 
 The model, the data of each step and every seed are functions of the step and rank only, so
@@ -78,11 +79,26 @@ def main() -> None:
         # One memory root per simulated host: "{host}" in the policy is this rank's host.
         policy = json.loads(json.dumps(cfg["policy"]).replace("{host}", os.environ.get("TIERCEL_HOST", "")))
         assert tiercel.deepspeed.attach(engine, policy) is engine
+        if cfg.get("snapshot_delay"):
+            import time
+
+            from tiercel.step import Writer
+
+            write = Writer.write
+
+            def slow_write(self, prepared, delay=cfg["snapshot_delay"]):  # type: ignore[no-untyped-def]
+                if prepared is not None:
+                    time.sleep(delay)  # on the snapshot thread, once per file
+                return write(self, prepared)
+
+            Writer.write = slow_write  # type: ignore[method-assign]
     start = 0
     if cfg.get("resume") or cfg["mode"] == "stock":
         path, client = engine.load_checkpoint(cfg.get("load_dir") or cfg["save_dir"])
         start = engine.global_steps
         client_state = {"data_step": client["data_step"], "keys": sorted(client)} if client else client
+        if client and "ema" in client:
+            client_state["ema"] = client["ema"].tolist()
         report["loaded"] = {"path": path, "client_state": client_state, "global_steps": start}
         ce = engine.checkpoint_engine
         if getattr(ce, "last_load", None) is not None:
@@ -100,11 +116,21 @@ def main() -> None:
             if cfg.get("model_file") and step == cfg["steps"]:
                 # As HF's Trainer does under ZeRO-3: the 16-bit model, then the checkpoint.
                 engine.save_16bit_model(cfg["save_dir"])
-            engine.save_checkpoint(cfg["save_dir"], tag=f"global_step{step}", client_state={"data_step": step})
+            client_state: dict = {"data_step": step}
+            if cfg.get("snapshot_delay"):
+                # A tensor of the job's own, changed in place right after the save (as an EMA
+                # would be): the save must have copied it while it blocked.
+                client_state["ema"] = ema = torch.full((8,), float(step))
+            engine.save_checkpoint(cfg["save_dir"], tag=f"global_step{step}", client_state=client_state)
+            if cfg.get("snapshot_delay"):
+                ema.fill_(-1.0)
+                report["copied_bytes"] = engine.checkpoint_engine.last_copied_bytes
             if cfg.get("kill_after") == step and rank == cfg.get("victim"):
                 os.kill(os.getpid(), signal.SIGKILL)  # right after the save returned
     if cfg["mode"] == "tiercel":
         report["states"] = engine.checkpoint_engine.wait(60)
+        gate = engine.checkpoint_engine.gate
+        report["stalls"] = {"count": gate.stalls, "seconds": gate.stall_seconds}
     torch.save(live_state(engine), os.path.join(out, f"final-{rank}.pt"))
     with open(os.path.join(out, f"report-{rank}.json"), "w") as f:
         json.dump(report, f)

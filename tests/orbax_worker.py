@@ -95,6 +95,41 @@ class CrashHandler(LeafHandler):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Gate:
+    """A leaf whose copy waits until the test opens it: holds a save's background half open
+    while the training step runs (the same gate in every copy the save takes)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.open = threading.Event()
+        self.reached = threading.Event()
+
+    def __deepcopy__(self, memo: dict) -> Gate:
+        return self
+
+
+class GateHandler(LeafHandler):
+    framework = "gate-test"
+
+    def claims(self, value: Any) -> bool:
+        return isinstance(value, Gate)
+
+    def describe(self, value: Any, name: str) -> Leaf:
+        return Leaf(name, "bytes", "uint8", (8,), 8, {"framework": self.framework}, value, handler=self)
+
+    def host_address(self, leaf: Leaf) -> None:
+        return None
+
+    def copy_into(self, leaf: Leaf, segment: Any, offset: int) -> None:
+        leaf.obj.reached.set()
+        assert leaf.obj.open.wait(60), "the test never opened the gate"
+        memoryview(segment)[offset:offset + 8] = b"gate-ok!"
+
+    def rebuild(self, item: Any, buf: Any) -> Any:
+        return bytes(buf)
+
+
 def report(phase: str, data: dict[str, Any]) -> None:
     with open(os.path.join(CFG["out"], f"{phase}-{CFG['pid']}.json"), "w") as f:
         json.dump(data, f)
@@ -248,6 +283,55 @@ def resave(policy: dict, directory: str) -> dict:
         m.close()
     mngr.close()
     return got
+
+
+def donated(policy: dict, directory: str) -> dict:
+    """Each save is followed at once, while its background half still runs (held open by a
+    Gate), by a jitted step that donates the saved arrays, an explicit `delete()` of them and
+    an in-place change of a numpy leaf: every step restores bit-identical to what was saved.
+    Run through conftest.run_isolated."""
+    jax.config.update("jax_num_cpu_devices", 2)
+    register(GateHandler())
+    m = mesh((2,), ("x",))
+    sh = {"w": NamedSharding(m, P("x")), "b": NamedSharding(m, P())}
+    g = global_values(1)
+    state: dict[str, Any] = {k: jax.make_array_from_callback(np.shape(g[k]), sh[k], lambda idx, k=k: g[k][idx]) for k in sh}
+    state["np"] = np.arange(1000, dtype=np.float32)
+    train = jax.jit(lambda s: {k: v * 1.5 + 1 for k, v in s.items()}, donate_argnums=0)
+    handler = tiercel.orbax.TiercelCheckpointHandler(policy)
+    mngr = manager(handler, directory)
+    want, out = {}, {"pending_at_step": [], "donated": [], "deleted": []}
+    for step in (1, 2, 3):
+        want[step] = {k: np.asarray(v).copy() for k, v in state.items()}
+        gate = Gate()
+        mngr.save(step, args=ocp.args.Composite(state=tiercel.orbax.Save({**state, "gate": gate})))
+        assert gate.reached.wait(60), "the background half never started"
+        out["pending_at_step"].append(not gate.open.is_set())
+        saved = {k: state[k] for k in sh}
+        new = train(saved)  # donates the saved arrays (XLA copies instead while tiercel holds them)
+        out["donated"].append(any(x.is_deleted() for x in saved.values()))
+        if step == 2:
+            for x in saved.values():
+                x.delete()
+            out["deleted"].append(all(x.is_deleted() for x in saved.values()))
+        del saved
+        state = {**new, "np": state["np"]}
+        state["np"] += 1  # in place: the save took its own copy
+        for _ in range(3):  # more steps, more buffers: a freed buffer would be reused here
+            state = {**train({k: state[k] for k in sh}), "np": state["np"]}
+        jax.block_until_ready(state)
+        gate.open.set()
+        mngr.wait_until_finished()
+    target = {k: ocp.utils.to_shape_dtype_struct(v) for k, v in state.items() if k in sh}
+    target["np"] = jax.ShapeDtypeStruct((1000,), np.float32)
+    out["identical"] = []
+    for step in (1, 2, 3):
+        got = restore(mngr, step, target)
+        out["identical"].append(all(np.asarray(got[k]).tobytes() == want[step][k].tobytes() for k in want[step]))
+        plain = restore(mngr, step, None)
+        out["identical"].append(plain["gate"] == b"gate-ok!")
+    mngr.close()
+    return out
 
 
 def leaf_kinds(policy: dict, directory: str) -> dict:

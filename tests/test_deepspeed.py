@@ -140,6 +140,34 @@ def test_kill_a_rank_after_a_save_then_resume_bit_identical(stage, tmp_path, shm
     assert sorted(os.listdir(tmp_path / "ckpt")) == sorted(["latest"] + (["zero_to_fp32.py", "zero_to_torch.py"] if stage else []))
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_snapshot_racing_the_next_update_and_a_kill_during_it_resume_bit_identical(stage, tmp_path, shm_root, disk_root,
+                                                                                      reference):
+    """save_checkpoint returns before the tensors are copied: each snapshot here sleeps first,
+    so the next optimizer step must wait for it (a stall, measured), and the victim dies while
+    its last snapshot sleeps: its step was never committed, the job resumes one step earlier,
+    and a run whose every save races the next update ends bit-identical to the reference."""
+    policy = make_policy(shm_root, disk_root, ram={"keep": 3}, every=2)
+    cfg = {"stage": stage, "steps": STEPS, "mode": "tiercel", "policy": policy, "save_dir": str(tmp_path / "ckpt"),
+           "snapshot_delay": 0.3}
+    victim = 1
+    killed = run_job(tmp_path, {**cfg, "kill_after": KILL_AFTER, "victim": victim}, "killed", victim=victim)
+    assert killed == [], "a rank finished although its peer was killed"
+
+    resumed = run_job(tmp_path, {**cfg, "resume": True}, "resumed")
+    step = assert_continues_like(reference(stage), tmp_path, "resumed", resumed)
+    assert step == KILL_AFTER - 1, "the victim's last snapshot never finished: its step must not be restorable"
+    for r in resumed:
+        assert r["loaded"]["client_state"]["ema"] == [float(step)] * 8, r["loaded"]
+        # Only the job's own tensor was copied while the save blocked; DeepSpeed's (parameters,
+        # ZeRO's partitions, optimizer states) went to the snapshot.
+        # (by the ranks that write model states: rank 0; every rank under ZeRO-3).
+        assert r["copied_bytes"] == (8 * 4 if r["rank"] == 0 or stage == 3 else 0), r
+        # Every save but the last was followed by an update that waited for its snapshot.
+        assert r["stalls"]["count"] == STEPS - step - 1, r["stalls"]
+        assert r["stalls"]["seconds"] > 0.1 * r["stalls"]["count"], r["stalls"]
+
+
 def test_bf16_zero2_resumes_bit_identical(tmp_path, shm_root, disk_root, reference):
     policy = make_policy(shm_root, disk_root, ram={"keep": 3}, every=2)
     cfg = {"stage": 2, "bf16": True, "steps": STEPS, "mode": "tiercel", "policy": policy, "save_dir": str(tmp_path / "ckpt")}

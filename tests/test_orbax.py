@@ -203,6 +203,15 @@ def test_every_kind_of_leaf(tmp_path, shm):
     assert "['np']: the target has shape (3, 2), the checkpoint (2, 3)" in r["shape_error"], r
 
 
+def test_arrays_donated_or_deleted_right_after_a_save_restore_bit_identical(tmp_path, shm):
+    """The copy into shared memory runs after `mngr.save` returns; the arrays it holds stay
+    valid when the next jitted step donates them or the caller deletes them."""
+    r = run_isolated("orbax_worker", "donated", make_policy(shm, None, ram={"keep": 3}), str(tmp_path / "orbax"), timeout=TIMEOUT)
+    assert r["pending_at_step"] == [True, True, True], r  # the step ran while the save was still copying
+    assert r["deleted"] == [True], r
+    assert r["identical"] == [True] * 6, r
+
+
 def test_a_step_saved_again_replaces_the_stale_copies(tmp_path, shm):
     policy = make_policy(shm, tmp_path / "disk", every=1)
     got = run_isolated("orbax_worker", "resave", policy, str(tmp_path / "orbax"), timeout=TIMEOUT)

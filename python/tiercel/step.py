@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -68,6 +68,43 @@ class SaveHandle:
         return f"SaveHandle(step={self.step}, {self.states()})"
 
 
+@dataclass
+class Prepared:
+    """A put flattened by `Writer.prepare`, not yet written: its tree (JSON-ready) and its
+    leaves, which reference the caller's arrays and tensors."""
+
+    name: str
+    tree: Any
+    leaves: list[Leaf]
+    #: Every rank of the replica group puts the same bytes (`Writer.put(replicated=True)`).
+    replicated: bool = False
+
+    def take_copies(self, keep: Callable[[Leaf], bool]) -> int:
+        """Replaces every leaf's object for which `keep` says no by a copy of it (a tensor on
+        its own device, an array, bytes), so that the caller may change the original before
+        `write`. Returns the bytes copied."""
+        copied = 0
+        for leaf in self.leaves:
+            if leaf.nbytes and not keep(leaf):
+                copy = _copy_of(leaf.obj)
+                if copy is not leaf.obj:  # immutable values (pickled bytes) stay as they are
+                    leaf.obj = copy
+                    copied += leaf.nbytes
+        return copied
+
+
+def _copy_of(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return obj.copy()
+    if isinstance(obj, memoryview) and isinstance(obj.obj, bytes):
+        return obj  # a view of immutable bytes
+    if isinstance(obj, (bytearray, memoryview)):
+        return memoryview(bytes(obj))
+    if hasattr(obj, "clone") and hasattr(obj, "data_ptr"):  # a torch.Tensor
+        return obj.clone()
+    return obj  # bytes, and objects their handler keeps as immutable values
+
+
 class Writer:
     """Writes one step, `put` by `put`; commits on a clean exit, discards on an exception."""
 
@@ -86,6 +123,12 @@ class Writer:
         model, say). Persistent tiers then store one copy per group, and a restore from them
         reads it once and shares it over the network ([restore] replicated). A rank whose copy
         differs is reported when the step commits there (an IntegrityError naming it)."""
+        self.write(self.prepare(name, value, replicated=replicated))
+
+    def prepare(self, name: str, value: Any, *, replicated: bool = False) -> Prepared:
+        """The first half of `put`: flattens `value` (small values are taken now: scalars into
+        the tree, pickled objects as bytes); the arrays and tensors are referenced, not
+        copied. `write` copies them later; until then they must not change."""
         if not isinstance(name, str) or not name or "/" in name:
             raise InvalidArgumentError(f"put name must be a non-empty string without '/', got {name!r}")
         token = PICKLE_MODE.set(self._store._core.pickle)  # what the pickle fallback may do
@@ -97,9 +140,15 @@ class Writer:
             raise InvalidArgumentError(f"step {self.step}: '{name}' is nested too deeply to store") from None
         finally:
             PICKLE_MODE.reset(token)
+        return Prepared(name, tree, leaves, replicated)
+
+    def write(self, prepared: Prepared) -> None:
+        """The second half of `put`: lays the put out and copies its leaves into the step
+        (may run on another thread than `prepare`, one put at a time)."""
+        leaves = prepared.leaves
         specs = [_spec(leaf) for leaf in leaves]
-        primary = min(self._store.replica_group) if replicated else None
-        part, places = self._core.add_part(name, json.dumps(tree), specs, primary)
+        primary = min(self._store.replica_group) if prepared.replicated else None
+        part, places = self._core.add_part(prepared.name, json.dumps(prepared.tree), specs, primary)
         direct: list[tuple[int, int]] = []  # (item index, source address): copied by the core
         framework_copied: list[int] = []
         keep_alive = []

@@ -2,9 +2,10 @@
 
 DeepSpeed drives a save as `create(info)`, `makedirs(...)`, `save(state_dict, path)` per
 file, `commit(info)`, on every rank. Here `create` opens a writer for the tag's step, each
-`save` is one put (named after the file), and `commit` records which files this rank wrote
-(the step's layout) and commits: the save blocks only for the copies into shared memory;
-checksums, replication and persistence run in the background.
+`save` is one put (named after the file), flattened then and there, and `commit` records
+which files this rank wrote (the step's layout) and hands the puts to a snapshot thread that
+copies the tensors into shared memory and commits (see snapshot.py: the optimizer's next
+step waits for it); checksums, replication and persistence run in tiercel's background.
 
 `load(path)` serves a file from the step the running `load_checkpoint` agreed on (see
 tiercel.deepspeed.attach), reading another rank's put when that rank wrote the file.
@@ -25,10 +26,11 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from ..errors import InvalidArgumentError, NotFoundError, TiercelError
 from ..leaves import PickleWarning
-from ..step import Reader, RestoreInfo, SaveHandle, Writer
+from ..step import Prepared, Reader, RestoreInfo, SaveHandle, Writer
 from ..store import Store
 from .layout import LAYOUT_PUT, Layout, Save, norm_dir, step_for_tag
 from .resolve import Found, find_local
+from .snapshot import Gate, keeps_reference
 
 ENGINE_NAME = "TiercelCheckpointEngine"
 
@@ -53,8 +55,14 @@ class _OpenSave:
     carried: dict[str, Any]
     #: Puts of `before` this rank could not read back (they leave the layout).
     lost: list[str]
+    #: Which leaves the snapshot may copy later (the others are copied by `save`).
+    keep: Callable[[Any], bool]
     #: Files this rank wrote: relative path -> put.
     files: dict[str, str] = field(default_factory=dict)
+    #: The puts, flattened, for the snapshot to write.
+    puts: list[Prepared] = field(default_factory=list)
+    #: Bytes copied in the blocking part (tensors that the optimizer's step does not write).
+    copied: int = 0
 
 
 class Loading:
@@ -95,15 +103,22 @@ class TiercelCheckpointEngine(CheckpointEngine):
     `tiercel.deepspeed.attach(engine, policy)`, which also covers what DeepSpeed does around
     the engine (its glob of the tag folder, its file-exists check, `latest`)."""
 
-    def __init__(self, store: Store, global_steps: Callable[[], int]):
+    def __init__(self, store: Store, global_steps: Callable[[], int], updated_by_step: Callable[[], set[int]] = set):
         super().__init__(None)
         self.name = ENGINE_NAME
         self.store = store
         self._global_steps = global_steps
+        self._updated_by_step = updated_by_step
         self._open: _OpenSave | None = None
         self._session: dict[int, Layout] = {}
-        #: The handle of the last committed save (`wait()` waits for its background tiers).
+        #: The optimizer's step waits here for the last save's snapshot (attach installs it);
+        #: `gate.last_stall_seconds` / `gate.stall_seconds` say how long it waited.
+        self.gate = Gate()
+        #: The handle of the last committed save, once its snapshot is done (`wait()` waits
+        #: for the snapshot, then for the background tiers).
         self.last_handle: SaveHandle | None = None
+        #: Bytes the last save copied while it blocked (tensors the optimizer does not write).
+        self.last_copied_bytes = 0
         #: Set by load_checkpoint while DeepSpeed reads a checkpoint.
         self.loading: Loading | None = None
         #: How the last load_checkpoint went: step, seconds, items read per tier.
@@ -113,11 +128,13 @@ class TiercelCheckpointEngine(CheckpointEngine):
 
     def create(self, info: CheckpointCommitInfo) -> None:
         self._discard_open()
+        self.finish_snapshot()  # one snapshot at a time; its step may be read back below
         step = step_for_tag(str(info.tag), self._global_steps())
         before = Layout.from_tree(self._session[step].to_tree(), "session") if step in self._session else Layout(step)
         carried, lost = self._read_back(before)
         save = Save(norm_dir(info.save_dir), str(info.tag), bool(info.save_latest), int(self._global_steps()))
-        self._open = _OpenSave(step, save, self.store.writer(step), before, carried, lost)
+        keep = keeps_reference(self._updated_by_step())
+        self._open = _OpenSave(step, save, self.store.writer(step), before, carried, lost, keep)
 
     def _read_back(self, before: Layout) -> tuple[dict[str, Any], list[str]]:
         """This rank's files of the step's earlier saves, read before the writer replaces the
@@ -153,7 +170,9 @@ class TiercelCheckpointEngine(CheckpointEngine):
             raise InvalidArgumentError(f"DeepSpeed file {path} is outside the save directory {o.save.dir}")
         put = self._put_name(o, path, rel)
         try:
-            _put(o.writer, put, state_dict)
+            prepared = _prepare(o.writer, put, state_dict)
+            o.copied += prepared.take_copies(o.keep)
+            o.puts.append(prepared)
         except BaseException as e:
             self._discard_open()
             if isinstance(e, TiercelError):
@@ -191,12 +210,13 @@ class TiercelCheckpointEngine(CheckpointEngine):
             layout.add(o.save)
             for s in layout.saves[:-1]:
                 for _, put in s.files.values():  # an earlier save's file this save did not rewrite
-                    _put(o.writer, put, o.carried[put])
-            o.writer.put(LAYOUT_PUT, layout.to_tree())
-            self.last_handle = o.writer.commit()
+                    o.puts.append(_prepare(o.writer, put, o.carried[put]))
+            o.puts.append(_prepare(o.writer, LAYOUT_PUT, layout.to_tree()))
         except BaseException:
             o.writer.abort()
             raise
+        self.last_copied_bytes = o.copied
+        self.gate.start(o.writer, o.puts)
         self._session[o.step] = layout
         for old in sorted(self._session)[:-_SESSION_STEPS]:
             del self._session[old]
@@ -221,9 +241,23 @@ class TiercelCheckpointEngine(CheckpointEngine):
                     raise
                 time.sleep(0.005)
 
+    def finish_snapshot(self) -> None:
+        """Waits until the last save's tensors are in shared memory and its step committed
+        there; raises if that failed."""
+        s = self.gate.snapshot
+        if s is None:
+            return
+        s.join()
+        self.gate.snapshot = None
+        if s.handle is not None:
+            self.last_handle = s.handle
+        s.raise_error()
+
     def settle(self) -> None:
         """Waits for this process's last save to be committed and final on every tier, so
-        that a load that follows it in the same job sees it."""
+        that a load that follows it in the same job sees it (and, writing the parameters,
+        does not race its snapshot)."""
+        self.finish_snapshot()
         if self.last_handle is not None:
             with contextlib.suppress(TiercelError):
                 self.last_handle.wait()
@@ -231,6 +265,7 @@ class TiercelCheckpointEngine(CheckpointEngine):
 
     def wait(self, timeout: float | None = None) -> dict[str, str]:
         """Waits until the last save is final on every tier; returns the tiers' states."""
+        self.finish_snapshot()
         if self.last_handle is None:
             raise NotFoundError("no checkpoint was saved through this engine yet")
         return self.last_handle.wait(timeout)
@@ -262,15 +297,19 @@ class TiercelCheckpointEngine(CheckpointEngine):
 
     def close(self) -> None:
         self._discard_open()
-        self.store.close()
+        try:
+            self.finish_snapshot()
+        finally:
+            self.gate.close()
+            self.store.close()
 
 
-def _put(writer: Writer, name: str, value: Any) -> None:
+def _prepare(writer: Writer, name: str, value: Any) -> Prepared:
     with warnings.catch_warnings():
         # DeepSpeed's states hold a few small objects (ZeroStageEnum, LossScaler, the config)
         # that only pickle keeps: expected, not worth a warning per save.
         warnings.simplefilter("ignore", PickleWarning)
-        writer.put(name, value)
+        return writer.prepare(name, value)
 
 
 def _to_location(value: Any, map_location: Any) -> Any:

@@ -12,6 +12,9 @@ outside the engine; `attach` covers each piece on the engine instance:
   wrote on disk (before the job adopted tiercel) is loaded from disk, as DeepSpeed would.
 - `engine._get_all_ckpt_names` (DeepSpeed's glob over the tag folder, made before any file is
   loaded) answers from the step's layout while a load runs: the tag folder is not on disk.
+- `engine.optimizer.step` first waits for the last save's snapshot: a save returns before
+  the parameters and optimizer states are copied into shared memory, and the next update
+  must not change them while they are (see snapshot.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from ..errors import InvalidArgumentError, TierUnavailableError
 from ..store import PolicyLike, Store
 from .engine import Loading, TiercelCheckpointEngine
 from .resolve import committed_steps, gather, not_found, resolve
+from .snapshot import updated_by_step
 
 log = logging.getLogger("tiercel.deepspeed")
 
@@ -46,7 +50,8 @@ def attach(engine: Any, policy: PolicyLike | None = None, **store_kwargs: Any) -
     if isinstance(engine.checkpoint_engine, TiercelCheckpointEngine):
         raise InvalidArgumentError("this DeepSpeed engine already saves through tiercel (attach() was called before)")
     store = Store(policy, **store_kwargs)  # a bad policy raises here, before the engine is touched
-    ce = TiercelCheckpointEngine(store, lambda: engine.global_steps)
+    ce = TiercelCheckpointEngine(store, lambda: engine.global_steps, lambda: updated_by_step(engine))
+    ce.gate.install(engine.optimizer)
     engine.checkpoint_engine = ce
     engine.save_non_zero_checkpoint = writes_model_states(engine, ce)
     engine.load_checkpoint = functools.update_wrapper(

@@ -18,6 +18,8 @@ structure can be read from any rank.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -26,7 +28,7 @@ import numpy as np
 
 from .._tree import unflatten
 from ..manifest import Item, Manifest
-from ._leaf import JaxShard, dtype_name
+from ._leaf import JaxShard, dtype_name, on_host
 
 FORMAT = "tiercel-orbax"
 VERSION = 1
@@ -54,38 +56,60 @@ def _encode_path(path: Sequence[Any]) -> list[list[Any]]:
 
 
 def leaf_records(state: Any, process_index: int, process_count: int) -> dict[str, Any]:
-    """The put value of this process for `state`. Starts the device-to-host transfers of
-    every shard it will store before returning, so they overlap."""
+    """The put value of this process for `state`, safe to write after the caller's next
+    training step: the blocking part of a save (the copy into shared memory runs later, in
+    the background).
+
+    What it holds on to, and why that is enough (what Orbax's own save does before it returns):
+    - a jax.Array shard as a host numpy array: on CPU devices a zero-copy view that holds an
+      external reference to the device buffer, so XLA never reuses that buffer: a jitted step
+      that donates the array copies instead of donating, and `delete()` frees it only once the
+      view is gone; on other devices the device-to-host copy, completed here (all transfers
+      are started first, so they overlap);
+    - numpy arrays and other objects as copies (they are mutable); Python scalars and strings
+      as they are.
+    """
     flat, _ = jax.tree_util.tree_flatten_with_path(state)
     records = []
-    pending = []
+    pending: list[tuple[list[JaxShard], int, Any]] = []  # (the leaf's shards, position, device array)
     for path, leaf in flat:
         key = jax.tree_util.keystr(path)
         rec: dict[str, Any] = {"key": key, "path": _encode_path(path)}
         if isinstance(leaf, jax.Array):
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                raise TypeError(f"'{key}' is a typed PRNG key array; save jax.random.key_data(key) instead")
             rec.update(type="jax", shape=list(leaf.shape), dtype=dtype_name(leaf.dtype, key))
-            shards = []
+            shards: list[JaxShard] = []
             if not (leaf.is_fully_addressable and process_count > 1 and process_index != 0):
                 for s in leaf.addressable_shards:
                     if s.replica_id != 0:
                         continue
                     offsets = tuple(sl.indices(n)[0] for sl, n in zip(s.index, leaf.shape))
+                    pending.append((shards, len(shards), s.data))
                     shards.append(JaxShard(s.data, tuple(leaf.shape), offsets, 0))
-                    pending.append(s.data)
             rec["shards"] = shards
         elif isinstance(leaf, (np.ndarray, np.generic)) and _is_plain_dtype(leaf):
             rec.update(type="numpy", shape=list(np.shape(leaf)), dtype=dtype_name(np.asarray(leaf).dtype, key))
             rec["scalar"] = isinstance(leaf, np.generic)
-            rec["value"] = leaf if process_index == 0 else None
+            rec["value"] = copy.deepcopy(leaf) if process_index == 0 else None
         elif type(leaf) in _PY:
             rec.update(type="python", value=leaf)
         else:  # stored by tiercel's leaf registry (pickled, with a warning, if nothing claims it)
-            rec.update(type="object", value=leaf if process_index == 0 else None)
+            rec.update(type="object", value=_copied(leaf, key) if process_index == 0 else None)
         records.append(rec)
-    for x in pending:
-        if not all(d.platform == "cpu" for d in x.devices()):
+    for _, _, x in pending:
+        if not on_host(x):
             x.copy_to_host_async()
+    for shards, i, x in pending:
+        shards[i] = dataclasses.replace(shards[i], data=np.asarray(x))
     return {"format": FORMAT, "version": VERSION, "process_count": process_count, "leaves": records}
+
+
+def _copied(value: Any, key: str) -> Any:
+    try:
+        return copy.deepcopy(value)
+    except Exception as e:
+        raise TypeError(f"'{key}': cannot take a copy of {type(value).__name__} to save it in the background: {e}") from None
 
 
 def _is_plain_dtype(x: Any) -> bool:

@@ -22,7 +22,7 @@ from ..manifest import Item, Shard
 @dataclass(frozen=True)
 class JaxShard:
     """One device's piece of a global jax.Array: the box starting at `offsets`, of the
-    shape of `data` (a single-device jax.Array)."""
+    shape of `data` (a single-device jax.Array, or its bytes on the host as a numpy array)."""
 
     data: Any
     global_shape: tuple[int, ...]
@@ -38,7 +38,8 @@ def dtype_name(dtype: Any, what: str) -> str:
     return name
 
 
-def _on_host(x: Any) -> bool:
+def on_host(x: Any) -> bool:
+    """Whether a jax.Array's buffers are host memory (CPU devices): no transfer to wait for."""
     return all(d.platform == "cpu" for d in x.devices())
 
 
@@ -69,7 +70,7 @@ class JaxHandler(LeafHandler):
         # On CPU devices np.asarray is a view of the device buffer: the core copies it with
         # the GIL released. Other devices go through copy_into (one device-to-host copy).
         x = leaf.obj
-        if not (_on_host(x) and len(x.devices()) == 1):
+        if not isinstance(x, np.ndarray) and not (on_host(x) and len(x.devices()) == 1):
             return None
         arr = np.asarray(x)
         if not arr.flags.c_contiguous:

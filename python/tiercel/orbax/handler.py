@@ -95,8 +95,11 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self._own_store = store is None
         self._timeout = timeout
         self._saved: tuple[int, str] | None = None
-        #: tiercel's handle of the last save: `states()` per tier, `wait()` for all tiers.
+        #: tiercel's handle of the last save, once its future completed: `states()` per
+        #: tier, `wait()` for all tiers (`blocking_seconds` is the background copy's time).
         self.last_save: SaveHandle | None = None
+        #: Seconds the last `async_save` held its caller (Orbax's `mngr.save` adds its own).
+        self.last_blocking_seconds = 0.0
         #: Where the last restore's bytes came from (tiers, bytes, seconds, warnings).
         self.last_restore: RestoreInfo | None = None
 
@@ -109,9 +112,10 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     # -- save -----------------------------------------------------------------------------------
 
     async def async_save(self, directory: epath.Path, args: Save | None = None) -> list[ocp_future.Future] | None:
-        """Copies this process's shards into the memory tier (the only part that blocks) and
-        returns a future that completes once the memory tier has them; replication and
-        persistence go on in tiercel's background."""
+        """Takes what the save needs from the pytree (host views or copies of this process's
+        shards, see `leaf_records`: the only part that blocks) and returns a future that copies
+        them into the memory tier and completes once the memory tier has the step;
+        replication and persistence go on in tiercel's background after that."""
         return self._start_save(epath.Path(directory), args)
 
     def save(self, directory: epath.Path, args: Save | None = None) -> None:
@@ -119,6 +123,7 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             f.result()
 
     def _start_save(self, directory: epath.Path, args: Save | None) -> list[ocp_future.Future]:
+        t0 = time.perf_counter()
         if not isinstance(args, Save):
             raise InvalidArgumentError(f"TiercelCheckpointHandler saves tiercel.orbax.Save(state), got {type(args).__name__}")
         step = args.step if args.step is not None else _step_of(directory)
@@ -136,28 +141,33 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             value = leaf_records(args.item, store.rank, store.world_size)
         except TypeError as e:
             raise InvalidArgumentError(f"step {step} '{put}': {e}") from None
-        with store.writer(step) as w:
-            w.put(put, value)
-        assert w.handle is not None
         self._saved = (step, put)
-        self.last_save = w.handle
-        memory = store.tiers()[0]["name"]
-        marker = {
-            "format": FORMAT,
-            "version": VERSION,
-            "step": step,
-            "item": put,
-            "world_size": store.world_size,
-            "tiers": [t["name"] for t in store.tiers()],
-        }
-        commit = self._commit(w.handle, memory, directory, marker, store.rank == 0)
+        self.last_blocking_seconds = time.perf_counter() - t0
+        commit = self._write(step, put, value, directory, store.rank == 0)
         return [ocp_future.CommitFutureAwaitingContractedSignals(commit, name="tiercel_save")]
 
-    async def _commit(self, handle: SaveHandle, memory: str, directory: epath.Path, marker: dict, primary: bool) -> None:
-        # Runs on Orbax's commit thread, after Orbax has created the directory.
-        wait_for_tier(handle, memory, self._timeout)
+    async def _write(self, step: int, put: str, value: dict[str, Any], directory: epath.Path, primary: bool) -> None:
+        """The background half of a save, on Orbax's commit thread (Orbax runs one save at a
+        time and has created the directory): the copy into the memory tier, then the marker."""
+        store = self.store
+        with store.writer(step) as w:
+            w.put(put, value)
+        del value  # the host views: the device buffers may be reused from here on
+        assert w.handle is not None
+        self.last_save = w.handle
+        memory = store.tiers()[0]["name"]
+        wait_for_tier(w.handle, memory, self._timeout)
         if primary:
+            marker = {
+                "format": FORMAT,
+                "version": VERSION,
+                "step": step,
+                "item": put,
+                "world_size": store.world_size,
+                "tiers": [t["name"] for t in store.tiers()],
+            }
             (directory / MARKER).write_text(json.dumps(marker))
+
 
     # -- restore ----------------------------------------------------------------------------------
 
