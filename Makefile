@@ -80,6 +80,8 @@ bench: build
 	$(PY) bench/deepspeed.py
 	$(PY) bench/dcp.py
 	$(PY) bench/orbax.py
+	$(PY) bench/interleave.py
+	$(PY) bench/broadcast.py
 
 clean:
 	rm -rf $(BUILD_STAMP) $(WHEEL_STAMP) python/tiercel/_core*.so
