@@ -203,7 +203,7 @@ def check_tree(tree: Any, where: str) -> list[int]:
         if ok and t in ("int", "float"):
             try:
                 int(str(v)) if t == "int" else float.fromhex(str(v))
-            except ValueError:
+            except (ValueError, OverflowError):  # "0x1p+9999" overflows a float
                 ok = False
         if not ok:
             raise bad(path, f"is a '{t}' node with the value {v!r:.60}")
