@@ -95,7 +95,7 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self._own_store = store is None
         self._timeout = timeout
         self._saved: tuple[int, str] | None = None
-        #: tiercel's handle of the last save, once its future completed: `states()` per
+        #: tiercel's handle of the last save, once its background copy is done: `states()` per
         #: tier, `wait()` for all tiers (`blocking_seconds` is the background copy's time).
         self.last_save: SaveHandle | None = None
         #: Seconds the last `async_save` held its caller (Orbax's `mngr.save` adds its own).
@@ -167,7 +167,6 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 "tiers": [t["name"] for t in store.tiers()],
             }
             (directory / MARKER).write_text(json.dumps(marker))
-
 
     # -- restore ----------------------------------------------------------------------------------
 

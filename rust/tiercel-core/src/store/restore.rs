@@ -178,12 +178,12 @@ impl StepReader {
         &self.store
     }
 
-    /// The manifest of the first tier that has the step.
     /// Which save of the step this reader reads (see `CommitRecord::generation`).
     pub fn generation(&self) -> Option<&str> {
         self.sources.first().and_then(|(_, m)| m.generation.as_deref())
     }
 
+    /// The manifest of the first tier that has the step.
     pub fn manifest(&self) -> &Manifest {
         &self.sources[0].1
     }
@@ -319,8 +319,9 @@ impl StepReader {
         let it = &m.items[i];
         let range = overlapping(&it.chunks, start, end);
         let chunks = &it.chunks[range.clone()];
-        let first = chunks.first()?; // nothing to map: read_owned_into returns the empty bytes
-                                     // Where byte 0 of the item would lie if the item is stored contiguously.
+        // Nothing to map for an empty range: read_owned_into returns the empty bytes.
+        let first = chunks.first()?;
+        // Where byte 0 of the item would lie if the item is stored contiguously.
         let base = first.stored_offset.wrapping_sub(first.offset);
         let contiguous = chunks
             .iter()
