@@ -510,3 +510,36 @@ fn dropped_writer_removes_its_step_dir() {
     assert_eq!(store.memory().all_steps().unwrap(), Vec::<u64>::new());
     store.close();
 }
+
+#[test]
+fn a_restarted_job_prefaults_its_first_save_after_restoring_from_ram() {
+    let dirs = Dirs::new();
+    let policy = || dirs.policy("keep = 2", Some(""), "chunk_size = \"64KiB\"");
+    let first = Store::open(policy(), 0, 1).unwrap();
+    save_wait(&first, 1, &step_items(1));
+    first.close();
+
+    // Restored from the fs tier only: its layout says nothing of the memory tier's segments.
+    let again = Store::open(policy(), 0, 1).unwrap();
+    restore_check(&again, 1, Some(&["disk".to_string()]), &step_items(1));
+    again.flush();
+    assert_eq!(again.memory().pool_len(), 0, "a restore from disk pre-faults nothing");
+    again.close();
+
+    // Restored from RAM: segments of the restored parts' sizes wait for the first save.
+    let restarted = Store::open(policy(), 0, 1).unwrap();
+    assert_eq!(restarted.memory().pool_len(), 0, "nothing is pre-faulted at open");
+    restore_check(&restarted, 1, None, &step_items(1));
+    restarted.flush();
+    assert_eq!(restarted.memory().pool_len(), step_items(1).len(), "one segment per part of the restored step");
+    let pooled = files_under(&dirs.ram().join(".pool"));
+    assert_eq!(pooled.len(), 2, "{pooled:?}");
+    // The first save takes them (the flush then pre-faults the next step's, as after any save).
+    let mut w = restarted.begin(2).unwrap();
+    for (p, items) in step_items(2).iter().enumerate() {
+        w.add_part(&format!("put{p}"), json!([]), items.iter().map(spec).collect()).unwrap();
+    }
+    assert_eq!(restarted.memory().pool_len(), 0, "the first save used the pre-faulted segments");
+    drop(w);
+    restarted.close();
+}

@@ -7,7 +7,7 @@ use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use tiercel_core::policy::Policy;
+use tiercel_core::policy::{Policy, TierKind};
 use tiercel_core::store as core;
 use tiercel_core::tier::gc::Removal;
 
@@ -96,6 +96,9 @@ impl Store {
                 d.set_item("compression", c.compression.to_string())?;
                 d.set_item("bandwidth", c.bandwidth)?;
                 d.set_item("capacity", c.capacity)?;
+                if c.kind() == TierKind::Memory {
+                    d.set_item("huge_pages", self.inner.memory().huge_pages())?;
+                }
                 Ok(d)
             })
             .collect()

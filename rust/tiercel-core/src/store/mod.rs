@@ -67,6 +67,9 @@ pub struct Store {
     committed: parking_lot::Mutex<std::collections::BTreeMap<u64, u32>>,
     /// The relay replicas of a group pass chunks over on restore (started on first use).
     relay: parking_lot::Mutex<Option<Arc<crate::transport::relay::Relay>>>,
+    /// Whether segments for this process's next save are (being) pre-faulted: after each
+    /// save, or after the restore a restarted job begins with (`prefault_after_restore`).
+    prefaulting: std::sync::atomic::AtomicBool,
 }
 
 /// How many steps' save counts a process remembers: a step saved again after this many other
@@ -155,6 +158,7 @@ impl Store {
             launch: parking_lot::RwLock::new((world_size == 1).then(launch_token)),
             committed: Default::default(),
             relay: Default::default(),
+            prefaulting: Default::default(),
         };
         if !tool {
             store.check_other_jobs()?;

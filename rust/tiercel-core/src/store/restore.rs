@@ -12,6 +12,7 @@ use rayon::prelude::*;
 use super::{JobFilter, Store};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{ChunkMeta, ItemMeta, Manifest};
+use crate::policy::TierSpec;
 use crate::tier::memory::View;
 use crate::tier::read_chunk;
 
@@ -161,6 +162,12 @@ impl StepReader {
         }
         for w in &warnings {
             log::warn!("{w}");
+        }
+        if rank == store.rank {
+            let memory_layout = |i: usize| matches!(store.slots[i].config.spec, TierSpec::Memory { .. } | TierSpec::Peer(_));
+            if let Some((_, m)) = sources.iter().find(|(i, _)| memory_layout(*i)) {
+                store.prefault_after_restore(m);
+            }
         }
         Ok(StepReader {
             step,

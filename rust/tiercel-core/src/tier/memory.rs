@@ -24,10 +24,10 @@ use crate::scheduler::Link;
 use crate::tier::gc::{self, GcOptions, Removal, Target};
 use crate::tier::layout::StepLayout;
 use crate::tier::lease::{self, Lease};
+use crate::tier::shm::{dir_bytes, RootLock};
 use crate::tier::{ChunkSource, Tier};
 
 const POOL_DIR: &str = ".pool";
-const LOCK_FILE: &str = ".lock";
 
 /// A writable shared mapping of one shared-memory file.
 pub struct Segment {
@@ -98,6 +98,8 @@ pub struct MemoryTier {
     /// The ranks that share this host's root, once known; a step commits here when all of
     /// them have written it. Unknown: every rank of the job (one host).
     local_ranks: parking_lot::RwLock<Option<Vec<u32>>>,
+    /// The root's huge-page setting (`shm::huge_pages`), for the log and `tiercel ls`.
+    huge_pages: Option<String>,
 }
 
 /// Pool file names are `<pid>-<n>.seg`; `n` is process-wide because several stores (ranks)
@@ -119,48 +121,9 @@ fn size_str(n: u64) -> String {
     }
 }
 
-/// An exclusive flock on the tier root, held while a rank decides what to allocate or evict,
-/// so ranks sharing a host's memory tier never overshoot its capacity together.
-struct RootLock(File);
-
-impl RootLock {
-    fn take(tier: &str, root: &Path) -> Result<RootLock> {
-        let p = root.join(LOCK_FILE);
-        let f = OpenOptions::new().create(true).truncate(false).write(true).mode(0o600).open(&p).map_err(|e| Error::io(tier, &p, e))?;
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(Error::io(tier, &p, std::io::Error::last_os_error()));
-        }
-        Ok(RootLock(f))
-    }
-}
-
-impl Drop for RootLock {
-    fn drop(&mut self) {
-        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
-    }
-}
-
 /// Room kept for a part's manifest and commit record beside its data, so that they too stay
 /// within capacity.
 const META_RESERVE: u64 = 2 * 4096;
-
-/// Bytes allocated under `p` (blocks, not apparent sizes: what the host really gave).
-fn dir_bytes(p: &Path, tier: &str) -> Result<u64> {
-    let rd = match fs::read_dir(p) {
-        Ok(rd) => rd,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
-        Err(e) => return Err(Error::io(tier, p, e)),
-    };
-    let mut n = 0;
-    for e in rd.flatten() {
-        match e.metadata() {
-            Ok(m) if m.is_dir() => n += dir_bytes(&e.path(), tier)?,
-            Ok(m) => n += m.blocks() * 512,
-            Err(_) => {} // removed while we looked
-        }
-    }
-    Ok(n)
-}
 
 impl MemoryTier {
     pub fn open(name: &str, root: &Path, capacity: Option<u64>) -> Result<Arc<MemoryTier>> {
@@ -174,7 +137,16 @@ impl MemoryTier {
             pool: Mutex::new(vec![]),
             owned: Mutex::new(BTreeMap::new()),
             local_ranks: parking_lot::RwLock::new(None),
+            huge_pages: crate::tier::shm::huge_pages(root),
         };
+        match &t.huge_pages {
+            Some(h) => log::info!("tier '{name}': memory root {} is backed by huge pages ({h})", root.display()),
+            None => log::info!(
+                "tier '{name}': memory root {} is backed by 4 KiB pages; a tmpfs mounted with huge=within_size makes \
+                 first saves and restores from RAM faster (docs/config.md, \"Huge pages\")",
+                root.display()
+            ),
+        }
         let dead = t.dead_pool_segments()?;
         t.gc_apply(dead)?;
         Ok(Arc::new(t))
@@ -191,6 +163,11 @@ impl MemoryTier {
 
     pub fn capacity(&self) -> Option<u64> {
         self.capacity
+    }
+
+    /// The root's huge-page setting (`shm::huge_pages`): `None` for 4 KiB pages.
+    pub fn huge_pages(&self) -> Option<&str> {
+        self.huge_pages.as_deref()
     }
 
     /// Pool files are named `<pid>-<n>.seg`; those of processes that are gone hold memory
@@ -252,6 +229,7 @@ impl MemoryTier {
         } else {
             unsafe { MmapOptions::new().len(size as usize).populate().map_mut(&f) }.map_err(|e| Error::io(&self.name, &path, e))?
         };
+        crate::tier::shm::advise_huge(&map);
         Ok(Arc::new(Segment { path: Mutex::new(path), map }))
     }
 
@@ -407,6 +385,7 @@ impl MemoryTier {
         // copies every page. `View::populate` maps the shared pages without copying.
         let map = if meta.len() == 0 { MmapMut::map_anon(0) } else { unsafe { MmapOptions::new().map_copy(&f) } }
             .map_err(|e| Error::io(&self.name, &path, e))?;
+        crate::tier::shm::advise_huge(&map);
         Ok(Arc::new(View { map, _lease: Some(lease) }))
     }
 

@@ -1,15 +1,21 @@
-//! Checks on a memory tier's root before it is used. /dev/shm is writable by everyone, so a
-//! root there may have been made by someone else, who could then plant a step (pickled
-//! items run code when restored) or read ours. A root, and every directory between /dev/shm
-//! and it, must belong to this user and be writable by nobody else.
+//! A memory tier's root: the checks before it is used, its lock, how much it holds and how
+//! its pages are backed.
+//!
+//! /dev/shm is writable by everyone, so a root there may have been made by someone else, who
+//! could then plant a step (pickled items run code when restored) or read ours. A root, and
+//! every directory between /dev/shm and it, must belong to this user and be writable by
+//! nobody else.
 
-use std::os::unix::fs::MetadataExt;
+use std::fs::{self, File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::Path;
 
 use crate::error::{Error, Result};
 
 const SHM: &str = "/dev/shm";
 const TMPFS_MAGIC: i64 = 0x0102_1994;
+const LOCK_FILE: &str = ".lock";
 
 /// Refuses an existing root (or a directory above it under /dev/shm) that another user
 /// owns or that others may write to; warns when the root is not on tmpfs (then the tier is
@@ -51,4 +57,120 @@ pub fn check_root(tier: &str, root: &Path) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// How the pages of files under a memory root are backed: by 2 MiB transparent huge pages
+/// (`Some("huge=within_size")` and the like: the tmpfs mount option that gives them) or by
+/// 4 KiB pages (`None`, the default for /dev/shm). With 4 KiB pages, allocating a fresh
+/// segment and mapping a stored one cost one page-table entry per 4 KiB; huge pages cut that
+/// 512-fold, which is most of what a first save and a restore from RAM cost beyond the copy
+/// and the checksum (docs/config.md, "Huge pages").
+pub fn huge_pages(root: &Path) -> Option<String> {
+    let forced = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").unwrap_or_default();
+    if forced.contains("[deny]") {
+        return None;
+    }
+    if forced.contains("[force]") {
+        return Some("shmem_enabled=force".into());
+    }
+    let existing = root.ancestors().find(|p| p.exists())?.canonicalize().ok()?;
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    huge_option(&mountinfo, &existing)
+}
+
+/// An exclusive flock on the tier root, held while a rank decides what to allocate or evict,
+/// so ranks sharing a host's memory tier never overshoot its capacity together.
+pub struct RootLock(File);
+
+impl RootLock {
+    pub fn take(tier: &str, root: &Path) -> Result<RootLock> {
+        let p = root.join(LOCK_FILE);
+        let f = OpenOptions::new().create(true).truncate(false).write(true).mode(0o600).open(&p).map_err(|e| Error::io(tier, &p, e))?;
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(Error::io(tier, &p, std::io::Error::last_os_error()));
+        }
+        Ok(RootLock(f))
+    }
+}
+
+impl Drop for RootLock {
+    fn drop(&mut self) {
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+/// Bytes allocated under `p` (blocks, not apparent sizes: what the host really gave).
+pub fn dir_bytes(p: &Path, tier: &str) -> Result<u64> {
+    let rd = match fs::read_dir(p) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(Error::io(tier, p, e)),
+    };
+    let mut n = 0;
+    for e in rd.flatten() {
+        match e.metadata() {
+            Ok(m) if m.is_dir() => n += dir_bytes(&e.path(), tier)?,
+            Ok(m) => n += m.blocks() * 512,
+            Err(_) => {} // removed while we looked
+        }
+    }
+    Ok(n)
+}
+
+/// Asks for huge pages on a mapping of a memory-tier file: what a tmpfs mounted with
+/// `huge=advise` waits for (the other `huge=` settings need no asking; 4 KiB tmpfs ignores it).
+pub fn advise_huge(map: &[u8]) {
+    if !map.is_empty() {
+        unsafe { libc::madvise(map.as_ptr() as *mut libc::c_void, map.len(), libc::MADV_HUGEPAGE) };
+    }
+}
+
+/// The `huge=` option of the tmpfs mount that holds `path` (the longest mount point above
+/// it), from /proc/self/mountinfo: `id parent dev root mountpoint opts [tags] - fstype source
+/// superopts`.
+fn huge_option(mountinfo: &str, path: &Path) -> Option<String> {
+    let mut best: Option<(usize, Option<String>)> = None;
+    for line in mountinfo.lines() {
+        let fields: Vec<&str> = line.split(' ').collect();
+        let Some(dash) = fields.iter().position(|f| *f == "-") else { continue };
+        let (Some(point), Some(fstype), Some(superopts)) = (fields.get(4), fields.get(dash + 1), fields.get(dash + 3)) else {
+            continue;
+        };
+        // Mount points escape blanks and backslashes as octal (`\040`).
+        let point = point.replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\");
+        if !path.starts_with(&point) || best.as_ref().is_some_and(|(len, _)| *len > point.len()) {
+            continue;
+        }
+        let huge = (*fstype == "tmpfs")
+            .then(|| superopts.split(',').find(|o| o.starts_with("huge=") && *o != "huge=never").map(str::to_string))
+            .flatten();
+        best = Some((point.len(), huge));
+    }
+    best.and_then(|(_, h)| h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MOUNTINFO: &str = "\
+22 1 0:21 / / rw,relatime - ext4 /dev/vda rw
+30 22 0:26 / /dev/shm rw,nosuid,nodev - tmpfs tmpfs rw,size=24683584k
+41 22 0:40 / /mnt/huge rw,relatime - tmpfs tmpfs rw,size=4194304k,huge=within_size
+42 41 0:41 / /mnt/huge/small rw,relatime - tmpfs tmpfs rw,size=1024k
+43 22 0:42 / /mnt/with\\040blank rw - tmpfs tmpfs rw,huge=always
+44 22 0:43 / /mnt/never rw - tmpfs tmpfs rw,huge=never
+";
+
+    #[test]
+    fn huge_option_of_the_innermost_mount() {
+        let at = |p: &str| huge_option(MOUNTINFO, Path::new(p));
+        assert_eq!(at("/dev/shm/tiercel"), None);
+        assert_eq!(at("/mnt/huge/tiercel/ram"), Some("huge=within_size".into()));
+        assert_eq!(at("/mnt/huge/small/x"), None, "an inner mount without huge pages wins");
+        assert_eq!(at("/mnt/with blank/r"), Some("huge=always".into()));
+        assert_eq!(at("/mnt/never/r"), None);
+        assert_eq!(at("/var/tmp"), None, "not tmpfs");
+        assert_eq!(at("/mnt/hugepages"), None, "a mount point is a whole path component");
+    }
 }
