@@ -317,7 +317,7 @@ def main() -> int:
     record("tiercel save, until on disk", worst("tiercel_ram", "until_durable"), "fs tier, no compression")
     record("tiercel restore from RAM", worst("tiercel_ram", "restore"), str(reports[0]["tiercel_ram"]["restored_from"]))
     record("tiercel restore from fs tier", worst("tiercel_fs", "restore"), str(reports[0]["tiercel_fs"]["restored_from"]) + ", warm page cache")
-    record("lean manager: CheckpointManager alone, blocking", worst("null_lean", "save_blocking"), "the manager options below")
+    record("lean manager: CheckpointManager alone, blocking", worst("null_lean", "save_blocking"), "active_processes, skip_sync_file_validations")
     record("lean manager: Orbax save, blocking", worst("orbax_lean", "save_blocking"), "")
     record("lean manager: tiercel save, blocking", worst("tiercel_ram_lean", "save_blocking"), "")
     memcpy_s = results["memcpy of each process's shards"]["seconds"]
