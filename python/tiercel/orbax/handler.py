@@ -142,9 +142,11 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         except TypeError as e:
             raise InvalidArgumentError(f"step {step} '{put}': {e}") from None
         self._saved = (step, put)
-        self.last_blocking_seconds = time.perf_counter() - t0
         commit = self._write(step, put, value, directory, store.rank == 0)
-        return [ocp_future.CommitFutureAwaitingContractedSignals(commit, name="tiercel_save")]
+        # Starting the future starts its thread: part of what the caller waits for.
+        futures: list[ocp_future.Future] = [ocp_future.CommitFutureAwaitingContractedSignals(commit, name="tiercel_save")]
+        self.last_blocking_seconds = time.perf_counter() - t0
+        return futures
 
     async def _write(self, step: int, put: str, value: dict[str, Any], directory: epath.Path, primary: bool) -> None:
         """The background half of a save, on Orbax's commit thread (Orbax runs one save at a
