@@ -24,6 +24,11 @@ pub trait Blobs: Send + Sync {
     fn get(&self, key: &str) -> Result<Vec<u8>>;
     /// Reads exactly `dst.len()` bytes at `offset`.
     fn get_range(&self, key: &str, offset: u64, dst: &mut [u8]) -> Result<()>;
+    /// Where each request costs a round trip (an object store), neighbouring chunks are read
+    /// in one ranged request of up to this many bytes; 0 (a filesystem): chunk by chunk.
+    fn merged_read_bytes(&self) -> u64 {
+        0
+    }
     fn exists(&self, key: &str) -> Result<bool>;
     /// Names of the entries directly under `prefix` ("" for the root).
     fn list(&self, prefix: &str) -> Result<Vec<String>>;

@@ -327,6 +327,11 @@ impl Blobs for ObjectBlobs {
         block_on(self.inner.get_range(key, offset, dst))
     }
 
+    /// A part's worth, as uploads cut objects and as boto3's managed download reads them.
+    fn merged_read_bytes(&self) -> u64 {
+        self.inner.part_size as u64
+    }
+
     fn exists(&self, key: &str) -> Result<bool> {
         block_on(self.inner.head_size(key)).map(|s| s.is_some())
     }

@@ -16,6 +16,8 @@ use crate::policy::TierSpec;
 use crate::tier::memory::View;
 use crate::tier::read_chunk;
 
+mod merged;
+
 /// One restored item: a zero-copy view of a memory-tier object, or bytes read into memory.
 pub enum ItemData {
     View { view: Arc<View>, offset: usize, len: usize },
@@ -391,33 +393,25 @@ impl StepReader {
     /// Reads bytes `start..end` of item `i` into `buf` (`end - start` bytes): every
     /// overlapping chunk from the first source that has a valid copy of it, in parallel. A
     /// chunk the range covers only in part is read whole (its checksum covers all of it)
-    /// and cut. Returns the tier(s) the chunks came from.
+    /// and cut. From a tier where requests cost round trips, neighbouring chunks are fetched
+    /// together (`merged`). Returns the tier(s) the chunks came from.
     fn read_owned_into(&self, i: usize, start: u64, end: u64, buf: &mut [u8]) -> Result<String> {
-        let primary = &self.manifest().items[i];
-        let range = overlapping(&primary.chunks, start, end);
-        let mut dsts: Vec<(usize, &mut [u8])> = vec![];
-        let mut rest = buf;
-        for c in range {
-            let ch = &primary.chunks[c];
-            let n = (ch.offset + ch.len).min(end) - ch.offset.max(start);
-            let (a, b) = rest.split_at_mut(n as usize);
-            dsts.push((c, a));
-            rest = b;
-        }
-        let used: Vec<Result<usize>> = dsts
-            .into_par_iter()
-            .map(|(c, dst)| {
+        let merge = self.store.slots[self.sources[0].0].tier.merged_read_bytes();
+        let used: Vec<Result<usize>> = if merge > 0 {
+            self.read_merged_into(i, start, end, buf, merge)?.into_iter().map(Ok).collect()
+        } else {
+            let primary = &self.manifest().items[i];
+            let mut dsts: Vec<(usize, &mut [u8])> = vec![];
+            let mut rest = buf;
+            for c in overlapping(&primary.chunks, start, end) {
                 let ch = &primary.chunks[c];
-                if dst.len() as u64 == ch.len {
-                    return self.read_chunk_anywhere(primary, c, dst);
-                }
-                let mut whole = vec![0u8; ch.len as usize];
-                let s = self.read_chunk_anywhere(primary, c, &mut whole)?;
-                let from = (ch.offset.max(start) - ch.offset) as usize;
-                dst.copy_from_slice(&whole[from..from + dst.len()]);
-                Ok(s)
-            })
-            .collect();
+                let n = (ch.offset + ch.len).min(end) - ch.offset.max(start);
+                let (a, b) = rest.split_at_mut(n as usize);
+                dsts.push((c, a));
+                rest = b;
+            }
+            dsts.into_par_iter().map(|(c, dst)| self.read_chunk_cut(primary, c, start, dst)).collect()
+        };
         let mut from: Vec<usize> = vec![];
         for u in used {
             let s = u?;
@@ -429,6 +423,21 @@ impl StepReader {
         let names: Vec<String> = from.iter().map(|s| self.store.slots[self.sources[*s].0].config.name.clone()).collect();
         let label = if names.is_empty() { self.store.slots[self.sources[0].0].config.name.clone() } else { names.join("+") };
         Ok(label)
+    }
+
+    /// The part of chunk `c` of `primary` that `dst` holds (the range read starts at byte
+    /// `start` of the item), from the first source with a valid copy: a chunk the range
+    /// covers only in part is read whole (its checksum covers all of it) and cut. Returns the source's index.
+    fn read_chunk_cut(&self, primary: &ItemMeta, c: usize, start: u64, dst: &mut [u8]) -> Result<usize> {
+        let ch = &primary.chunks[c];
+        if dst.len() as u64 == ch.len {
+            return self.read_chunk_anywhere(primary, c, dst);
+        }
+        let mut whole = vec![0u8; ch.len as usize];
+        let s = self.read_chunk_anywhere(primary, c, &mut whole)?;
+        let from = (ch.offset.max(start) - ch.offset) as usize;
+        dst.copy_from_slice(&whole[from..from + dst.len()]);
+        Ok(s)
     }
 
     /// Reads chunk `c` of `primary` (an item of the first source's manifest) into `dst` from
@@ -499,7 +508,7 @@ impl StepReader {
 
 /// Indices of the chunks (in item order, each starting where the previous ended) that
 /// overlap bytes `start..end`; empty when the range is.
-fn overlapping(chunks: &[ChunkMeta], start: u64, end: u64) -> std::ops::Range<usize> {
+pub(super) fn overlapping(chunks: &[ChunkMeta], start: u64, end: u64) -> std::ops::Range<usize> {
     if start >= end {
         return 0..0;
     }

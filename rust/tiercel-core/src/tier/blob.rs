@@ -68,6 +68,14 @@ impl Tier for BlobTier {
         self.layout.read_stored(m, c, dst)
     }
 
+    fn merged_read_bytes(&self) -> u64 {
+        self.layout.blobs().merged_read_bytes()
+    }
+
+    fn read_stored_run(&self, m: &Manifest, chunks: &[ChunkMeta], dst: &mut [u8]) -> Result<()> {
+        self.layout.read_stored_run(m, chunks, dst)
+    }
+
     fn set_job(&self, job: &crate::format::JobId) {
         self.layout.set_job(job);
     }

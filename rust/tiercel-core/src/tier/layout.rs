@@ -176,6 +176,15 @@ impl StepLayout {
         self.blobs.get_range(&key(m.step, &m.objects[c.object as usize].name), c.stored_offset, dst)
     }
 
+    /// Reads the stored bytes of chunks that lie back to back in one object in one ranged
+    /// read (`Tier::read_stored_run`).
+    pub fn read_stored_run(&self, m: &Manifest, chunks: &[ChunkMeta], dst: &mut [u8]) -> Result<()> {
+        match chunks.first() {
+            Some(c) => self.read_stored(m, c, dst),
+            None => Ok(()),
+        }
+    }
+
     /// The gc plan of this layout: steps by the rule of `tier::gc`, then what dead writers
     /// left in the objects underneath (temporary files, abandoned uploads), except inside
     /// steps the plan removes anyway.

@@ -49,6 +49,24 @@ pub trait Tier: Send + Sync {
     /// Reads the stored (encoded) bytes of one chunk into `dst` (`stored_len` bytes).
     fn read_stored(&self, m: &Manifest, chunk: &format::ChunkMeta, dst: &mut [u8]) -> Result<()>;
 
+    /// Up to how many stored bytes of neighbouring chunks `read_stored_run` reads in one
+    /// request; 0 (the default): reads are not worth merging here.
+    fn merged_read_bytes(&self) -> u64 {
+        0
+    }
+
+    /// Reads the stored bytes of `chunks`, which lie back to back in one object (each stored
+    /// where the previous ends), into `dst` (their `stored_len`s together).
+    fn read_stored_run(&self, m: &Manifest, chunks: &[format::ChunkMeta], dst: &mut [u8]) -> Result<()> {
+        let mut rest = dst;
+        for c in chunks {
+            let (this, next) = rest.split_at_mut(c.stored_len as usize);
+            self.read_stored(m, c, this)?;
+            rest = next;
+        }
+        Ok(())
+    }
+
     /// Makes `step` visible once every rank it needs has written it; true when it is. Each
     /// rank calls this after writing its own part, so the last one to finish commits.
     fn try_commit(&self, step: u64, world_size: u32) -> Result<bool>;
@@ -104,20 +122,7 @@ pub fn run_gc(tier: &dyn Tier, opts: &GcOptions) -> Result<Vec<Removal>> {
 /// Reads, decodes and verifies one chunk from `tier` into `dst` (its raw length). Errors name
 /// the tier, step, rank, item and chunk.
 pub fn read_chunk(tier: &dyn Tier, m: &Manifest, item: usize, chunk: usize, dst: &mut [u8]) -> Result<()> {
-    let it = &m.items[item];
-    let c = &it.chunks[chunk];
-    let ctx = || {
-        format!(
-            "tier '{}', step {}, rank {}, item '{}', chunk {} (bytes {}..{})",
-            tier.name(),
-            m.step,
-            m.rank,
-            it.name,
-            chunk,
-            c.offset,
-            c.offset + c.len
-        )
-    };
+    let c = &m.items[item].chunks[chunk];
     // A committed step whose data object is gone has lost data: an integrity problem.
     let missing = |e: Error| if e.kind == ErrorKind::NotFound { e.with_kind(ErrorKind::Integrity) } else { e };
     let res = (|| {
@@ -128,13 +133,50 @@ pub fn read_chunk(tier: &dyn Tier, m: &Manifest, item: usize, chunk: usize, dst:
             tier.read_stored(m, c, &mut stored).map_err(missing)?;
             codec::decode(&c.codec, &stored, dst)?;
         }
-        let crc = crate::checksum::crc32c(dst);
-        if crc != c.crc32c {
-            return Err(Error::integrity(format!("checksum mismatch (stored {:08x}, computed {crc:08x})", c.crc32c)));
-        }
-        Ok(())
+        verify(c, dst)
     })();
-    res.map_err(|e| e.context(ctx()).with_tier(tier.name()).at(m.step, m.rank).with_item(&it.name).with_chunk(chunk as u64))
+    res.map_err(|e| in_chunk(tier, m, item, chunk, e))
+}
+
+/// Decodes and verifies one chunk whose stored bytes were read already (`stored`, in a
+/// merged read) into `dst` (its raw length); for a raw chunk `stored` may be `dst` itself
+/// (`None`). Errors as `read_chunk`'s.
+pub fn decode_chunk(tier: &dyn Tier, m: &Manifest, item: usize, chunk: usize, stored: Option<&[u8]>, dst: &mut [u8]) -> Result<()> {
+    let c = &m.items[item].chunks[chunk];
+    let res = (|| {
+        match stored {
+            Some(b) if c.codec == codec::RAW => dst.copy_from_slice(b),
+            Some(b) => codec::decode(&c.codec, b, dst)?,
+            None => debug_assert_eq!(c.codec, codec::RAW),
+        }
+        verify(c, dst)
+    })();
+    res.map_err(|e| in_chunk(tier, m, item, chunk, e))
+}
+
+fn verify(c: &format::ChunkMeta, raw: &[u8]) -> Result<()> {
+    let crc = crate::checksum::crc32c(raw);
+    if crc != c.crc32c {
+        return Err(Error::integrity(format!("checksum mismatch (stored {:08x}, computed {crc:08x})", c.crc32c)));
+    }
+    Ok(())
+}
+
+/// `e`, said of chunk `chunk` of item `item` of `m` on `tier`.
+fn in_chunk(tier: &dyn Tier, m: &Manifest, item: usize, chunk: usize, e: Error) -> Error {
+    let it = &m.items[item];
+    let c = &it.chunks[chunk];
+    let ctx = format!(
+        "tier '{}', step {}, rank {}, item '{}', chunk {} (bytes {}..{})",
+        tier.name(),
+        m.step,
+        m.rank,
+        it.name,
+        chunk,
+        c.offset,
+        c.offset + c.len
+    );
+    e.context(ctx).with_tier(tier.name()).at(m.step, m.rank).with_item(&it.name).with_chunk(chunk as u64)
 }
 
 /// A chunk's bytes as a blob tier stores them: the source's own memory (a raw chunk of a
