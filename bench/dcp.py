@@ -11,7 +11,8 @@ shape FSDP2 gives a model. Measured, every time as the slowest rank's:
     dcp.async_save (staging straight into shared memory: one copy), the time until the step
     is also on disk;
   - loads into preallocated DTensors: FileSystemReader from disk (cold page cache where it
-    can be dropped, else warm) and from /dev/shm, tiercel.dcp.Reader from RAM.
+    can be dropped, else warm) and from /dev/shm, tiercel.dcp.Reader from RAM; where the
+    launcher can mount a tmpfs with huge pages (root), both again from there.
 Targets (issue #10): tiercel's async_save blocking <= 1/5 of DCP's async_save with its
 default stager; load from RAM >= 5x faster than FileSystemReader from /dev/shm.
 
@@ -44,7 +45,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import tiercel.dcp
 
-from _measure import drop_page_cache, write_results
+from _measure import drop_page_cache, huge_tmpfs, write_results
 
 HERE = Path(__file__).resolve().parent
 WORLD = 2
@@ -71,12 +72,20 @@ def main() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # One tmpfs for both ranks (one host): a DCP copy, tiercel's two kept steps and the
+    # segment pre-faulted for the next save.
+    with huge_tmpfs(5 * int(args.gib * (1 << 30))) as huge:
+        return launch(disk, shm, huge, port)
+
+
+def launch(disk: Path, shm: Path, huge: Path | None, port: int) -> int:
     procs = []
     try:
         for rank in range(WORLD):
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                    "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1"}
-            procs.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--base", json.dumps([str(disk), str(shm)])], env=env))
+            base = json.dumps([str(disk), str(shm), str(huge) if huge else ""])
+            procs.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--base", base], env=env))
         return max(abs(p.wait()) for p in procs)
     finally:
         for p in procs:
@@ -114,7 +123,8 @@ def rank_main(args: argparse.Namespace) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (WORLD,))
-    disk, shm = (Path(p) for p in json.loads(args.base))
+    disk_s, shm_s, huge_s = json.loads(args.base)
+    disk, shm, huge = Path(disk_s), Path(shm_s), Path(huge_s) if huge_s else None
     state = make_state(mesh, int(args.gib * (1 << 30)), args.tensors, rank)
     local = [v.to_local() for v in state["model"].values()]
     nbytes = sum(t.numel() * t.element_size() for t in local) * WORLD
@@ -255,6 +265,10 @@ def rank_main(args: argparse.Namespace) -> int:
                measure(lambda i: timed(lambda: dcp.load(target, storage_reader=tiercel.dcp.Reader(policy, step=newest)))))
         for a, b in zip(target["model"].values(), state["model"].values()):
             assert torch.equal(a.to_local(), b.to_local()), "tiercel load returned other values"
+        if huge is not None:
+            huge_loads(state, target, huge, measure, timed, record)
+        else:
+            say("(no huge-page tmpfs: mounting one needs root; its rows are left out)")
 
         if rank == 0:
             report(results, args, nbytes)
@@ -263,6 +277,25 @@ def rank_main(args: argparse.Namespace) -> int:
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def huge_loads(state: dict[str, Any], target: dict[str, Any], huge: Path, measure: Callable, timed: Callable,
+               record: Callable) -> None:
+    """The loads again from a tmpfs with huge pages: DCP's files there, and tiercel's memory
+    tier rooted there (which then copies out of mapped memory, see docs/config.md)."""
+    path = huge / "dcp"
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
+    record("DCP load from huge-page tmpfs",
+           measure(lambda i: timed(lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(path)))))
+    policy = {"tier": [{"name": "ram", "kind": "memory", "root": str(huge / "tiercel"), "keep": 2}]}
+    w = tiercel.dcp.Writer(policy, step=1)
+    dcp.save(state, storage_writer=w)
+    assert w.handle is not None
+    w.handle.wait()
+    record("tiercel load from RAM, huge pages",
+           measure(lambda i: timed(lambda: dcp.load(target, storage_reader=tiercel.dcp.Reader(policy, step=1)))))
+    for a, b in zip(target["model"].values(), state["model"].values()):
+        assert torch.equal(a.to_local(), b.to_local()), "tiercel load from huge pages returned other values"
 
 
 def report(results: dict[str, dict], args: argparse.Namespace, nbytes: int) -> None:
@@ -275,6 +308,11 @@ def report(results: dict[str, dict], args: argparse.Namespace, nbytes: int) -> N
         "tiercel save blocking vs DCP save to disk": s("DCP save to disk") / s("tiercel save, blocking"),
         "tiercel load from RAM vs DCP load from /dev/shm": s("DCP load from /dev/shm") / s("tiercel load from RAM"),
     }
+    if "tiercel load from RAM, huge pages" in results:
+        ratios["tiercel load from RAM (huge pages) vs DCP load from /dev/shm"] = (
+            s("DCP load from /dev/shm") / s("tiercel load from RAM, huge pages"))
+        ratios["tiercel load from RAM (huge pages) vs DCP load from the huge-page tmpfs"] = (
+            s("DCP load from huge-page tmpfs") / s("tiercel load from RAM, huge pages"))
     print("\n| tiercel is faster by | factor |\n|---|---:|")
     for k, v in ratios.items():
         print(f"| {k} | {v:.1f}x |")

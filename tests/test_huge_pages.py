@@ -1,6 +1,8 @@
 """A memory tier on a tmpfs with huge pages (docs/config.md, "Huge pages"): the store sees the
 mount option, the segments really are backed by 2 MiB pages, and steps round-trip through
-them bit-identical; a root under /dev/shm (4 KiB pages) says so too."""
+them bit-identical; a root under /dev/shm (4 KiB pages) says so too. On huge pages read_into
+copies out of the mapped object, each chunk verified as it lands: whole items, ranges cut
+inside chunks, and a bad chunk read from the disk tier (or an error naming it)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 
 import tiercel
 
-from conftest import assert_same, random_numpy
+from conftest import assert_same, chunk_location, flip_byte, random_numpy
 
 
 @pytest.fixture
@@ -63,6 +65,35 @@ def test_a_memory_tier_on_huge_pages(huge_tmpfs, tmp_path):
         assert shmem_huge_bytes() - before >= 32 << 20, (before, shmem_huge_bytes())
         assert_same(store.restore(3), state)
         assert store.last_restore.tiers == {"ram": 2}
+    finally:
+        store.close()
+
+
+def test_read_into_from_huge_pages_verifies_every_chunk(huge_tmpfs, tmp_path):
+    w = random_numpy(np.float32, (3 << 20,), 3)  # 12 MiB: 12 chunks of 1 MiB
+    store = tiercel.Store(policy(huge_tmpfs / "ram", tmp_path / "disk"), rank=0, world_size=1)
+    try:
+        assert store.save(1, {"w": w}).wait(60) == {"ram": "committed", "disk": "committed"}
+        want = w.view(np.uint8)
+        r = store.reader(1)
+        out = np.empty_like(w)
+        r.read_into("w", out)
+        assert np.array_equal(out.view(np.uint8), want)
+        for start, n in ((0, 1), ((1 << 20) - 3, 7), (12345, 5 << 20), (len(want) - 5, 5)):
+            got = np.full(n, 0xAA, dtype=np.uint8)
+            r.read_into("w", got, start=start)
+            assert np.array_equal(got, want[start:start + n]), (start, n)
+        assert set(r.info.tiers) == {"ram"}
+        path, off, _ = chunk_location(huge_tmpfs / "ram", 1, "w", chunk=5)
+        flip_byte(path, off + 99)
+        r = store.reader(1)
+        out = np.empty_like(w)
+        r.read_into("w", out)
+        assert np.array_equal(out.view(np.uint8), want)
+        assert r.info.tiers == {"ram+disk": 1}
+        assert any("chunk 5" in m and "disk" in m for m in r.info.warnings), r.info.warnings
+        with pytest.raises(tiercel.IntegrityError, match=r"'w'.*chunk 5"):
+            store.reader(1, tiers=["ram"]).read_into("w", out)
     finally:
         store.close()
 

@@ -49,6 +49,25 @@ class TorchCoordinator:
         self._dist.all_gather_object(out, value)
         return out
 
+    def all_gather_flags(self, flag: bool) -> list[bool]:
+        """Every rank's `flag`: on a gloo group one all-gather of one byte per rank, where
+        all_gather_object pickles and makes two (the sizes, then the bytes). Other backends
+        (NCCL takes device tensors only) go through all_gather."""
+        if "gloo" not in str(self._dist.get_backend()):
+            return [bool(v) for v in self.all_gather(flag)]
+        import torch
+
+        mine = torch.tensor([int(flag)], dtype=torch.uint8)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._dist.all_gather(out, mine)
+        return [bool(t.item()) for t in out]
+
+
+def all_gather_flags(coordinator: Coordinator, flag: bool) -> list[bool]:
+    """Every rank's `flag`, by the cheapest way the coordinator has. Collective."""
+    fast = getattr(coordinator, "all_gather_flags", None)
+    return fast(flag) if fast is not None else [bool(v) for v in coordinator.all_gather(flag)]
+
 
 # Rounds of all-gathers over a key-value store, counted per process rather than per
 # coordinator: a job that opens a second Store (after a restart of its loop, say) must not

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .. import _dtypes
+from ..coordinator import all_gather_flags
 from ..errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
 from ..manifest import Item
 from ..step import Reader as StepReader
@@ -155,7 +156,7 @@ class Reader(StorageReader):
             error = str(e)
         coord = self.store.coordinator
         if self.store.world_size > 1 and coord is not None:
-            ok = coord.all_gather(data is not None)
+            ok = all_gather_flags(coord, data is not None)
             if not all(ok):
                 giver = ok.index(True) if any(ok) else None
                 shared = coord.all_gather(data if self.store.rank == giver else None)
