@@ -21,6 +21,7 @@ moved its random number of bytes; one that ends earlier fired nothing).
 from __future__ import annotations
 
 import random
+import re
 import select
 import socket
 import struct
@@ -42,6 +43,9 @@ def _rst(sock: socket.socket) -> None:
         sock.close()
     except OSError:
         pass
+
+
+RANGE_HEADER = re.compile(rb"\r\nrange: *bytes=", re.IGNORECASE)
 
 
 class FaultProxy:
@@ -69,6 +73,9 @@ class FaultProxy:
         self.connections = 0
         #: Bytes the server sent to clients (response heads and bodies): what a bucket served.
         self.downloaded = 0
+        #: Ranged GETs clients sent (a `Range: bytes=` header in a request head): how many
+        #: requests a read of parts of objects took.
+        self.ranged_gets = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._listener = socket.socket()
@@ -192,9 +199,11 @@ class FaultProxy:
                 readable, _, _ = select.select(socks, [], [], 0.1)
                 for s in readable:
                     data = s.recv(1 << 16)
-                    if s is server:
-                        with self._lock:
+                    with self._lock:
+                        if s is server:
                             self.downloaded += len(data)
+                        else:
+                            self.ranged_gets += len(RANGE_HEADER.findall(data))
                     if not data:
                         client.close()
                         server.close()
