@@ -12,6 +12,15 @@ use std::time::{Duration, SystemTime};
 use crate::error::{Error, Result};
 use crate::tier::gc::{self, Removal, Target};
 
+/// How reads from a store whose requests cost a round trip are merged (`Blobs::merged_reads`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MergedReads {
+    /// The most stored bytes of neighbouring chunks one ranged request reads.
+    pub bytes: u64,
+    /// Requests in flight at once.
+    pub in_flight: usize,
+}
+
 pub trait Blobs: Send + Sync {
     /// Where `key` lives, for messages (a path or URL; never credentials).
     fn describe(&self, key: &str) -> String;
@@ -24,10 +33,11 @@ pub trait Blobs: Send + Sync {
     fn get(&self, key: &str) -> Result<Vec<u8>>;
     /// Reads exactly `dst.len()` bytes at `offset`.
     fn get_range(&self, key: &str, offset: u64, dst: &mut [u8]) -> Result<()>;
-    /// Where each request costs a round trip (an object store), neighbouring chunks are read
-    /// in one ranged request of up to this many bytes; 0 (a filesystem): chunk by chunk.
-    fn merged_read_bytes(&self) -> u64 {
-        0
+    /// Where each request costs a round trip (an object store): neighbouring chunks are read
+    /// in ranged requests of up to this many bytes, this many at once. None (a filesystem):
+    /// chunk by chunk, on the copy threads.
+    fn merged_reads(&self) -> Option<MergedReads> {
+        None
     }
     fn exists(&self, key: &str) -> Result<bool>;
     /// Names of the entries directly under `prefix` ("" for the root).

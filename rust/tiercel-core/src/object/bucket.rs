@@ -16,7 +16,7 @@ use super::server_uploads::S3Uploads;
 use super::settings::{gcs_builder, s3_builder, sanitize, Env, NoCredentials, Secrets};
 use super::uploads::host_id;
 use super::writer::ObjectWriter;
-use crate::blobs::{BlobWriter, Blobs};
+use crate::blobs::{BlobWriter, Blobs, MergedReads};
 use crate::error::{Error, ErrorKind, Result};
 use crate::policy::{ObjectSpec, TierSpec};
 use crate::tier::gc::Removal;
@@ -327,9 +327,10 @@ impl Blobs for ObjectBlobs {
         block_on(self.inner.get_range(key, offset, dst))
     }
 
-    /// A part's worth, as uploads cut objects and as boto3's managed download reads them.
-    fn merged_read_bytes(&self) -> u64 {
-        self.inner.part_size as u64
+    /// A part's worth, `concurrency` at once: as uploads cut objects, and as boto3's managed
+    /// download reads them.
+    fn merged_reads(&self) -> Option<MergedReads> {
+        Some(MergedReads { bytes: self.inner.part_size as u64, in_flight: self.inner.concurrency })
     }
 
     fn exists(&self, key: &str) -> Result<bool> {

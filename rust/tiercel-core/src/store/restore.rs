@@ -438,8 +438,8 @@ impl StepReader {
     /// and cut. From a tier where requests cost round trips, neighbouring chunks are fetched
     /// together (`merged`). Returns the tier(s) the chunks came from.
     fn read_owned_into(&self, i: usize, start: u64, end: u64, buf: &mut [u8]) -> Result<String> {
-        let merge = self.store.slots[self.sources[0].0].tier.merged_read_bytes();
-        let used: Vec<Result<usize>> = if merge > 0 {
+        let merge = self.store.slots[self.sources[0].0].tier.merged_reads();
+        let used: Vec<Result<usize>> = if let Some(merge) = merge {
             self.read_merged_into(i, start, end, buf, merge)?.into_iter().map(Ok).collect()
         } else {
             let primary = &self.manifest().items[i];

@@ -68,8 +68,8 @@ impl Tier for BlobTier {
         self.layout.read_stored(m, c, dst)
     }
 
-    fn merged_read_bytes(&self) -> u64 {
-        self.layout.blobs().merged_read_bytes()
+    fn merged_reads(&self) -> Option<crate::blobs::MergedReads> {
+        self.layout.blobs().merged_reads()
     }
 
     fn read_stored_run(&self, m: &Manifest, chunks: &[ChunkMeta], dst: &mut [u8]) -> Result<()> {

@@ -49,10 +49,10 @@ pub trait Tier: Send + Sync {
     /// Reads the stored (encoded) bytes of one chunk into `dst` (`stored_len` bytes).
     fn read_stored(&self, m: &Manifest, chunk: &format::ChunkMeta, dst: &mut [u8]) -> Result<()>;
 
-    /// Up to how many stored bytes of neighbouring chunks `read_stored_run` reads in one
-    /// request; 0 (the default): reads are not worth merging here.
-    fn merged_read_bytes(&self) -> u64 {
-        0
+    /// How to merge reads of neighbouring chunks into `read_stored_run`s, where requests
+    /// cost round trips; None (the default): reads are not worth merging here.
+    fn merged_reads(&self) -> Option<crate::blobs::MergedReads> {
+        None
     }
 
     /// Reads the stored bytes of `chunks`, which lie back to back in one object (each stored

@@ -1,15 +1,17 @@
 //! Merged reads from tiers where every request costs a round trip (object stores): the
 //! chunks of an item that lie back to back in one object are fetched in ranged requests of up
-//! to `Tier::merged_read_bytes` (a part's worth), not one request per chunk, so a restore
-//! sends no more requests than a managed download of the same bytes would. Each chunk is
+//! to a part's worth (`Tier::merged_reads`), several in flight, not one request per chunk on
+//! the copy threads, so a restore sends no more requests than a managed download of the same
+//! bytes would. Each chunk is
 //! still decoded and checked against its own CRC32C before it is used; a chunk that fails
 //! (or a request that fails) is read again on its own, from the first tier with a valid copy.
 
 use std::ops::Range;
 
-use rayon::prelude::*;
+use parking_lot::Mutex;
 
 use super::StepReader;
+use crate::blobs::MergedReads;
 use crate::codec;
 use crate::error::Result;
 use crate::format::ChunkMeta;
@@ -43,22 +45,36 @@ pub(super) fn runs(chunks: &[ChunkMeta], range: Range<usize>, max: u64) -> Vec<R
 impl StepReader {
     /// `read_owned_into` from the first source in merged runs: bytes `start..end` of item `i`
     /// into `buf`. Returns the indices of the sources the chunks came from.
-    pub(super) fn read_merged_into(&self, i: usize, start: u64, end: u64, buf: &mut [u8], max: u64) -> Result<Vec<usize>> {
+    pub(super) fn read_merged_into(&self, i: usize, start: u64, end: u64, buf: &mut [u8], merge: MergedReads) -> Result<Vec<usize>> {
         let (idx, m) = &self.sources[0];
         let chunks = &m.items[i].chunks;
         let mut regions: Vec<(Range<usize>, &mut [u8])> = vec![];
         let mut rest = buf;
-        for run in runs(chunks, super::overlapping(chunks, start, end), max) {
+        for run in runs(chunks, super::overlapping(chunks, start, end), merge.bytes) {
             let (first, last) = (&chunks[run.start], &chunks[run.end - 1]);
             let n = (last.offset + last.len).min(end) - first.offset.max(start);
             let (a, b) = rest.split_at_mut(n as usize);
             regions.push((run, a));
             rest = b;
         }
-        let used: Vec<Result<Vec<usize>>> =
-            regions.into_par_iter().map(|(run, out)| self.read_run(*idx, i, run, start, end, out)).collect();
+        // The requests wait on the network, not the CPU: `in_flight` threads of their own,
+        // not the copy threads, each taking the next run.
+        let n = regions.len();
+        let queue = Mutex::new(regions.into_iter().enumerate());
+        let done: Mutex<Vec<(usize, Result<Vec<usize>>)>> = Mutex::new(Vec::with_capacity(n));
+        std::thread::scope(|s| {
+            for _ in 0..merge.in_flight.clamp(1, n.max(1)) {
+                s.spawn(|| loop {
+                    let Some((k, (run, out))) = queue.lock().next() else { break };
+                    let res = self.read_run(*idx, i, run, start, end, out);
+                    done.lock().push((k, res));
+                });
+            }
+        });
+        let mut done = done.into_inner();
+        done.sort_by_key(|(k, _)| *k);
         let mut from = vec![];
-        for u in used {
+        for (_, u) in done {
             from.extend(u?);
         }
         Ok(from)
