@@ -206,6 +206,10 @@ def measure(net: Net, rate: str, ckpt_mb: int, modes: list[str], args: argparse.
             if mode == "nockpt" and nockpt is not None:
                 continue
             reports[mode] = run_mode(net, mode, ckpt_mb, args, Path(tmp), shm)
+            if args.keep:
+                keep = Path(args.keep) / f"{rate}-{ckpt_mb}-{mode}.json"
+                keep.parent.mkdir(parents=True, exist_ok=True)
+                keep.write_text(json.dumps(reports[mode]))
     results = {} if nockpt is None else {"nockpt": nockpt}
     for mode, reps in reports.items():
         # The job's step time: the slower rank's.
@@ -239,7 +243,7 @@ def row(rate: str, ckpt_mb: int, results: dict) -> str:
             extra = f", overlap {ov:.0%}" if ov is not None else ""
         plan = r["plan"] or {}
         if plan.get("effective_interval", 1) > 1:
-            extra += f", every {plan['effective_interval']}th"
+            extra += f", interval {plan['effective_interval']}"
         cells.append(f"{r['median_s'] * 1e3:.0f} ({r['p95_s'] * 1e3:.0f}){rel}{extra}")
     b = results.get("nockpt")
     base_cell = f"{b['median_s'] * 1e3:.0f} ({b['p95_s'] * 1e3:.0f})" if b else "-"
@@ -261,6 +265,7 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default=str(HERE / "results" / "interleave.json"))
+    ap.add_argument("--keep", default="", help="a folder for every run's raw reports (timelines, stats)")
     ap.add_argument("--png", default=str(HERE / "results" / "interleave.png"),
                     help="timeline of the first rate and size ('' for none)")
     args = ap.parse_args()
