@@ -1,8 +1,10 @@
-"""One rank of bench/interleave.py, inside its host's network namespace: a DDP model whose
-gradient all-reduce moves `grad_mb` per step (gloo over the shaped link), `compute_s` of
-forward compute (idle network time), and, unless mode is "nockpt", a save every step that
-the peer tier replicates to the other host. Writes its step times (and rank 0's traffic
-timeline) as JSON."""
+"""One rank of bench/interleave.py, inside its host's network namespace: a DDP model of
+`buckets` layers whose gradients (`grad_mb` in all, one DDP bucket per layer) are
+all-reduced by gloo over the shaped link while the backward pass computes the layers below
+(as DDP overlaps them), `compute_s` of forward and `backward_s` of backward compute (idle
+network time), and, unless mode is "nockpt", a save every step that the peer tier
+replicates to the other host (mode "local": a memory tier only, the save's own cost with no
+replication). Writes its step times (and rank 0's traffic timeline) as JSON."""
 
 from __future__ import annotations
 
@@ -20,20 +22,46 @@ import tiercel
 import tiercel.torch
 
 
+def compute(seconds: float, spin: bool) -> None:
+    """`seconds` of compute. A GPU kernel leaves the host's cores free (sleep); `spin` keeps
+    one core busy instead, as a CPU-bound step would."""
+    if not spin:
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class Layer(torch.autograd.Function):
+    """z + sum(w): forward computes `fwd_s`, backward `bwd_s`, then hands w its gradient, which
+    makes that layer's DDP bucket ready while the layers below still compute."""
+
+    @staticmethod
+    def forward(ctx, z, w, fwd_s, bwd_s, spin):
+        compute(fwd_s, spin)
+        ctx.bwd_s, ctx.spin, ctx.n = bwd_s, spin, w.numel()
+        return z + w[0]
+
+    @staticmethod
+    def backward(ctx, g):
+        compute(ctx.bwd_s, ctx.spin)
+        return g, g.expand(ctx.n).contiguous(), None, None, None
+
+
 class Model(torch.nn.Module):
-    """One flat parameter of `n` floats (its gradient is what DDP all-reduces) and a
-    forward pass that computes for `compute_s` seconds without touching the network."""
+    """`layers` parameters of `n` floats each, chained so that backward runs them one after
+    the other, last layer first (as in any deep network)."""
 
-    def __init__(self, n: int, compute_s: float):
+    def __init__(self, layers: int, n: int, fwd_s: float, bwd_s: float, spin: bool):
         super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(n))
-        self.compute_s = compute_s
+        self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(n)) for _ in range(layers))
+        self.fwd_s, self.bwd_s, self.spin = fwd_s / layers, bwd_s / layers, spin
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        end = time.perf_counter() + self.compute_s
-        while time.perf_counter() < end:  # compute (a busy CPU, as a GPU kernel would be)
-            pass
-        return (self.w * x).sum()
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        for w in self.w:
+            z = Layer.apply(z, w, self.fwd_s, self.bwd_s, self.spin)
+        return z
 
 
 def main() -> None:
@@ -41,20 +69,25 @@ def main() -> None:
     host = os.environ["TIERCEL_HOST"]
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=300))
     rank = dist.get_rank()
+    tiers = [{"name": "ram", "kind": "memory", "root": f"{cfg['shm']}/{host}", "keep": 2}]
+    if cfg["mode"] != "local":
+        tiers.append({"name": "peer", "kind": "peer", "listen": f"{cfg['addrs'][rank]}:0", "replicas": 2, "keep": 2})
     policy = {
-        "tier": [
-            {"name": "ram", "kind": "memory", "root": f"{cfg['shm']}/{host}", "keep": 2},
-            {"name": "peer", "kind": "peer", "listen": f"{cfg['addrs'][rank]}:0", "replicas": 2, "keep": 2},
-        ],
+        "tier": tiers,
         "store": {"chunk_size": cfg["chunk"], "threads": 2, "io_threads": 2},
-        "traffic": {"mode": "off" if cfg["mode"] in ("nockpt", "off") else cfg["mode"], "warmup": cfg["warmup"]},
+        "traffic": {"mode": "off" if cfg["mode"] in ("nockpt", "local", "off") else cfg["mode"], "warmup": cfg["warmup"]},
     }
     store = tiercel.Store(policy)
-    n = cfg["grad_mb"] * (1 << 20) // 4
-    model = torch.nn.parallel.DistributedDataParallel(Model(n, cfg["compute_s"]))
+    layers = cfg["buckets"]
+    n = cfg["grad_mb"] * (1 << 20) // 4 // layers
+    net = Model(layers, n, cfg["compute_s"], cfg["backward_s"], cfg["spin"])
+    # A bucket cap just under one layer's gradient: each layer is a bucket of its own (DDP
+    # never splits a parameter), as a model with many layers per 25 MiB bucket would be.
+    cap = (n * 4 - 1) / 2**20
+    model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=cap)
     tiercel.torch.interleave(model, store)
     state = {"w": np.random.default_rng(rank).integers(0, 255, cfg["ckpt_mb"] << 20, dtype=np.uint8)}
-    x = torch.ones(n)
+    x = torch.zeros(())
     times: list[float] = []
     store.traffic.record()
     t0 = store.traffic.now()
