@@ -27,6 +27,13 @@ $(DEPS_STAMP): requirements-dev.txt
 
 build: $(BUILD_STAMP)
 
+# `maturin develop` points the virtualenv at one checkout's python/ (tiercel.pth). When it
+# points at another clone sharing this virtualenv, build again: otherwise this checkout's
+# tests would import the other one's code.
+ifneq ($(shell cat $(VENV)/lib/python*/site-packages/tiercel.pth 2>/dev/null),$(CURDIR)/python)
+$(shell rm -f $(BUILD_STAMP))
+endif
+
 $(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
 	@echo "==> building the Rust core and the tiercel package into $(VENV)"
 	VIRTUAL_ENV=$(VENV) PATH=$(VENV)/bin:$$PATH maturin develop --release --quiet

@@ -12,9 +12,33 @@ pub fn crc32c(data: &[u8]) -> u32 {
     crc_fast::crc32_iscsi(data)
 }
 
-/// Bytes copied per step of `copy_crc32c`: small enough that what was just written is still
-/// in the core's L2 cache when it is checksummed.
-const COPY_BLOCK: usize = 256 << 10;
+/// Bytes copied or read per step before they are checksummed (`copy_crc32c`,
+/// `Blobs::get_range_blocks`): small enough that what just landed is still in the core's L2
+/// cache when the checksum reads it.
+pub const BLOCK: usize = 256 << 10;
+
+/// A CRC32C computed over bytes handed to it piece by piece.
+pub struct Crc32c(crc_fast::Digest);
+
+impl Crc32c {
+    pub fn new() -> Self {
+        Crc32c(crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi))
+    }
+
+    pub fn update(&mut self, data: &[u8]) {
+        self.0.update(data);
+    }
+
+    pub fn finish(&self) -> u32 {
+        self.0.finalize() as u32
+    }
+}
+
+impl Default for Crc32c {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 /// Copies `src` into `dst` (the same length) and returns the CRC32C of the bytes that landed
 /// in `dst`, block by block: one pass over memory instead of a copy, then a second read of
@@ -22,12 +46,12 @@ const COPY_BLOCK: usize = 256 << 10;
 /// a source that changes meanwhile cannot pass a checksum its copy would fail.
 pub fn copy_crc32c(src: &[u8], dst: &mut [u8]) -> u32 {
     assert_eq!(src.len(), dst.len(), "copy_crc32c needs buffers of one length");
-    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
-    for (s, d) in src.chunks(COPY_BLOCK).zip(dst.chunks_mut(COPY_BLOCK)) {
+    let mut digest = Crc32c::new();
+    for (s, d) in src.chunks(BLOCK).zip(dst.chunks_mut(BLOCK)) {
         d.copy_from_slice(s);
         digest.update(d);
     }
-    digest.finalize() as u32
+    digest.finish()
 }
 
 #[cfg(test)]

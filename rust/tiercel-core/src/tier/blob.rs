@@ -68,6 +68,10 @@ impl Tier for BlobTier {
         self.layout.read_stored(m, c, dst)
     }
 
+    fn read_stored_blocks(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8], each: &mut dyn FnMut(&[u8])) -> Result<()> {
+        self.layout.read_stored_blocks(m, c, dst, each)
+    }
+
     fn merged_reads(&self) -> Option<crate::blobs::MergedReads> {
         self.layout.blobs().merged_reads()
     }

@@ -176,6 +176,12 @@ impl StepLayout {
         self.blobs.get_range(&key(m.step, &m.objects[c.object as usize].name), c.stored_offset, dst)
     }
 
+    /// `read_stored`, handing the bytes to `each` piece by piece as they land
+    /// (`Blobs::get_range_blocks`).
+    pub fn read_stored_blocks(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8], each: &mut dyn FnMut(&[u8])) -> Result<()> {
+        self.blobs.get_range_blocks(&key(m.step, &m.objects[c.object as usize].name), c.stored_offset, dst, each)
+    }
+
     /// Reads the stored bytes of chunks that lie back to back in one object in one ranged
     /// read (`Tier::read_stored_run`).
     pub fn read_stored_run(&self, m: &Manifest, chunks: &[ChunkMeta], dst: &mut [u8]) -> Result<()> {

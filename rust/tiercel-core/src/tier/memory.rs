@@ -504,6 +504,10 @@ impl Tier for MemoryTier {
         self.layout.read_stored(m, c, dst)
     }
 
+    fn read_stored_blocks(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8], each: &mut dyn FnMut(&[u8])) -> Result<()> {
+        self.layout.read_stored_blocks(m, c, dst, each)
+    }
+
     fn set_job(&self, job: &crate::format::JobId) {
         self.layout.set_job(job);
     }

@@ -49,6 +49,15 @@ pub trait Tier: Send + Sync {
     /// Reads the stored (encoded) bytes of one chunk into `dst` (`stored_len` bytes).
     fn read_stored(&self, m: &Manifest, chunk: &format::ChunkMeta, dst: &mut [u8]) -> Result<()>;
 
+    /// `read_stored`, handing the bytes to `each` piece by piece as they land, so that the
+    /// checksum of a raw chunk reads them while they are in cache (`Blobs::get_range_blocks`);
+    /// the default reads the chunk, then hands it over whole.
+    fn read_stored_blocks(&self, m: &Manifest, chunk: &format::ChunkMeta, dst: &mut [u8], each: &mut dyn FnMut(&[u8])) -> Result<()> {
+        self.read_stored(m, chunk, dst)?;
+        each(dst);
+        Ok(())
+    }
+
     /// How to merge reads of neighbouring chunks into `read_stored_run`s, where requests
     /// cost round trips; None (the default): reads are not worth merging here.
     fn merged_reads(&self) -> Option<crate::blobs::MergedReads> {
@@ -127,12 +136,14 @@ pub fn read_chunk(tier: &dyn Tier, m: &Manifest, item: usize, chunk: usize, dst:
     let missing = |e: Error| if e.kind == ErrorKind::NotFound { e.with_kind(ErrorKind::Integrity) } else { e };
     let res = (|| {
         if c.codec == codec::RAW {
-            tier.read_stored(m, c, dst).map_err(missing)?;
-        } else {
-            let mut stored = vec![0u8; c.stored_len as usize];
-            tier.read_stored(m, c, &mut stored).map_err(missing)?;
-            codec::decode(&c.codec, &stored, dst)?;
+            // Checksummed block by block as the bytes land, not in a second pass over the chunk.
+            let mut digest = crate::checksum::Crc32c::new();
+            tier.read_stored_blocks(m, c, dst, &mut |b| digest.update(b)).map_err(missing)?;
+            return check(c, digest.finish());
         }
+        let mut stored = vec![0u8; c.stored_len as usize];
+        tier.read_stored(m, c, &mut stored).map_err(missing)?;
+        codec::decode(&c.codec, &stored, dst)?;
         verify(c, dst)
     })();
     res.map_err(|e| in_chunk(tier, m, item, chunk, e))
@@ -155,7 +166,11 @@ pub fn decode_chunk(tier: &dyn Tier, m: &Manifest, item: usize, chunk: usize, st
 }
 
 fn verify(c: &format::ChunkMeta, raw: &[u8]) -> Result<()> {
-    let crc = crate::checksum::crc32c(raw);
+    check(c, crate::checksum::crc32c(raw))
+}
+
+/// `crc`, the checksum of a chunk's raw bytes, against the manifest's.
+fn check(c: &format::ChunkMeta, crc: u32) -> Result<()> {
     if crc != c.crc32c {
         return Err(Error::integrity(format!("checksum mismatch (stored {:08x}, computed {crc:08x})", c.crc32c)));
     }
