@@ -4,7 +4,12 @@ all-reduced by gloo over the shaped link while the backward pass computes the la
 (as DDP overlaps them), `compute_s` of forward and `backward_s` of backward compute (idle
 network time), and, unless mode is "nockpt", a save every step that the peer tier
 replicates to the other host (mode "local": a memory tier only, the save's own cost with no
-replication). Writes its step times (and rank 0's traffic timeline) as JSON."""
+replication). Writes its step times (and rank 0's traffic timeline) as JSON.
+
+Pattern "fsdp" instead: no DDP; each layer's collective runs on its own, with the layer's
+compute between them, as FSDP without prefetching does: in forward the layer's parameters
+are gathered, then it computes; in backward it computes, then its gradient is reduced. The
+link is then idle in many short spans across the step instead of one long one."""
 
 from __future__ import annotations
 
@@ -64,6 +69,21 @@ class Model(torch.nn.Module):
         return z
 
 
+def fsdp_step(store: tiercel.Store, bufs: list[torch.Tensor], fwd_s: float, bwd_s: float, spin: bool) -> None:
+    """One step of the "fsdp" pattern, its collectives signalled to the store. An all-reduce
+    of the layer's bytes stands in for FSDP's all-gather and reduce-scatter (gloo has no
+    reduce-scatter); what matters here is when the link is busy, and for how long."""
+    store.traffic.iteration()
+    for buf in bufs:
+        with store.traffic.training_comm():
+            dist.all_reduce(buf)
+        compute(fwd_s / len(bufs), spin)
+    for buf in reversed(bufs):
+        compute(bwd_s / len(bufs), spin)
+        with store.traffic.training_comm():
+            dist.all_reduce(buf)
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     host = os.environ["TIERCEL_HOST"]
@@ -80,12 +100,15 @@ def main() -> None:
     store = tiercel.Store(policy)
     layers = cfg["buckets"]
     n = cfg["grad_mb"] * (1 << 20) // 4 // layers
-    net = Model(layers, n, cfg["compute_s"], cfg["backward_s"], cfg["spin"])
-    # A bucket cap just under one layer's gradient: each layer is a bucket of its own (DDP
-    # never splits a parameter), as a model with many layers per 25 MiB bucket would be.
-    cap = (n * 4 - 1) / 2**20
-    model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=cap)
-    tiercel.torch.interleave(model, store)
+    fsdp = cfg["pattern"] == "fsdp"
+    bufs = [torch.zeros(n) for _ in range(layers)]
+    if not fsdp:
+        net = Model(layers, n, cfg["compute_s"], cfg["backward_s"], cfg["spin"])
+        # A bucket cap just under one layer's gradient: each layer is a bucket of its own
+        # (DDP never splits a parameter), as a model with many layers per 25 MiB bucket would be.
+        cap = (n * 4 - 1) / 2**20
+        model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=cap)
+        tiercel.torch.interleave(model, store)
     state = {"w": np.random.default_rng(rank).integers(0, 255, cfg["ckpt_mb"] << 20, dtype=np.uint8)}
     x = torch.zeros(())
     times: list[float] = []
@@ -93,8 +116,11 @@ def main() -> None:
     t0 = store.traffic.now()
     for step in range(1, cfg["steps"] + 1):
         start = time.perf_counter()
-        model.zero_grad(set_to_none=True)
-        model(x).backward()
+        if fsdp:
+            fsdp_step(store, bufs, cfg["compute_s"], cfg["backward_s"], cfg["spin"])
+        else:
+            model.zero_grad(set_to_none=True)
+            model(x).backward()
         if cfg["mode"] != "nockpt":
             state["w"][:8] = step % 251  # a new state every step
             store.save(step, state)

@@ -7,7 +7,9 @@ Hosts are Linux network namespaces on one bridge (tests/netns.py), each host's l
 with `tc tbf` to `--rate`. Each step: `--compute-ms` of forward compute (the network is
 idle), then `--backward-ms` of backward compute over `--buckets` layers, each layer's
 gradient one DDP bucket whose all-reduce (`--grad-mb` in all) runs while the layers below
-compute, as DDP overlaps them; then `store.save` of `--ckpt-mb` (copied to shared memory;
+compute, as DDP overlaps them (`--pattern fsdp`: a collective of each layer's bytes before
+its forward and after its backward compute, as FSDP without prefetching runs them, so the
+link is idle in many short spans); then `store.save` of `--ckpt-mb` (copied to shared memory;
 the peer tier replicates it to the other host in the background). Compute sleeps (a GPU
 leaves the host's cores free; `--spin` keeps a core busy instead). In the same run: the raw
 TCP throughput of the shaped link (the physical limit) and the idle spans of the step
@@ -85,7 +87,7 @@ def raw_throughput(net: Net, nbytes: int) -> float:
 def run_mode(net: Net, mode: str, ckpt_mb: int, args: argparse.Namespace, out: Path, shm: str) -> list[dict]:
     cfg = {"mode": mode, "steps": args.steps, "grad_mb": args.grad_mb, "ckpt_mb": ckpt_mb,
            "compute_s": args.compute_ms / 1e3, "backward_s": args.backward_ms / 1e3, "buckets": args.buckets,
-           "spin": args.spin, "chunk": args.chunk, "warmup": args.warmup, "shm": shm,
+           "spin": args.spin, "pattern": args.pattern, "chunk": args.chunk, "warmup": args.warmup, "shm": shm,
            "addrs": [net.addr(i) for i in range(net.n)], "out": str(out)}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -260,6 +262,9 @@ def main() -> int:
     ap.add_argument("--backward-ms", type=float, default=None, help="backward compute per step (default: 2x forward)")
     ap.add_argument("--buckets", type=int, default=4, help="layers, one DDP gradient bucket each")
     ap.add_argument("--spin", action="store_true", help="compute keeps a core busy instead of sleeping")
+    ap.add_argument("--pattern", choices=["ddp", "fsdp"], default="ddp",
+                    help="ddp: bucket all-reduces overlap backward; fsdp: a collective per layer in forward and "
+                         "backward, each between two layers' compute (many short idle spans)")
     ap.add_argument("--chunk", default="1MiB", help="[store] chunk_size")
     ap.add_argument("--warmup", type=int, default=10, help="[traffic] warmup iterations")
     ap.add_argument("--modes", default=",".join(MODES))
@@ -306,10 +311,11 @@ def main() -> int:
     finally:
         net.close()
     table = header + "\n" + "\n".join(rows)
-    print(f"\n{args.grad_mb} MiB all-reduce in {args.buckets} buckets, forward {args.compute_ms:.0f} ms, backward "
+    print(f"\n{args.pattern}: {args.grad_mb} MiB all-reduce in {args.buckets} buckets, forward {args.compute_ms:.0f} ms, backward "
           f"{args.backward_ms:.0f} ms, {args.steps} steps (first {skip} not counted); step median (p95) ms, vs no "
           f"checkpoint, share of chunk time overlapping training communication\n{table}")
-    out = {"command": "python " + " ".join(sys.argv), "grad_mb": args.grad_mb, "buckets": args.buckets,
+    out = {"command": "python " + " ".join(sys.argv), "pattern": args.pattern, "grad_mb": args.grad_mb,
+           "buckets": args.buckets,
            "compute_ms": args.compute_ms, "backward_ms": args.backward_ms, "spin": args.spin, "steps": args.steps,
            "skipped_steps": skip, "runs": runs, "table_markdown": table}
     write_results(args.out, out)

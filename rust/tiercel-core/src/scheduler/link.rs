@@ -26,14 +26,19 @@ pub enum LinkKind {
 const OBSERVATIONS: usize = 256;
 /// Two chunks further apart than this belong to different jobs: the gap is not a transfer.
 const MAX_CHUNK_GAP: Duration = Duration::from_secs(2);
+/// A chunk admitted this soon after the previous one left went back to back with it.
+const BACK_TO_BACK: Duration = Duration::from_micros(500);
+/// Back-to-back chunks the model needs before it prefers them to all chunks.
+const MIN_BACK_TO_BACK: usize = 4;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 thread_local! {
     /// The last chunk this thread was admitted: (link id, when acquire returned, bytes,
-    /// clock time of its admission). The next `acquire` on the same link by the same thread
-    /// (tiers send a job's chunks one after the other) ends it: the gap is what it cost.
-    static LAST: Cell<Option<(u64, Instant, u64, f64)>> = const { Cell::new(None) };
+    /// clock time of its admission, whether it went back to back with the one before). The
+    /// next `acquire` on the same link by the same thread (tiers send a job's chunks one after
+    /// the other) ends it: the gap is what it cost.
+    static LAST: Cell<Option<(u64, Instant, u64, f64, bool)>> = const { Cell::new(None) };
 }
 
 pub struct Link {
@@ -43,7 +48,8 @@ pub struct Link {
     rate: Option<f64>,
     bucket: Mutex<(f64, Instant)>,
     traffic: Option<Arc<Traffic>>,
-    observed: Mutex<VecDeque<(u64, f64)>>,
+    /// (bytes, seconds, back to back) of the chunks sent last.
+    observed: Mutex<VecDeque<(u64, f64, bool)>>,
     /// Clock time at which the chunks already admitted are expected to be sent (learned mode).
     pipeline_end: Mutex<f64>,
     sent: AtomicU64,
@@ -79,7 +85,7 @@ impl Link {
     /// held back, so pauses and preemption are chunk-granular.
     pub fn acquire(&self, bytes: u64) {
         let entered = Instant::now();
-        self.observe_previous(entered);
+        let followed = self.observe_previous(entered);
         let admitted = match &self.traffic {
             Some(t) => {
                 let view = || LinkView {
@@ -99,7 +105,9 @@ impl Link {
         };
         self.take_tokens(bytes);
         self.sent.fetch_add(bytes, Ordering::Relaxed);
-        LAST.with(|l| l.set(Some((self.id, Instant::now(), bytes, admitted))));
+        let now = Instant::now();
+        let back_to_back = followed && now.duration_since(entered) < BACK_TO_BACK;
+        LAST.with(|l| l.set(Some((self.id, now, bytes, admitted, back_to_back))));
     }
 
     /// A restore reads `bytes` over this link: background chunks (on every link of the store)
@@ -112,9 +120,15 @@ impl Link {
         ReadGuard { traffic: self.traffic.clone() }
     }
 
-    /// The link's cost model from the chunks it sent, capped by its bandwidth limit.
+    /// The link's cost model from the chunks it sent, capped by its bandwidth limit: from
+    /// the chunks that went back to back with the one before, where there are enough of them.
+    /// A chunk that starts after a pause is written into an emptied send buffer and returns
+    /// before most of it is on the wire, so it reads the link faster than it is (a plan too
+    /// large for its spans); a chunk behind another waits for the wire.
     pub fn model(&self) -> Option<LinkModel> {
-        let obs: Vec<(u64, f64)> = self.observed.lock().iter().copied().collect();
+        let all: Vec<(u64, f64, bool)> = self.observed.lock().iter().copied().collect();
+        let queued: Vec<(u64, f64)> = all.iter().filter(|o| o.2).map(|o| (o.0, o.1)).collect();
+        let obs = if queued.len() >= MIN_BACK_TO_BACK { queued } else { all.iter().map(|o| (o.0, o.1)).collect() };
         fit_link(&obs).map(|m| m.capped(self.rate))
     }
 
@@ -132,21 +146,23 @@ impl Link {
     }
 
     /// Ends this thread's previous chunk on this link, if it was one: records what it cost.
-    fn observe_previous(&self, now: Instant) {
-        let Some((id, returned, bytes, admitted)) = LAST.with(|l| l.take()) else { return };
+    /// True when there was one (the chunk now entering follows it).
+    fn observe_previous(&self, now: Instant) -> bool {
+        let Some((id, returned, bytes, admitted, back_to_back)) = LAST.with(|l| l.take()) else { return false };
         let took = now.duration_since(returned);
         if id != self.id || took > MAX_CHUNK_GAP {
-            return;
+            return false;
         }
         let mut obs = self.observed.lock();
         if obs.len() == OBSERVATIONS {
             obs.pop_front();
         }
-        obs.push_back((bytes, took.as_secs_f64()));
+        obs.push_back((bytes, took.as_secs_f64(), back_to_back));
         drop(obs);
         if let Some(t) = &self.traffic {
             t.sent(&self.name, admitted, took.as_secs_f64());
         }
+        true
     }
 
     /// Takes `bytes` tokens, sleeping while the bucket is in debt. The bucket holds at most
@@ -175,6 +191,16 @@ impl Link {
 /// A restore read in progress on a link (see `Link::read`).
 pub struct ReadGuard {
     traffic: Option<Arc<Traffic>>,
+}
+
+impl ReadGuard {
+    /// A restore whose bytes also move outside the store's links (the relay of a replicated
+    /// restore passes chunks between ranks): background chunks on every link wait while it
+    /// runs, as they do for `Link::read`.
+    pub fn restoring(traffic: &Arc<Traffic>) -> ReadGuard {
+        traffic.restore_begin();
+        ReadGuard { traffic: Some(traffic.clone()) }
+    }
 }
 
 impl Drop for ReadGuard {

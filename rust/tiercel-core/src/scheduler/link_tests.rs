@@ -275,3 +275,45 @@ fn a_link_learns_its_cost_from_the_chunks_it_sends() {
     assert_eq!(m.bandwidth, 20_000_000.0);
     assert_eq!(link.bytes_sent(), 2_000_000);
 }
+
+#[test]
+fn the_model_prefers_chunks_that_went_back_to_back() {
+    // Chunks after a pause "send" in 1 ms (into an emptied send buffer), chunks right behind
+    // another in 4 ms (the wire). Most chunks start after a pause, as in mode `learned`: the
+    // model still reads the wire's rate, not the buffer's.
+    let link = Link::with_traffic("peer", None, LinkKind::Network, traffic(Mode::Signals, None));
+    let pause = || LAST.with(|l| l.set(None));
+    for _ in 0..6 {
+        for _ in 0..3 {
+            link.acquire(100_000);
+            std::thread::sleep(Duration::from_millis(1));
+            link.observe_previous(Instant::now());
+            pause();
+        }
+        link.acquire(100_000);
+        std::thread::sleep(Duration::from_millis(1));
+        for _ in 0..2 {
+            link.acquire(100_000);
+            std::thread::sleep(Duration::from_millis(4));
+        }
+        link.observe_previous(Instant::now());
+        pause();
+    }
+    let m = link.model().unwrap();
+    assert!((20e6..26e6).contains(&m.bandwidth), "{} B/s: want about 100 kB / 4 ms", m.bandwidth);
+}
+
+#[test]
+fn background_chunks_wait_while_a_restore_runs_outside_the_links() {
+    // A replicated restore's relay moves bytes on no link of the store: its guard still holds
+    // every background chunk back, on local and network links, until it ends.
+    let clock = Arc::new(FakeClock(parking_lot::Mutex::new(1.0)));
+    let t = Traffic::new(TrafficConfig { mode: Mode::Off, ..Default::default() }, clock.clone());
+    let local = LinkView { network: false, bytes: 1, cost: None, pipeline_end: f64::NEG_INFINITY };
+    assert_eq!(t.decide_at(&local, 1.0), Decision::Go);
+    let guard = ReadGuard::restoring(&t);
+    assert_eq!(t.decide_at(&local, 1.0), Decision::Wait);
+    assert_eq!(t.decide_at(&LinkView { network: true, ..local }, 1.0), Decision::Wait);
+    drop(guard);
+    assert!(matches!(t.decide_at(&local, 1.0), Decision::Until(_)), "a grace period after the restore");
+}

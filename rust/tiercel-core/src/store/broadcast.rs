@@ -80,6 +80,9 @@ impl StepReader {
     /// served by `read_items`/`read_range` from memory.
     pub fn broadcast(&self, group: &Group) -> Result<BroadcastStats> {
         let t0 = Instant::now();
+        // Checkpoint traffic of this store waits until the group's transfers are done: the
+        // relay shares the hosts' links with the peer and object-store tiers.
+        let _restoring = crate::scheduler::ReadGuard::restoring(self.store.traffic());
         let relay = self.store.relay()?;
         let relay = &*relay;
         let me = group
