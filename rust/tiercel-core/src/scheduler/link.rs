@@ -33,12 +33,23 @@ const MIN_BACK_TO_BACK: usize = 4;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
+/// A chunk on its way: admitted, not yet followed by the next.
+#[derive(Clone, Copy)]
+struct InFlight {
+    link: u64,
+    /// When `acquire` returned, and the clock time of its admission.
+    returned: Instant,
+    admitted: f64,
+    bytes: u64,
+    /// It went right behind the chunk before it (no pause between them).
+    back_to_back: bool,
+}
+
 thread_local! {
-    /// The last chunk this thread was admitted: (link id, when acquire returned, bytes,
-    /// clock time of its admission, whether it went back to back with the one before). The
-    /// next `acquire` on the same link by the same thread (tiers send a job's chunks one after
-    /// the other) ends it: the gap is what it cost.
-    static LAST: Cell<Option<(u64, Instant, u64, f64, bool)>> = const { Cell::new(None) };
+    /// The last chunk this thread was admitted. The next `acquire` on the same link by the
+    /// same thread (tiers send a job's chunks one after the other) ends it: the gap is what
+    /// it cost.
+    static LAST: Cell<Option<InFlight>> = const { Cell::new(None) };
 }
 
 pub struct Link {
@@ -107,7 +118,7 @@ impl Link {
         self.sent.fetch_add(bytes, Ordering::Relaxed);
         let now = Instant::now();
         let back_to_back = followed && now.duration_since(entered) < BACK_TO_BACK;
-        LAST.with(|l| l.set(Some((self.id, now, bytes, admitted, back_to_back))));
+        LAST.with(|l| l.set(Some(InFlight { link: self.id, returned: now, admitted, bytes, back_to_back })));
     }
 
     /// A restore reads `bytes` over this link: background chunks (on every link of the store)
@@ -148,9 +159,9 @@ impl Link {
     /// Ends this thread's previous chunk on this link, if it was one: records what it cost.
     /// True when there was one (the chunk now entering follows it).
     fn observe_previous(&self, now: Instant) -> bool {
-        let Some((id, returned, bytes, admitted, back_to_back)) = LAST.with(|l| l.take()) else { return false };
+        let Some(InFlight { link, returned, admitted, bytes, back_to_back }) = LAST.with(|l| l.take()) else { return false };
         let took = now.duration_since(returned);
-        if id != self.id || took > MAX_CHUNK_GAP {
+        if link != self.id || took > MAX_CHUNK_GAP {
             return false;
         }
         let mut obs = self.observed.lock();
