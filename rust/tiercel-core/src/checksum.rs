@@ -12,9 +12,33 @@ pub fn crc32c(data: &[u8]) -> u32 {
     crc_fast::crc32_iscsi(data)
 }
 
-/// Bytes copied per step of `copy_crc32c`: small enough that what was just written is still
-/// in the core's L2 cache when it is checksummed.
-const COPY_BLOCK: usize = 256 << 10;
+/// Bytes copied (or received) per step of `copy_crc32c` and of the socket readers that
+/// checksum as they receive (`Crc32c`): small enough that what was just written is still in
+/// the core's L2 cache when it is checksummed.
+pub const COPY_BLOCK: usize = 256 << 10;
+
+/// A CRC32C computed piece by piece, for bytes that arrive in pieces (a socket read into its
+/// destination block by block, each checksummed right after it landed, while it is still in
+/// cache): the same value as `crc32c` of the whole.
+pub struct Crc32c(crc_fast::Digest);
+
+impl Crc32c {
+    pub fn new() -> Crc32c {
+        Crc32c(crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi))
+    }
+    pub fn update(&mut self, data: &[u8]) {
+        self.0.update(data);
+    }
+    pub fn finish(&self) -> u32 {
+        self.0.finalize() as u32
+    }
+}
+
+impl Default for Crc32c {
+    fn default() -> Crc32c {
+        Crc32c::new()
+    }
+}
 
 /// Copies `src` into `dst` (the same length) and returns the CRC32C of the bytes that landed
 /// in `dst`, block by block: one pass over memory instead of a copy, then a second read of
@@ -22,17 +46,17 @@ const COPY_BLOCK: usize = 256 << 10;
 /// a source that changes meanwhile cannot pass a checksum its copy would fail.
 pub fn copy_crc32c(src: &[u8], dst: &mut [u8]) -> u32 {
     assert_eq!(src.len(), dst.len(), "copy_crc32c needs buffers of one length");
-    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    let mut digest = Crc32c::new();
     for (s, d) in src.chunks(COPY_BLOCK).zip(dst.chunks_mut(COPY_BLOCK)) {
         d.copy_from_slice(s);
         digest.update(d);
     }
-    digest.finalize() as u32
+    digest.finish()
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{copy_crc32c, crc32c};
+    use super::{copy_crc32c, crc32c, Crc32c};
 
     #[test]
     fn known_value() {
@@ -64,5 +88,16 @@ mod tests {
             assert_eq!(copy_crc32c(&data[..len], &mut dst), crc32c::crc32c(&data[..len]), "length {len}");
             assert_eq!(dst, &data[..len]);
         }
+    }
+
+    #[test]
+    fn a_crc_in_pieces_is_the_crc_of_the_whole() {
+        let data: Vec<u8> = (0..(3usize << 20) + 5).map(|i| (i.wrapping_mul(2654435761) >> 9) as u8).collect();
+        for piece in [1, 7, 4096, 256 << 10, data.len()] {
+            let mut c = Crc32c::new();
+            data.chunks(piece).for_each(|p| c.update(p));
+            assert_eq!(c.finish(), crc32c::crc32c(&data), "pieces of {piece}");
+        }
+        assert_eq!(Crc32c::new().finish(), 0);
     }
 }

@@ -49,6 +49,13 @@ pub trait Tier: Send + Sync {
     /// Reads the stored (encoded) bytes of one chunk into `dst` (`stored_len` bytes).
     fn read_stored(&self, m: &Manifest, chunk: &format::ChunkMeta, dst: &mut [u8]) -> Result<()>;
 
+    /// Whether `read_stored` itself checks every raw chunk it reads against the chunk's
+    /// CRC32C, on the bytes as they landed in `dst` (the peer tier checksums each block as it
+    /// arrives from the socket): `read_chunk` then does not read them a second time.
+    fn verifies_reads(&self) -> bool {
+        false
+    }
+
     /// How to merge reads of neighbouring chunks into `read_stored_run`s, where requests
     /// cost round trips; None (the default): reads are not worth merging here.
     fn merged_reads(&self) -> Option<crate::blobs::MergedReads> {
@@ -128,6 +135,9 @@ pub fn read_chunk(tier: &dyn Tier, m: &Manifest, item: usize, chunk: usize, dst:
     let res = (|| {
         if c.codec == codec::RAW {
             tier.read_stored(m, c, dst).map_err(missing)?;
+            if tier.verifies_reads() {
+                return Ok(());
+            }
         } else {
             let mut stored = vec![0u8; c.stored_len as usize];
             tier.read_stored(m, c, &mut stored).map_err(missing)?;

@@ -236,10 +236,11 @@ impl Conn {
         }
     }
 
-    /// Receives one data frame straight into `dst`, which must be exactly its length.
-    /// `verify`: check the frame's checksum here; a caller that checks the chunk against its
-    /// manifest right after (a restore) passes false, so the bytes are read once, not twice.
-    pub fn recv_data_into(&mut self, dst: &mut [u8], verify: bool) -> Result<DataHeader> {
+    /// Receives one data frame straight into `dst`, which must be exactly its length, and
+    /// checks it against the frame's checksum: each block is checksummed right after it
+    /// landed in `dst` (`checksum::COPY_BLOCK`, still in cache), so verifying costs no second
+    /// pass over memory. What is checked is `dst` itself.
+    pub fn recv_data_into(&mut self, dst: &mut [u8]) -> Result<DataHeader> {
         let h = self.recv_header()?;
         if h.kind == Kind::Error {
             let mut body = vec![0u8; h.len as usize];
@@ -257,13 +258,16 @@ impl Conn {
             )));
         }
         let mut sub = [0u8; DATA_SUBHEADER_LEN];
-        let r = self.stream.read_exact(&mut sub).and_then(|()| self.stream.read_exact(dst));
+        let r = self.stream.read_exact(&mut sub);
         r.map_err(|e| self.err("receive", e))?;
         let d = decode_data_header(&sub);
-        if !verify {
-            return Ok(d);
+        let mut crc = crate::checksum::Crc32c::new();
+        for block in dst.chunks_mut(crate::checksum::COPY_BLOCK) {
+            let r = self.stream.read_exact(block);
+            r.map_err(|e| self.err("receive", e))?;
+            crc.update(block);
         }
-        let crc = crate::checksum::crc32c(dst);
+        let crc = crc.finish();
         if crc != d.crc32c {
             return Err(Error::integrity(format!("peer {}: data frame checksum mismatch ({crc:08x} != {:08x})", self.peer, d.crc32c)));
         }
@@ -311,12 +315,20 @@ impl Conn {
         Ok(r.manifest)
     }
 
-    /// Reads `dst.len()` stored bytes at `offset` of an object of `rank`'s replica of `step`.
-    /// The caller checks them against `crc32c` (the chunk's checksum) right after.
+    /// Reads `dst.len()` stored bytes at `offset` of an object of `rank`'s replica of `step`,
+    /// verified against `crc32c` (the chunk's checksum in the caller's manifest) as they land.
     pub fn read(&mut self, step: u64, rank: u32, object: &str, offset: u64, crc32c: u32, dst: &mut [u8]) -> Result<()> {
         let req = Request::Read { step, rank, object: object.to_string(), offset, len: dst.len() as u64, crc32c };
         self.send(Kind::Request, &serde_json::to_vec(&req).expect("request serializes"))?;
-        self.recv_data_into(dst, false)?;
+        let d = self.recv_data_into(dst)?;
+        // The holder echoes the checksum it was asked for; one it did not send back is no
+        // answer to this request.
+        if d.crc32c != crc32c {
+            return Err(Error::integrity(format!(
+                "peer {}: data frame carries checksum {:08x}, the manifest says {crc32c:08x}",
+                self.peer, d.crc32c
+            )));
+        }
         Ok(())
     }
 }
