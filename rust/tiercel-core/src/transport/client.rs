@@ -21,16 +21,21 @@ pub struct Conn {
     pub peer: String,
     /// The progress deadline: a read or write that moves no byte for this long fails.
     timeout: Duration,
+    /// The send buffer is capped (`SEND_BUFFER`): set on the first push over a paced link.
+    capped: bool,
 }
 
-/// The send buffer of a client connection. A replica's chunks pass their link's gate one by
-/// one, and the gate (pauses for the training job's collectives, the learned spans) and the
-/// link's cost model both take a chunk to be on the wire once `write` returns. The kernel's
-/// autotuned buffer (up to `tcp_wmem`'s 4 MiB) would let that much more leave later, into the
-/// training job's next all-reduce, and make the link look faster than it is (the writes into
-/// an empty buffer return at memcpy speed). Linux doubles the value for its bookkeeping: a few
-/// hundred KiB of data stay queued, which still fills a link of 10 Gbit/s at 0.2 ms RTT.
-const SEND_BUFFER: libc::c_int = 256 << 10;
+/// The send buffer of a connection that pushes replicas over a paced link (`Link::paced`).
+/// A replica's chunks pass their link's gate one by one, and the gate (pauses for the
+/// training job's collectives, the learned spans) and the link's cost model both take a chunk
+/// to be on the wire once `write` returns. The kernel's autotuned buffer (up to `tcp_wmem`'s
+/// 4 MiB) would let that much more leave later, into the training job's next all-reduce, and
+/// make the link look faster than it is (the writes into an empty buffer return at memcpy
+/// speed). Linux doubles the value for its bookkeeping: a few hundred KiB of data stay
+/// queued, which still fills a link of 10 Gbit/s at 0.2 ms RTT. Without pacing
+/// (`[traffic] mode = "off"`) nothing needs the cap, and the kernel's autotuning keeps a link
+/// with a larger bandwidth-delay product full (a fixed buffer caps a stream at buffer / RTT).
+pub const SEND_BUFFER: libc::c_int = 256 << 10;
 
 fn set_send_buffer(stream: &TcpStream, bytes: libc::c_int) {
     use std::os::fd::AsRawFd;
@@ -92,10 +97,9 @@ impl Conn {
             .ok_or_else(|| Error::unavailable(format!("peer {addr}: resolves to no address")))?;
         let stream = connect_tcp(&sock, timeout).map_err(|e| io_err(addr, "cannot connect", e))?;
         stream.set_nodelay(true).ok();
-        set_send_buffer(&stream, SEND_BUFFER);
         stream.set_read_timeout(Some(timeout)).ok();
         stream.set_write_timeout(Some(timeout)).ok();
-        let mut c = Conn { stream, peer: addr.to_string(), timeout };
+        let mut c = Conn { stream, peer: addr.to_string(), timeout, capped: false };
         c.handshake(secret)?;
         Ok(c)
     }
@@ -275,12 +279,34 @@ impl Conn {
     }
 }
 
+impl Conn {
+    /// The socket's send buffer as the kernel reports it (for tests of `SEND_BUFFER`).
+    pub fn send_buffer(&self) -> libc::c_int {
+        use std::os::fd::AsRawFd;
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt on an open socket into a c_int of the given size.
+        let r = unsafe {
+            libc::getsockopt(self.stream.as_raw_fd(), libc::SOL_SOCKET, libc::SO_SNDBUF, (&mut v as *mut libc::c_int).cast(), &mut len)
+        };
+        if r == 0 {
+            v
+        } else {
+            -1
+        }
+    }
+}
+
 /// The requests of the peer protocol, one method each.
 impl Conn {
     /// Pushes one rank's step: the manifest, then every chunk as a data frame (straight from
     /// the source's memory when it has the bytes in place), then END; returns once the holder
     /// has acknowledged the complete, verified copy.
     pub fn put_replica(&mut self, m: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<()> {
+        if link.paced() && !self.capped {
+            set_send_buffer(&self.stream, SEND_BUFFER);
+            self.capped = true;
+        }
         let _: Reply = self.request(&Request::Put { step: m.step, rank: m.rank, manifest: m.clone() })?;
         let mut buf = vec![];
         for (i, it) in m.items.iter().enumerate() {
@@ -330,34 +356,5 @@ impl Conn {
             )));
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn send_buffer(stream: &TcpStream) -> libc::c_int {
-        use std::os::fd::AsRawFd;
-        let mut v: libc::c_int = 0;
-        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: getsockopt on an open socket into a c_int of the given size.
-        let r = unsafe {
-            libc::getsockopt(stream.as_raw_fd(), libc::SOL_SOCKET, libc::SO_SNDBUF, (&mut v as *mut libc::c_int).cast(), &mut len)
-        };
-        assert_eq!(r, 0);
-        v
-    }
-
-    #[test]
-    fn a_client_connection_keeps_a_small_send_buffer() {
-        // The socket as connect_unidentified sets it up (its handshake needs a real server).
-        let server = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let stream = connect_tcp(&server.local_addr().unwrap(), Duration::from_secs(5)).unwrap();
-        set_send_buffer(&stream, SEND_BUFFER);
-        // Linux doubles the value (its bookkeeping) and no longer autotunes it upwards: what
-        // write() can leave queued stays a few hundred KiB, not tcp_wmem's MiBs.
-        let got = send_buffer(&stream);
-        assert!((SEND_BUFFER..=2 * SEND_BUFFER).contains(&got), "{got}");
     }
 }
