@@ -5,11 +5,12 @@ loopback (the transport is the same as between machines). Measured in one run:
   - the physical limit: a raw TCP socket pair moving the same bytes (sendall / recv_into a
     preallocated buffer), the same path the peer transport uses;
   - replication: from the end of the save's blocking part until host B has acknowledged a
-    complete, checksum-verified copy of host A's step (target >= 0.8x the raw socket);
+    complete, checksum-verified copy of host A's step (goal >= 0.95x the raw socket), in the
+    steady state: after `--warmup` steps, once both hosts recycle their segments;
   - recovering a lost host (its RAM wiped): reading its step back from its peer, against
     reading it from the fs tier (cold page cache where it can be dropped, and warm).
 
-    python bench/peer.py [--gib 1] [--repeat 3]
+    python bench/peer.py [--gib 1] [--repeat 3] [--warmup 3]
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--repeat", type=int, default=3)
+    # Each host keeps 2 steps in RAM and writes a third: the first 3 steps allocate fresh
+    # shared memory, and pre-fault the next step's in the background, while the next
+    # replication runs (on a small machine they take its CPUs). A training job saves hundreds
+    # of times; what it sees is the steady state after them.
+    ap.add_argument("--warmup", type=int, default=3, help="steps saved before replication is timed")
     ap.add_argument("--dir", default=os.environ.get("TMPDIR", "/var/tmp"))
     ap.add_argument("--out", default=str(HERE / "results" / "peer.json"))
     args = ap.parse_args()
@@ -131,7 +137,7 @@ def main() -> int:
 
         print("tiercel peer tier", flush=True)
         repl = []
-        for step in range(1, args.repeat + 2):
+        for step in range(1, args.warmup + args.repeat + 1):
             h = save(step)
             # Replication starts once the memory tier has committed; time it from there
             # until the peer has acknowledged (the fs tier is written meanwhile, too).
@@ -145,8 +151,8 @@ def main() -> int:
             assert dict(h.states())["peer"] == "committed", h.states()
             a.flush()
             b.flush()
-        record("replicate A -> B (until acknowledged)", repl[1:], "checksummed per chunk on arrival")
-        last = args.repeat + 1
+        record("replicate A -> B (until acknowledged)", repl[args.warmup:], f"checksummed as it lands; after {args.warmup} warm-up steps")
+        last = args.warmup + args.repeat
 
         # Host A is lost: rank 0 recovers its step from host B's RAM, or from the fs tier.
         shutil.rmtree(shm / "A")
@@ -185,7 +191,9 @@ def main() -> int:
     rows = [f"| {k} | {v['seconds'] * 1e3:.1f} | {v['gb_per_s']:.2f} | {raw / v['seconds']:.2f}x | {v['note']} |" for k, v in results.items()]
     table = "\n".join(["| operation | median ms | GB/s | vs raw socket | note |", "|---|---:|---:|---:|---|", *rows])
     ratio = raw / results["replicate A -> B (until acknowledged)"]["seconds"]
-    table += f"\n\nreplication vs raw socket: {ratio:.2f}x (target >= 0.8x: {'met' if ratio >= 0.8 else 'NOT met'})"
+    table += f"\n\nreplication vs raw socket: {ratio:.2f}x (goal >= 0.95x: {'met' if ratio >= 0.95 else 'NOT met'})"
+    recovery = raw / results["recover lost host from peer RAM"]["seconds"]
+    table += f"\nrecovery from peer RAM vs raw socket: {recovery:.2f}x (goal >= 0.9x: {'met' if recovery >= 0.9 else 'NOT met'})"
     for k in ("recover lost host from fs tier, cold", "recover lost host from fs tier, warm"):
         if k in results:
             table += f"\n{k.replace('recover lost host from ', '')}: peer recovery is {results[k]['seconds'] / results['recover lost host from peer RAM']['seconds']:.1f}x faster"

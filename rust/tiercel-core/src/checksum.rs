@@ -12,8 +12,8 @@ pub fn crc32c(data: &[u8]) -> u32 {
     crc_fast::crc32_iscsi(data)
 }
 
-/// Bytes copied or read per step before they are checksummed (`copy_crc32c`,
-/// `Blobs::get_range_blocks`): small enough that what just landed is still in the core's L2
+/// Bytes copied, read or received per step before they are checksummed (`copy_crc32c`,
+/// `Blobs::get_range_blocks`, the peer transport's socket readers): small enough that what just landed is still in the core's L2
 /// cache when the checksum reads it.
 pub const BLOCK: usize = 256 << 10;
 
@@ -56,7 +56,7 @@ pub fn copy_crc32c(src: &[u8], dst: &mut [u8]) -> u32 {
 
 #[cfg(test)]
 mod tests {
-    use super::{copy_crc32c, crc32c};
+    use super::{copy_crc32c, crc32c, Crc32c};
 
     #[test]
     fn known_value() {
@@ -88,5 +88,16 @@ mod tests {
             assert_eq!(copy_crc32c(&data[..len], &mut dst), crc32c::crc32c(&data[..len]), "length {len}");
             assert_eq!(dst, &data[..len]);
         }
+    }
+
+    #[test]
+    fn a_crc_in_pieces_is_the_crc_of_the_whole() {
+        let data: Vec<u8> = (0..(3usize << 20) + 5).map(|i| (i.wrapping_mul(2654435761) >> 9) as u8).collect();
+        for piece in [1, 7, 4096, 256 << 10, data.len()] {
+            let mut c = Crc32c::new();
+            data.chunks(piece).for_each(|p| c.update(p));
+            assert_eq!(c.finish(), crc32c::crc32c(&data), "pieces of {piece}");
+        }
+        assert_eq!(Crc32c::new().finish(), 0);
     }
 }

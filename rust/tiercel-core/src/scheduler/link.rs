@@ -131,6 +131,12 @@ impl Link {
         ReadGuard { traffic: self.traffic.clone() }
     }
 
+    /// Whether its chunks wait for the training job's traffic (`[traffic] mode` other than
+    /// off, on a network link): then a chunk must be on the wire when its write returns.
+    pub fn paced(&self) -> bool {
+        self.kind == LinkKind::Network && self.traffic.as_ref().is_some_and(|t| t.config.mode != super::Mode::Off)
+    }
+
     /// The link's cost model from the chunks it sent, capped by its bandwidth limit: from
     /// the chunks that went back to back with the one before, where there are enough of them.
     /// A chunk that starts after a pause is written into an emptied send buffer and returns

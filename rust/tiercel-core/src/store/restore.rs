@@ -344,7 +344,7 @@ impl StepReader {
                 Ok((ItemData::View { view, offset, len }, self.store.slots[idx].config.name.clone()))
             }
             None => {
-                let mut buf = vec![0u8; (end - start) as usize];
+                let mut buf = crate::tier::shm::zeroed_buffer((end - start) as usize);
                 let label = self.read_owned_into(i, start, end, &mut buf)?;
                 Ok((ItemData::Owned(buf), label))
             }

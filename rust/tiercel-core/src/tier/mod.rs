@@ -58,6 +58,13 @@ pub trait Tier: Send + Sync {
         Ok(())
     }
 
+    /// Whether `read_stored` itself checks every raw chunk it reads against the chunk's
+    /// CRC32C, on the bytes as they landed in `dst` (the peer tier checksums each block as it
+    /// arrives from the socket): `read_chunk` then does not read them a second time.
+    fn verifies_reads(&self) -> bool {
+        false
+    }
+
     /// How to merge reads of neighbouring chunks into `read_stored_run`s, where requests
     /// cost round trips; None (the default): reads are not worth merging here.
     fn merged_reads(&self) -> Option<crate::blobs::MergedReads> {
@@ -135,6 +142,9 @@ pub fn read_chunk(tier: &dyn Tier, m: &Manifest, item: usize, chunk: usize, dst:
     // A committed step whose data object is gone has lost data: an integrity problem.
     let missing = |e: Error| if e.kind == ErrorKind::NotFound { e.with_kind(ErrorKind::Integrity) } else { e };
     let res = (|| {
+        if c.codec == codec::RAW && tier.verifies_reads() {
+            return tier.read_stored(m, c, dst).map_err(missing);
+        }
         if c.codec == codec::RAW {
             // Checksummed block by block as the bytes land, not in a second pass over the chunk.
             let mut digest = crate::checksum::Crc32c::new();

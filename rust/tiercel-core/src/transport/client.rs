@@ -21,16 +21,21 @@ pub struct Conn {
     pub peer: String,
     /// The progress deadline: a read or write that moves no byte for this long fails.
     timeout: Duration,
+    /// The send buffer is capped (`SEND_BUFFER`): set on the first push over a paced link.
+    capped: bool,
 }
 
-/// The send buffer of a client connection. A replica's chunks pass their link's gate one by
-/// one, and the gate (pauses for the training job's collectives, the learned spans) and the
-/// link's cost model both take a chunk to be on the wire once `write` returns. The kernel's
-/// autotuned buffer (up to `tcp_wmem`'s 4 MiB) would let that much more leave later, into the
-/// training job's next all-reduce, and make the link look faster than it is (the writes into
-/// an empty buffer return at memcpy speed). Linux doubles the value for its bookkeeping: a few
-/// hundred KiB of data stay queued, which still fills a link of 10 Gbit/s at 0.2 ms RTT.
-const SEND_BUFFER: libc::c_int = 256 << 10;
+/// The send buffer of a connection that pushes replicas over a paced link (`Link::paced`).
+/// A replica's chunks pass their link's gate one by one, and the gate (pauses for the
+/// training job's collectives, the learned spans) and the link's cost model both take a chunk
+/// to be on the wire once `write` returns. The kernel's autotuned buffer (up to `tcp_wmem`'s
+/// 4 MiB) would let that much more leave later, into the training job's next all-reduce, and
+/// make the link look faster than it is (the writes into an empty buffer return at memcpy
+/// speed). Linux doubles the value for its bookkeeping: a few hundred KiB of data stay
+/// queued, which still fills a link of 10 Gbit/s at 0.2 ms RTT. Without pacing
+/// (`[traffic] mode = "off"`) nothing needs the cap, and the kernel's autotuning keeps a link
+/// with a larger bandwidth-delay product full (a fixed buffer caps a stream at buffer / RTT).
+pub const SEND_BUFFER: libc::c_int = 256 << 10;
 
 fn set_send_buffer(stream: &TcpStream, bytes: libc::c_int) {
     use std::os::fd::AsRawFd;
@@ -92,10 +97,9 @@ impl Conn {
             .ok_or_else(|| Error::unavailable(format!("peer {addr}: resolves to no address")))?;
         let stream = connect_tcp(&sock, timeout).map_err(|e| io_err(addr, "cannot connect", e))?;
         stream.set_nodelay(true).ok();
-        set_send_buffer(&stream, SEND_BUFFER);
         stream.set_read_timeout(Some(timeout)).ok();
         stream.set_write_timeout(Some(timeout)).ok();
-        let mut c = Conn { stream, peer: addr.to_string(), timeout };
+        let mut c = Conn { stream, peer: addr.to_string(), timeout, capped: false };
         c.handshake(secret)?;
         Ok(c)
     }
@@ -236,10 +240,11 @@ impl Conn {
         }
     }
 
-    /// Receives one data frame straight into `dst`, which must be exactly its length.
-    /// `verify`: check the frame's checksum here; a caller that checks the chunk against its
-    /// manifest right after (a restore) passes false, so the bytes are read once, not twice.
-    pub fn recv_data_into(&mut self, dst: &mut [u8], verify: bool) -> Result<DataHeader> {
+    /// Receives one data frame straight into `dst`, which must be exactly its length, and
+    /// checks it against the frame's checksum: each block is checksummed right after it
+    /// landed in `dst` (`checksum::BLOCK`, still in cache), so verifying costs no second
+    /// pass over memory. What is checked is `dst` itself.
+    pub fn recv_data_into(&mut self, dst: &mut [u8]) -> Result<DataHeader> {
         let h = self.recv_header()?;
         if h.kind == Kind::Error {
             let mut body = vec![0u8; h.len as usize];
@@ -257,17 +262,38 @@ impl Conn {
             )));
         }
         let mut sub = [0u8; DATA_SUBHEADER_LEN];
-        let r = self.stream.read_exact(&mut sub).and_then(|()| self.stream.read_exact(dst));
+        let r = self.stream.read_exact(&mut sub);
         r.map_err(|e| self.err("receive", e))?;
         let d = decode_data_header(&sub);
-        if !verify {
-            return Ok(d);
+        let mut crc = crate::checksum::Crc32c::new();
+        for block in dst.chunks_mut(crate::checksum::BLOCK) {
+            let r = self.stream.read_exact(block);
+            r.map_err(|e| self.err("receive", e))?;
+            crc.update(block);
         }
-        let crc = crate::checksum::crc32c(dst);
+        let crc = crc.finish();
         if crc != d.crc32c {
             return Err(Error::integrity(format!("peer {}: data frame checksum mismatch ({crc:08x} != {:08x})", self.peer, d.crc32c)));
         }
         Ok(d)
+    }
+}
+
+impl Conn {
+    /// The socket's send buffer as the kernel reports it (for tests of `SEND_BUFFER`).
+    pub fn send_buffer(&self) -> libc::c_int {
+        use std::os::fd::AsRawFd;
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt on an open socket into a c_int of the given size.
+        let r = unsafe {
+            libc::getsockopt(self.stream.as_raw_fd(), libc::SOL_SOCKET, libc::SO_SNDBUF, (&mut v as *mut libc::c_int).cast(), &mut len)
+        };
+        if r == 0 {
+            v
+        } else {
+            -1
+        }
     }
 }
 
@@ -277,6 +303,10 @@ impl Conn {
     /// the source's memory when it has the bytes in place), then END; returns once the holder
     /// has acknowledged the complete, verified copy.
     pub fn put_replica(&mut self, m: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<()> {
+        if link.paced() && !self.capped {
+            set_send_buffer(&self.stream, SEND_BUFFER);
+            self.capped = true;
+        }
         let _: Reply = self.request(&Request::Put { step: m.step, rank: m.rank, manifest: m.clone() })?;
         let mut buf = vec![];
         for (i, it) in m.items.iter().enumerate() {
@@ -311,41 +341,20 @@ impl Conn {
         Ok(r.manifest)
     }
 
-    /// Reads `dst.len()` stored bytes at `offset` of an object of `rank`'s replica of `step`.
-    /// The caller checks them against `crc32c` (the chunk's checksum) right after.
+    /// Reads `dst.len()` stored bytes at `offset` of an object of `rank`'s replica of `step`,
+    /// verified against `crc32c` (the chunk's checksum in the caller's manifest) as they land.
     pub fn read(&mut self, step: u64, rank: u32, object: &str, offset: u64, crc32c: u32, dst: &mut [u8]) -> Result<()> {
         let req = Request::Read { step, rank, object: object.to_string(), offset, len: dst.len() as u64, crc32c };
         self.send(Kind::Request, &serde_json::to_vec(&req).expect("request serializes"))?;
-        self.recv_data_into(dst, false)?;
+        let d = self.recv_data_into(dst)?;
+        // The holder echoes the checksum it was asked for; one it did not send back is no
+        // answer to this request.
+        if d.crc32c != crc32c {
+            return Err(Error::integrity(format!(
+                "peer {}: data frame carries checksum {:08x}, the manifest says {crc32c:08x}",
+                self.peer, d.crc32c
+            )));
+        }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn send_buffer(stream: &TcpStream) -> libc::c_int {
-        use std::os::fd::AsRawFd;
-        let mut v: libc::c_int = 0;
-        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: getsockopt on an open socket into a c_int of the given size.
-        let r = unsafe {
-            libc::getsockopt(stream.as_raw_fd(), libc::SOL_SOCKET, libc::SO_SNDBUF, (&mut v as *mut libc::c_int).cast(), &mut len)
-        };
-        assert_eq!(r, 0);
-        v
-    }
-
-    #[test]
-    fn a_client_connection_keeps_a_small_send_buffer() {
-        // The socket as connect_unidentified sets it up (its handshake needs a real server).
-        let server = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let stream = connect_tcp(&server.local_addr().unwrap(), Duration::from_secs(5)).unwrap();
-        set_send_buffer(&stream, SEND_BUFFER);
-        // Linux doubles the value (its bookkeeping) and no longer autotunes it upwards: what
-        // write() can leave queued stays a few hundred KiB, not tcp_wmem's MiBs.
-        let got = send_buffer(&stream);
-        assert!((SEND_BUFFER..=2 * SEND_BUFFER).contains(&got), "{got}");
     }
 }

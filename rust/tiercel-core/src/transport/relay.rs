@@ -182,7 +182,7 @@ impl Relay {
         };
         let req = RelayRequest::Chunk { key: key.clone(), len: dst.len() as u64 };
         conn.send(Kind::Request, &serde_json::to_vec(&req).expect("request serializes"))?;
-        let res = conn.recv_data_into(dst, true);
+        let res = conn.recv_data_into(dst);
         // A refusal (ERROR frame) or a frame read whole whose checksum failed leaves the
         // connection in step; a broken transfer does not.
         let reusable = res.is_ok() || matches!(&res, Err(e) if matches!(e.kind, ErrorKind::NotFound | ErrorKind::Integrity));

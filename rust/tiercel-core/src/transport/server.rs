@@ -354,8 +354,14 @@ async fn put(s: &mut TcpStream, handler: &Arc<dyn Handler>, step: u64, rank: u32
             // segment allocated by its object's length), and this connection is the only
             // writer of this fresh segment.
             let dst = unsafe { std::slice::from_raw_parts_mut(seg.ptr().add(d.offset as usize), len as usize) };
-            s.read_exact(dst).await.map_err(io)?;
-            if crate::checksum::crc32c(dst) != d.crc32c {
+            // Each block is checksummed right after it landed, while it is in cache: the
+            // chunk is verified without a second pass over it.
+            let mut crc = crate::checksum::Crc32c::new();
+            for block in dst.chunks_mut(crate::checksum::BLOCK) {
+                s.read_exact(block).await.map_err(io)?;
+                crc.update(block);
+            }
+            if crc.finish() != d.crc32c {
                 return Err(Error::integrity(format!("chunk at object {} offset {} arrived corrupted", d.object, d.offset)));
             }
             slot.2 = true;

@@ -466,6 +466,11 @@ impl Tier for PeerTier {
         Err(Error::new(combined_kind(&kinds), msg).with_tier(&self.name).at(m.step, m.rank))
     }
 
+    /// `Conn::read` verifies every chunk against its checksum block by block as it arrives.
+    fn verifies_reads(&self) -> bool {
+        true
+    }
+
     /// The peer tier commits per rank: `write_rank` returns only once every peer host has
     /// acknowledged its complete, verified copy, so a step is committed once this process
     /// has written it.

@@ -200,3 +200,57 @@ fn corrupt_data_frame_is_rejected_and_leaves_no_replica() {
     a.shutdown();
     b.shutdown();
 }
+
+#[test]
+fn a_chunk_damaged_on_its_holder_is_refused_on_arrival() {
+    let (dir, a, b) = pair();
+    let data = vec![(0..5000u32).map(|i| (i * 13) as u8).collect::<Vec<u8>>()];
+    a.write_rank(&manifest(3, 0, &data), &VecSource(data.clone()), &Link::new("peer", None)).unwrap();
+    let got = a.read_manifest(3, 0).unwrap();
+    // One byte of chunk 2 flips in host B's copy, behind the holder's back.
+    let path = dir.path().join("hostB").join(REPLICA_DIR).join(format::step_dir(3)).join(format::part_name(0, 0));
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[2 * 1024 + 7] ^= 0x10;
+    std::fs::write(&path, &bytes).unwrap();
+    let it = &got.items[0];
+    let mut buf = vec![0u8; it.nbytes as usize];
+    for (c, ch) in it.chunks.iter().enumerate() {
+        let dst = &mut buf[ch.offset as usize..(ch.offset + ch.len) as usize];
+        let r = crate::tier::read_chunk(&*a, &got, 0, c, dst);
+        // The peer tier checks each chunk as it lands (read_chunk does not check it again).
+        if c == 2 {
+            let e = r.unwrap_err();
+            assert_eq!(e.kind, ErrorKind::Integrity, "{e}");
+        } else {
+            r.unwrap();
+            assert_eq!(dst, &data[0][ch.offset as usize..(ch.offset + ch.len) as usize]);
+        }
+    }
+    a.shutdown();
+    b.shutdown();
+}
+
+#[test]
+fn only_pushes_over_a_paced_link_cap_their_send_buffer() {
+    use crate::scheduler::{LinkKind, Mode, SystemClock, Traffic, TrafficConfig};
+    let (_dir, a, b) = pair();
+    let data = vec![vec![9u8; 8 << 20]];
+    for (step, mode) in [(1, Mode::Off), (2, Mode::Signals), (3, Mode::Learned)] {
+        let traffic = Traffic::new(TrafficConfig { mode, ..Default::default() }, SystemClock::shared());
+        let link = Link::with_traffic("peer", None, LinkKind::Network, traffic);
+        a.idle.lock().clear(); // a fresh connection for each mode
+        a.write_rank(&manifest(step, 0, &data), &VecSource(data.clone()), &link).unwrap();
+        let bufs: Vec<i32> = a.idle.lock().values().flatten().map(|c| c.send_buffer()).collect();
+        assert_eq!(bufs.len(), 1);
+        let capped = transport::client::SEND_BUFFER;
+        if mode == Mode::Off {
+            // The kernel's autotuning grew it while 8 MiB went out: nothing paces the chunks.
+            assert!(bufs[0] > 2 * capped, "{mode:?}: {bufs:?}");
+        } else {
+            // Linux doubles the value (its bookkeeping) and no longer autotunes it upwards.
+            assert!((capped..=2 * capped).contains(&bufs[0]), "{mode:?}: {bufs:?}");
+        }
+    }
+    a.shutdown();
+    b.shutdown();
+}
