@@ -135,7 +135,7 @@ impl LinkModel {
 
 /// Fits `alpha + s / B` to observed (bytes, seconds) transfers by least squares. With one
 /// chunk size only (the usual case) alpha cannot be told apart from the bandwidth: it is 0
-/// and all of the time counts as transfer (the median chunk's), which errs on the side of
+/// and all of the time counts as transfer (the third-quartile chunk's), which errs on the side of
 /// smaller plans.
 pub fn fit_link(obs: &[(u64, f64)]) -> Option<LinkModel> {
     let obs: Vec<(f64, f64)> = obs.iter().filter(|(b, t)| *b > 0 && t.is_finite() && *t > 0.0).map(|&(b, t)| (b as f64, t)).collect();
