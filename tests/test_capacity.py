@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import tiercel
 
@@ -286,5 +287,22 @@ def test_saving_a_step_again_keeps_later_steps_intact(shm_root):
             s.flush()
             for kept in s.steps()["ram"]:
                 assert_same(s.reader(kept, tiers=["ram"]).get_all(), step_state(kept), f"after step {step}: ram step {kept}")
+    finally:
+        s.close()
+
+
+def test_a_new_job_prefaults_its_first_save_when_told_the_size(shm_root):
+    s = open_store(shm_root, keep=2)
+    try:
+        state = step_state(1)
+        with pytest.raises(tiercel.InvalidArgumentError, match="byte count"):
+            s.prefault(-1)
+        s.prefault(sum(v.nbytes for v in state.values()))
+        s.flush()
+        pooled = my_pool(shm_root)
+        assert len(pooled) == 1, "one segment, faulted in before the first save"
+        s.save(1, state).wait(60)
+        assert part_inode(shm_root, 1) in pooled.values(), "the first save wrote into the pre-faulted segment"
+        assert s.restore(1)["w"].tobytes() == state["w"].tobytes()
     finally:
         s.close()

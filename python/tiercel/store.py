@@ -319,6 +319,18 @@ class Store:
         """Waits until every background job (persist, evict) has finished."""
         self._core.flush()
 
+    def prefault(self, nbytes: int | Sequence[int]) -> None:
+        """Prepares shared memory for this process's first save of about `nbytes` (one rank's
+        state; a list: one size per `put` of the first step), in the background. A brand-new
+        job's first save otherwise faults in every page of it while training waits (several
+        times a memcpy); call this when the state is built, well before the first save. A
+        store that restored from RAM does this by itself. Once per process, up to the memory
+        tier's `capacity`."""
+        sizes = [nbytes] if isinstance(nbytes, int) else list(nbytes)
+        if any(not isinstance(s, int) or s < 0 for s in sizes):
+            raise InvalidArgumentError(f"prefault takes a byte count or a list of them, got {nbytes!r}")
+        self._core.prefault(sizes)
+
     def close(self) -> None:
         """Finishes background work and releases this process's spare shared memory."""
         if not self._closed:

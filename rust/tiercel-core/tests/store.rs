@@ -512,6 +512,25 @@ fn dropped_writer_removes_its_step_dir() {
 }
 
 #[test]
+fn a_new_job_told_its_state_size_prefaults_its_first_save() {
+    let dirs = Dirs::new();
+    let store = Store::open(dirs.policy("keep = 2", Some(""), "chunk_size = \"64KiB\""), 0, 1).unwrap();
+    // The bytes of each part's items, as a caller knows them from its state (no alignment).
+    let sizes: Vec<u64> = step_items(1).iter().map(|part| part.iter().map(|it| it.bytes.len() as u64).sum()).collect();
+    store.prefault(&sizes);
+    store.prefault(&[1 << 30]); // once per process: a second call queues nothing
+    store.flush();
+    assert_eq!(store.memory().pool_len(), sizes.len(), "one segment per part");
+    let mut w = store.begin(1).unwrap();
+    for (p, items) in step_items(1).iter().enumerate() {
+        w.add_part(&format!("put{p}"), json!([]), items.iter().map(spec).collect()).unwrap();
+    }
+    assert_eq!(store.memory().pool_len(), 0, "the first save used the pre-faulted segments");
+    drop(w);
+    store.close();
+}
+
+#[test]
 fn a_restarted_job_prefaults_its_first_save_after_restoring_from_ram() {
     let dirs = Dirs::new();
     let policy = || dirs.policy("keep = 2", Some(""), "chunk_size = \"64KiB\"");

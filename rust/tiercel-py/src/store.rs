@@ -329,6 +329,10 @@ impl Store {
         py.allow_threads(|| self.inner.flush())
     }
 
+    fn prefault(&self, sizes: Vec<u64>) {
+        self.inner.prefault(&sizes)
+    }
+
     fn close(&self, py: Python<'_>) {
         py.allow_threads(|| self.inner.close())
     }

@@ -413,16 +413,35 @@ impl Store {
     /// sizes are pre-faulted in the background, as after every save, once per process. It
     /// holds no more memory than the steady state after a save, and stops at `capacity`.
     pub(super) fn prefault_after_restore(self: &Arc<Self>, m: &Manifest) {
+        let sizes: Vec<u64> = m.objects.iter().map(|o| o.len).collect();
+        self.prefault_once(sizes, format!("pre-fault for the first save after restoring step {}", m.step));
+    }
+
+    /// Pre-faults shared memory for this process's first save in the background, when the
+    /// caller knows its size before it has saved or restored anything (a brand-new job): one
+    /// segment per part of `sizes` bytes (`StepWriter::put` makes one part per call; a
+    /// `save` of one state is one part). Each is made a little larger than asked, since a
+    /// part also holds the alignment between its items, and cut to the part's size when used.
+    /// Like the pre-fault after a restore: once per process, up to `capacity`.
+    pub fn prefault(self: &Arc<Self>, sizes: &[u64]) {
+        let slack = |s: u64| s + s / 64 + (4 << 20);
+        self.prefault_once(
+            sizes.iter().map(|&s| slack(s)).collect(),
+            format!("pre-fault of {} bytes for the first save", sizes.iter().sum::<u64>()),
+        );
+    }
+
+    /// Queues the pre-fault of segments of `sizes` bytes, unless one was queued already.
+    fn prefault_once(self: &Arc<Self>, sizes: Vec<u64>, label: String) {
         if self.tool || self.prefaulting.swap(true, std::sync::atomic::Ordering::Relaxed) {
             return;
         }
-        let sizes: Vec<u64> = m.objects.iter().map(|o| o.len).collect();
         let memory = self.memory.clone();
         self.scheduler.submit(Job {
             link: self.memory_slot().link.clone(),
             priority: Priority::Persist,
             size: sizes.iter().sum(),
-            label: format!("pre-fault for the first save after restoring step {}", m.step),
+            label,
             supersede_key: None,
             run: Box::new(move |_| {
                 if let Err(e) = memory.prefault(&sizes) {
