@@ -27,6 +27,17 @@ $(DEPS_STAMP): requirements-dev.txt
 
 build: $(BUILD_STAMP)
 
+# Cargo names a workspace crate's artifacts by its path inside the workspace and judges them
+# fresh by the modification times of the files at that path: two clones sharing
+# CARGO_TARGET_DIR share them, and a clone whose files are older than the other clone's last
+# build would reuse a binary of the other clone's sources. When the build cache was last
+# used from another checkout, its workspace crates are cleaned first (dependencies stay).
+CHECKOUT_MARK := $(CARGO_TARGET_DIR)/.tiercel-checkout
+ifneq ($(shell cat $(CHECKOUT_MARK) 2>/dev/null),$(CURDIR))
+$(shell CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) cargo clean --release --quiet -p tiercel-core -p tiercel-py 2>/dev/null; mkdir -p $(CARGO_TARGET_DIR) && echo $(CURDIR) > $(CHECKOUT_MARK))
+$(shell rm -f $(BUILD_STAMP))
+endif
+
 # `maturin develop` points the virtualenv at one checkout's python/ (tiercel.pth). When it
 # points at another clone sharing this virtualenv, build again: otherwise this checkout's
 # tests would import the other one's code.
