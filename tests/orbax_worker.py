@@ -264,6 +264,39 @@ def peer_restore_phase() -> None:
     jax.distributed.shutdown()
 
 
+def replicas_phase() -> None:
+    """Two data-parallel replicas (one per process and host), each holding the whole state
+    sharded over its own 2 devices: process 0 saves each shard once (replica 0) to the
+    bucket. Then, for each of CFG["modes"], both hosts lose their RAM and restore from the
+    bucket; the test counts what the bucket served in each."""
+    sh = shardings(mesh((2, 2), ("data", "model")), P(None, "model"), P("model"))
+    handler = tiercel.orbax.TiercelCheckpointHandler(CFG["policies"]["save"])
+    mngr = manager(handler, CFG["dir"])
+    assert mngr.save(1, args=ocp.args.Composite(state=tiercel.orbax.Save(train_state(1, sh))))
+    mngr.wait_until_finished()
+    out: dict[str, Any] = {"states": handler.last_save.wait(120), "modes": {}}
+    handler.store.flush()
+    handler.store.coordinator.all_gather("flushed")
+    mngr.close()
+    import shutil
+
+    for mode in CFG["modes"]:
+        root = CFG["policies"][mode]["tier"][0]["root"]
+        for name in os.listdir(root):
+            if name.startswith("step-"):
+                shutil.rmtree(os.path.join(root, name))
+        h = tiercel.orbax.TiercelCheckpointHandler(CFG["policies"][mode])
+        m = manager(h, CFG["dir"])
+        h.store.coordinator.all_gather(f"wiped for {mode}")
+        check(restore(m, 1, abstract(sh)), 1, sh)
+        info = h.last_restore
+        out["modes"][mode] = {"tiers": info.tiers, "broadcast": info.broadcast, "nbytes": info.nbytes}
+        h.store.coordinator.all_gather(f"restored {mode}")  # every relay stays up until all are done
+        m.close()
+    report("replicas", out)
+    jax.distributed.shutdown()
+
+
 def resave(policy: dict, directory: str) -> dict:
     """A step Orbax deleted is saved again with other values (training went back): the new
     values come back from every tier, not the stale ones. Run through conftest.run_isolated."""
@@ -405,7 +438,8 @@ def main() -> None:
         jax.distributed.initialize(f"127.0.0.1:{CFG['port']}", num_processes=CFG["nproc"], process_id=CFG["pid"])
     if CFG.get("host"):
         os.environ["TIERCEL_HOST"] = CFG["host"]
-    {"save": save_phase, "restore": restore_phase, "single": single_phase, "peer_restore": peer_restore_phase}[CFG["phase"]]()
+    {"save": save_phase, "restore": restore_phase, "single": single_phase, "peer_restore": peer_restore_phase,
+     "replicas": replicas_phase}[CFG["phase"]]()
 
 
 if __name__ == "__main__":

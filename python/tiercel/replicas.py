@@ -50,17 +50,72 @@ def share_replicated(store: Store, reader: Reader | None) -> dict[str, Any] | No
     (two all-gathers) unless `[restore] replicated = "all"`; a rank whose reader could not be
     opened passes None and only takes part in the all-gathers. Returns the broadcast's
     statistics, or None when this rank reads on its own."""
-    mode, _, _ = store._core.replicated_policy()
-    if mode == "all" or store.world_size == 1 or store.coordinator is None:
+    if not _shares(store):
         return None
-    kinds = {t["name"]: t["kind"] for t in store.tiers()}
-    wants = reader is not None and kinds.get(reader._core.tiers()[0]) not in FAST_KINDS and any(
+    wants = reader is not None and _slow(store, reader) and any(
         it.replica_primary is not None for it in reader.manifest.items)
-    # Rank 0's secret and job name for this restore's relays (the job's own channel carries them).
-    # Agreed on at the first restore and kept: the relay is started once per store.
+    step = reader.step if reader is not None else None
+    everyone = _meet(store, wants, step)
+    members = [(r, everyone[r][1], everyone[r][2]) for r in store.replica_group
+               if everyone[r][0] and everyone[r][3] == step]
+    if reader is None or not wants or len(members) < 2:
+        return None
+    chosen = _chosen(store, everyone, members[0][0])
+    if chosen == "all":
+        return None
+    stats: dict[str, Any] = reader._core.broadcast(members, chosen)
+    _remember_rates(store, stats)
+    return stats
+
+
+def share_pieces(store: Store, step: int, wanted: dict[tuple[int, int], Reader]) -> dict[str, Any] | None:
+    """Before a collective restore in which processes read the same saved pieces (a JAX job's
+    data-parallel replicas each need the shards replica 0 saved): every piece that two or
+    more processes read whole from a slow tier is read from it once between them and passed
+    on over the relay. `wanted`: this process's whole-piece reads, (saved rank, item index) ->
+    the reader of that rank. Collective over all processes (two all-gathers) unless
+    `[restore] replicated = "all"`; returns the broadcast's statistics or None."""
+    if not _shares(store):
+        return None
+    mine = sorted(key for key, r in wanted.items() if _slow(store, r))
+    everyone = _meet(store, bool(mine), step, mine)
+    takers: dict[tuple[int, int], list[int]] = {}
+    for p, (wants, _, _, at, _, keys) in enumerate(everyone):
+        for key in keys if wants and at == step else ():
+            takers.setdefault(tuple(key), []).append(p)  # type: ignore[arg-type]
+    shared = sorted(key for key, ps in takers.items() if len(ps) > 1)
+    ranks = sorted({p for key in shared for p in takers[key]})
+    if store.rank not in ranks or _chosen(store, everyone, ranks[0]) == "all":
+        return None
+    members = [(p, everyone[p][1], everyone[p][2]) for p in ranks]
+    index = {p: i for i, p in enumerate(ranks)}
+    items = [(wanted[key]._core, key[1], key[0], position, [index[p] for p in takers[key]])
+             for position, key in enumerate(shared) if store.rank in takers[key]]
+    stats: dict[str, Any] = store._core.broadcast_items(items, members, _chosen(store, everyone, ranks[0]))
+    _remember_rates(store, stats)
+    return stats
+
+
+def _shares(store: Store) -> bool:
+    mode, _, _ = store._core.replicated_policy()
+    return mode != "all" and store.world_size > 1 and store.coordinator is not None
+
+
+def _slow(store: Store, reader: Reader) -> bool:
+    """Whether `reader` reads from a tier that a broadcast is worth it for."""
+    kinds = {t["name"]: t["kind"] for t in store.tiers()}
+    return kinds.get(reader._core.tiers()[0]) not in FAST_KINDS
+
+
+def _meet(store: Store, wants: bool, step: int | None, *extra: Any) -> list[tuple[Any, ...]]:
+    """The two all-gathers before a broadcast: rank 0's secret and job name for the relays
+    (agreed on at the first restore and kept: the relay is started once per store), then
+    every rank's (wants, host, relay address, step, its `auto` choice, *extra); this rank's
+    relay is started first if it `wants`."""
     mine: tuple[str, str] | None = getattr(store, "_relay_shared", None)
     if mine is None and store.rank == 0:
         mine = (secrets.token_hex(32), store.run_id or secrets.token_hex(8))
+    assert store.coordinator is not None
     shared = store.coordinator.all_gather(mine)[0]
     setattr(store, "_relay_shared", shared)
     addr = None
@@ -68,19 +123,14 @@ def share_replicated(store: Store, reader: Reader | None) -> dict[str, Any] | No
         listen = os.environ.get("TIERCEL_RELAY_LISTEN", "0.0.0.0:0")
         bound = store._core.start_relay(listen, shared[1], store.host, shared[0].encode())
         addr = advertised_address(bound)
-    step = reader.step if reader is not None else None
-    everyone = store.coordinator.all_gather((wants, store.host, addr, step, auto_mode(store)))
-    members = [(r, everyone[r][1], everyone[r][2]) for r in store.replica_group
-               if everyone[r][0] and everyone[r][3] == step]
-    if reader is None or not wants or len(members) < 2:
-        return None
-    # `auto`: what the group's first member measured decides, so every member picks alike.
-    chosen = everyone[members[0][0]][4] if mode == "auto" else mode
-    if chosen == "all":
-        return None
-    stats: dict[str, Any] = reader._core.broadcast(members, chosen)
-    _remember_rates(store, stats)
-    return stats
+    return store.coordinator.all_gather((wants, store.host, addr, step, auto_mode(store), *extra))
+
+
+def _chosen(store: Store, everyone: list[tuple[Any, ...]], first: int) -> str:
+    """The mode: the policy's, or for `auto` what the group's first member measured, so that
+    every member picks alike."""
+    mode, _, _ = store._core.replicated_policy()
+    return str(everyone[first][4]) if mode == "auto" else mode
 
 
 def auto_mode(store: Store) -> str:

@@ -13,6 +13,7 @@ from .. import _dtypes
 from .._sharding import Box, CoverageError, Plan, box_of_index, box_shape, plan
 from ..errors import InvalidArgumentError, NotFoundError, TiercelError
 from ..manifest import Item
+from ..replicas import share_pieces
 from ..step import Reader, RestoreInfo
 from ..store import Store
 from ._layout import SavedLeaf, merge_layout, nested, rank_records
@@ -48,6 +49,9 @@ class SavedStep:
         #: Per leaf: ((rank, item index), offsets, shape) of every saved piece.
         self._boxes: dict[str, list[tuple[tuple[int, int], tuple[int, ...], tuple[int, ...]]]] = {}
         many = collective and store.world_size > 1 and store.coordinator is not None
+        self._collective = many
+        #: What the processes' shared read of their common pieces did (`share`), if they did.
+        self.broadcast: dict[str, Any] | None = None
         p, n = (store.rank, store.world_size) if many else (0, 1)
         try:
             mine: tuple[str, Any] = ("ok", self._share(p, n))
@@ -86,7 +90,24 @@ class SavedStep:
                 info.tiers[tier] = info.tiers.get(tier, 0) + n
             info.nbytes += r.info.nbytes
             info.warnings += r.info.warnings
+        info.broadcast = self.broadcast
         return info
+
+    def share(self, jobs: list[_Leaf]) -> None:
+        """Collective, before any read: the pieces this process reads whole and others read too
+        come from a slow tier once between them (`[restore] replicated`, replicas.share_pieces).
+        Data-parallel replicas need the same shards, saved once (by replica 0)."""
+        if not self._collective:
+            return
+        need: dict[tuple[int, int], int] = {}
+        items: dict[tuple[int, int], Item] = {}
+        for job in jobs:
+            for bp, _ in job.boxes:
+                for key, r in bp.plan.reads:
+                    need[key] = need.get(key, 0) + r.nbytes
+                    items[key] = bp.items[key]
+        whole = {key: self.reader(key[0]) for key, n in need.items() if n >= items[key].nbytes > 0}
+        self.broadcast = share_pieces(self._store, self.step, whole)
 
     # -- values ---------------------------------------------------------------------------------
 
@@ -212,7 +233,12 @@ def restore_tree(saved: SavedStep, target: Any, multi_process: bool, on_leaf: Ca
                 f"of the target (saved leaves: {', '.join(list(by_key)[:10])}{' ...' if len(by_key) > 10 else ''})"
             )
         pairs = [(by_key[k], t) for k, (_, t) in zip(keys, flat)]
-    jobs = [_prepare(saved, leaf, t) for leaf, t in pairs]
+    try:
+        jobs = [_prepare(saved, leaf, t) for leaf, t in pairs]
+    except TiercelError:
+        saved.share([])  # still take part, so that the other processes do not wait
+        raise
+    saved.share(jobs)
     values = []
     for i, job in enumerate(jobs):
         values.append(_build(saved, job))

@@ -209,27 +209,9 @@ impl StepReader {
     /// (collective; GIL released). `members`: (rank, host, relay address) of each, this rank
     /// included; `mode`: "single" or "striped". Returns what it did, as a dict.
     fn broadcast<'py>(&self, py: Python<'py>, members: Vec<(u32, String, String)>, mode: &str) -> TcResult<Bound<'py, PyDict>> {
-        let policy = self.inner.store().policy.replicated;
-        let mode = match ReplicatedMode::parse(mode) {
-            Some(m @ (ReplicatedMode::Single | ReplicatedMode::Striped)) => m,
-            _ => return Err(invalid(format!("broadcast mode must be \"single\" or \"striped\", got {mode:?}")).into()),
-        };
-        let members = members.into_iter().map(|(rank, host, addr)| core::Member { rank, host, addr }).collect();
-        let group = core::Group { members, mode, window: policy.window, timeout: policy.timeout };
+        let group = group_of(self.inner.store(), members, mode)?;
         let s = py.allow_threads(|| self.inner.broadcast(&group))?;
-        let d = PyDict::new(py);
-        d.set_item("mode", s.mode)?;
-        d.set_item("items", s.items)?;
-        d.set_item("bytes_read", s.bytes_read)?;
-        d.set_item("bytes_received", s.bytes_received)?;
-        d.set_item("bytes_sent", s.bytes_sent)?;
-        d.set_item("read_seconds", s.read_seconds)?;
-        d.set_item("receive_seconds", s.receive_seconds)?;
-        d.set_item("fallbacks", s.fallbacks)?;
-        d.set_item("dropped", s.dropped)?;
-        d.set_item("warnings", s.warnings)?;
-        d.set_item("seconds", s.seconds)?;
-        Ok(d)
+        stats_dict(py, s)
     }
 
     /// Reads bytes `start .. start + length` of one item (GIL released), reading only the
@@ -257,4 +239,33 @@ impl StepReader {
         drop(out);
         Ok(tier)
     }
+}
+
+/// The group of a broadcast: `members` are (rank, host, relay address); `mode` "single" or
+/// "striped"; window and deadline from the store's `[restore]` policy.
+pub(crate) fn group_of(store: &core::Store, members: Vec<(u32, String, String)>, mode: &str) -> TcResult<core::Group> {
+    let policy = store.policy.replicated;
+    let mode = match ReplicatedMode::parse(mode) {
+        Some(m @ (ReplicatedMode::Single | ReplicatedMode::Striped)) => m,
+        _ => return Err(invalid(format!("broadcast mode must be \"single\" or \"striped\", got {mode:?}")).into()),
+    };
+    let members = members.into_iter().map(|(rank, host, addr)| core::Member { rank, host, addr }).collect();
+    Ok(core::Group { members, mode, window: policy.window, timeout: policy.timeout })
+}
+
+/// What a broadcast did, as the dict `RestoreInfo.broadcast` shows.
+pub(crate) fn stats_dict(py: Python<'_>, s: core::BroadcastStats) -> TcResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("mode", s.mode)?;
+    d.set_item("items", s.items)?;
+    d.set_item("bytes_read", s.bytes_read)?;
+    d.set_item("bytes_received", s.bytes_received)?;
+    d.set_item("bytes_sent", s.bytes_sent)?;
+    d.set_item("read_seconds", s.read_seconds)?;
+    d.set_item("receive_seconds", s.receive_seconds)?;
+    d.set_item("fallbacks", s.fallbacks)?;
+    d.set_item("dropped", s.dropped)?;
+    d.set_item("warnings", s.warnings)?;
+    d.set_item("seconds", s.seconds)?;
+    Ok(d)
 }

@@ -255,7 +255,6 @@ impl Store {
         self.inner.set_launch(token)
     }
 
-    /// The peer tier's server address ("ip:port" as bound), or None without a peer tier.
     /// `[restore] replicated`, `relay_window` (bytes) and `relay_timeout` (seconds).
     fn replicated_policy(&self) -> (&'static str, u64, f64) {
         let r = self.inner.policy.replicated;
@@ -267,6 +266,35 @@ impl Store {
         Ok(py.allow_threads(|| self.inner.start_relay(listen, job, host, secret))?.to_string())
     }
 
+    /// Reads shared items together with the processes that restore them too (collective over
+    /// the members of each; GIL released). `items`: (reader, item index, owner rank, agreed
+    /// position, indices into `members` of those that read it); `members` and `mode` as
+    /// `StepReader.broadcast`. Returns what it did, as a dict.
+    fn broadcast_items<'py>(
+        &self,
+        py: Python<'py>,
+        items: Vec<(Py<StepReader>, usize, u32, usize, Vec<usize>)>,
+        members: Vec<(u32, String, String)>,
+        mode: &str,
+    ) -> TcResult<Bound<'py, PyDict>> {
+        let group = crate::step::group_of(&self.inner, members, mode)?;
+        let s = py.allow_threads(|| {
+            let shared = items
+                .iter()
+                .map(|(r, item, owner, position, members)| core::SharedItem {
+                    reader: &r.get().inner,
+                    item: *item,
+                    owner: *owner,
+                    position: *position,
+                    members: members.clone(),
+                })
+                .collect();
+            self.inner.broadcast_items(shared, &group)
+        })?;
+        crate::step::stats_dict(py, s)
+    }
+
+    /// The peer tier's server address ("ip:port" as bound), or None without a peer tier.
     fn peer_address(&self) -> Option<String> {
         self.inner.peer().map(|p| p.local_addr().to_string())
     }

@@ -1,20 +1,24 @@
-//! Single-replica and striped restore of replicated items: the ranks of a replica group read
-//! each chunk of their shared items from the slow tier once between them and pass it on over
-//! the relay (`transport::relay`).
+//! Single-replica and striped restore of shared items: the ranks that restore the same bytes
+//! read each chunk of them from the slow tier once between them and pass it on over the relay
+//! (`transport::relay`). Shared items are the replicated puts of a replica group (every
+//! member holds the same item: `StepReader::broadcast`), or shards that several processes
+//! restore from one saved rank's manifest (a JAX job's data-parallel replicas:
+//! `Store::broadcast_items`, each item with the members that read it).
 //!
-//! - `single`: the group's first rank reads every chunk; each other rank takes it from the
-//!   rank before it (a chain: every host sends and receives each byte about once).
-//! - `striped`: chunk j is read by rank j mod R, which passes it to the R-1 others: each host
-//!   reads 1/R from the tier, so R host links to the bucket add up.
+//! - `single`: an item's first member reads every chunk; each other member takes it from the
+//!   member before it (a chain: every host sends and receives each byte about once).
+//! - `striped`: chunk c of the item at position p is read by its member (p + c) mod R, which
+//!   passes it to the R-1 others: each host reads 1/R from the tier, so R host links to the
+//!   bucket add up.
 //!
 //! Chunks go in windows of `[restore] relay_window` bytes, in the same order on every rank
-//! (items by name, chunks in order). A rank keeps what it passes on until taken, and before
-//! window w it waits (at most `relay_timeout`) until window w-2 was taken: at most two
-//! windows are held per rank beyond the restored data itself. Every chunk is verified against
-//! this rank's own manifest on arrival. A rank that cannot get a chunk from the rank meant to
-//! send it (gone, too slow, a bad copy) reads it from the tier itself and says so; a rank
-//! that stops taking chunks is dropped by its sender when its connection ends, or at the
-//! deadline. No wait is without a deadline.
+//! (items by their agreed position, chunks in order). A rank keeps what it passes on until
+//! taken, and before window w it waits (at most `relay_timeout`) until window w-2 was taken:
+//! at most two windows are held per rank beyond the restored data itself. Every chunk is
+//! verified against this rank's own manifest on arrival. A rank that cannot get a chunk from
+//! the rank meant to send it (gone, too slow, a bad copy) reads it from the tier itself and
+//! says so; a rank that stops taking chunks is dropped by its sender when its connection
+//! ends, or at the deadline. No wait is without a deadline.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -71,7 +75,25 @@ pub struct BroadcastStats {
 /// Chunks a rank receives at once (each request waits for its sender to have the chunk).
 const FETCHERS: usize = 4;
 
-/// One chunk's task: its global index, item, chunk index and where it lands.
+/// One item that members of a group read together.
+pub struct SharedItem<'a> {
+    /// The reader of the manifest the item is in, and its index there.
+    pub reader: &'a StepReader,
+    pub item: usize,
+    /// The rank whose copy it is, the same on every member: the replica group's primary for a
+    /// replicated put; the rank that saved it for a shard that several processes restore.
+    pub owner: u32,
+    /// Its place in the list of shared items every member agrees on: windows follow it, and
+    /// striped reads of its chunks rotate from it.
+    pub position: usize,
+    /// The members that read it (indices into `Group::members`, sorted; this rank among them).
+    pub members: Vec<usize>,
+}
+
+/// The prefetched items of a reader, by item index (filled by `broadcast_items`).
+pub(super) type Prefetched = Mutex<HashMap<usize, Vec<u8>>>;
+
+/// One chunk's task: its window, item (index into the shared items), chunk index and where it lands.
 type Task<'a> = (usize, usize, usize, &'a mut [u8]);
 
 impl StepReader {
@@ -79,45 +101,83 @@ impl StepReader {
     /// `group` (collective: each member calls it for the same step). The items are then
     /// served by `read_items`/`read_range` from memory.
     pub fn broadcast(&self, group: &Group) -> Result<BroadcastStats> {
+        let m = self.manifest();
+        let all: Vec<usize> = (0..group.members.len()).collect();
+        let mut items: Vec<(u32, usize)> = m
+            .items
+            .iter()
+            .enumerate()
+            .filter(|(_, it)| it.nbytes > 0)
+            .filter_map(|(i, it)| Some((it.replica.as_ref()?.primary, i)))
+            .collect();
+        items.sort_by(|a, b| m.items[a.1].name.cmp(&m.items[b.1].name));
+        let items = items
+            .into_iter()
+            .enumerate()
+            .map(|(position, (owner, item))| SharedItem { reader: self, item, owner, position, members: all.clone() })
+            .collect();
+        self.store.broadcast_items(items, group)
+    }
+}
+
+impl super::Store {
+    /// Reads `items` together with the other members of `group` (collective: each member calls
+    /// it for the same step, with the items it takes part in, in any order), each chunk from
+    /// the tiers by one member only. Each item is then served from memory by its reader.
+    pub fn broadcast_items(&self, mut items: Vec<SharedItem>, group: &Group) -> Result<BroadcastStats> {
         let t0 = Instant::now();
         // Checkpoint traffic of this store waits until the group's transfers are done: the
         // relay shares the hosts' links with the peer and object-store tiers.
-        let _restoring = crate::scheduler::ReadGuard::restoring(self.store.traffic());
-        let relay = self.store.relay()?;
+        let _restoring = crate::scheduler::ReadGuard::restoring(self.traffic());
+        let relay = self.relay()?;
         let relay = &*relay;
         let me = group
             .members
             .iter()
             .position(|m| m.rank == self.rank)
             .ok_or_else(|| Error::invalid(format!("rank {} is not in its own replica group {:?}", self.rank, group.members)))?;
-        let r = group.members.len();
-        let m = self.manifest();
-        let mut items: Vec<usize> = (0..m.items.len()).filter(|&i| m.items[i].replica.is_some() && m.items[i].nbytes > 0).collect();
-        items.sort_by(|a, b| m.items[*a].name.cmp(&m.items[*b].name));
-        let mut bufs: Vec<Vec<u8>> = items.iter().map(|&i| vec![0u8; m.items[i].nbytes as usize]).collect();
+        if let Some(x) = items.iter().find(|x| !x.members.contains(&me) || x.members.iter().any(|&k| k >= group.members.len())) {
+            return Err(Error::invalid(format!(
+                "rank {}: shared item {} of rank {} names members {:?} of a group of {}, without this rank",
+                self.rank,
+                x.item,
+                x.owner,
+                x.members,
+                group.members.len()
+            )));
+        }
+        items.sort_by_key(|x| x.position);
+        let step = items.first().map(|x| x.reader.step).unwrap_or_default();
+        let meta = |k: usize| &items[k].reader.manifest().items[items[k].item];
+        let mut bufs: Vec<Vec<u8>> = (0..items.len()).map(|k| vec![0u8; meta(k).nbytes as usize]).collect();
         let mut windows: Vec<Vec<Task>> = vec![vec![]];
-        let (mut j, mut in_window) = (0usize, 0u64);
-        for (&i, buf) in items.iter().zip(bufs.iter_mut()) {
+        let mut in_window = 0u64;
+        for (k, buf) in bufs.iter_mut().enumerate() {
             let mut rest = &mut buf[..];
-            for (c, ch) in m.items[i].chunks.iter().enumerate() {
+            for (c, ch) in meta(k).chunks.iter().enumerate() {
                 let (dst, tail) = rest.split_at_mut(ch.len as usize);
                 rest = tail;
                 if in_window >= group.window {
                     windows.push(vec![]);
                     in_window = 0;
                 }
-                windows.last_mut().expect("one").push((j, i, c, dst));
+                let w = windows.len() - 1;
+                windows[w].push((w, k, c, dst));
                 in_window += ch.len;
-                j += 1;
             }
         }
-        let others: Vec<u32> = group.members.iter().filter(|x| x.rank != self.rank).map(|x| x.rank).collect();
-        // Per chunk j: the member it comes from (None: this rank reads it) and who takes it from here.
-        let plan = |j: usize| -> (Option<usize>, Vec<u32>) {
+        // Per chunk c of shared item k: the member it comes from (None: this rank reads it)
+        // and the ranks that take it from here.
+        let plan = |k: usize, c: usize| -> (Option<usize>, Vec<u32>) {
+            let ms = &items[k].members;
+            let pos = ms.iter().position(|&x| x == me).expect("checked above");
+            let rank_of = |i: usize| group.members[ms[i]].rank;
             match group.mode {
-                ReplicatedMode::Striped if j % r == me => (None, others.clone()),
-                ReplicatedMode::Striped => (Some(j % r), vec![]),
-                _ => (me.checked_sub(1), group.members.get(me + 1).map(|x| vec![x.rank]).unwrap_or_default()),
+                ReplicatedMode::Striped => match (items[k].position + c) % ms.len() {
+                    r if r == pos => (None, (0..ms.len()).filter(|&i| i != pos).map(rank_of).collect()),
+                    r => (Some(ms[r]), vec![]),
+                },
+                _ => (pos.checked_sub(1).map(|i| ms[i]), ms.get(pos + 1).map(|_| vec![rank_of(pos + 1)]).unwrap_or_default()),
             }
         };
         relay.reset();
@@ -128,13 +188,14 @@ impl StepReader {
             log::warn!("{w}");
             warnings.lock().push(w);
         };
-        let sources: HashSet<usize> = (0..j.min(r.max(1) * 2)).filter_map(|k| plan(k).0).collect();
+        let first: Vec<(usize, usize)> = windows.iter().flatten().take(2 * group.members.len()).map(|t| (t.1, t.2)).collect();
+        let sources: HashSet<usize> = first.into_iter().filter_map(|(k, c)| plan(k, c).0).collect();
         for s in sources {
             let x = &group.members[s];
             if let Err(e) = relay.warm(&x.addr, &x.host) {
                 warn(format!(
-                    "step {} rank {}: rank {} cannot send replicated chunks ({e}); reading them from the tier",
-                    self.step, self.rank, x.rank
+                    "step {step} rank {}: rank {} cannot send shared chunks ({e}); reading them from the tier",
+                    self.rank, x.rank
                 ));
                 dead.lock().insert(s);
             }
@@ -144,11 +205,11 @@ impl StepReader {
         let mut dropped = vec![];
         // One chunk: from the rank meant to send it, else (or when that fails) from the tier;
         // then offered to the ranks that take it from here.
-        let process = |w: usize, (j, i, c, dst): Task| -> Result<()> {
-            let it = &m.items[i];
+        let process = |(w, k, c, dst): Task| -> Result<()> {
+            let it = meta(k);
             let ch = &it.chunks[c];
-            let key = ChunkKey { step: self.step, item: it.name.clone(), chunk: c as u32 };
-            let (source, takers) = plan(j);
+            let key = ChunkKey { step, owner: items[k].owner, item: it.name.clone(), chunk: c as u32 };
+            let (source, takers) = plan(k, c);
             let mut got = false;
             if let Some(s) = source.filter(|s| !dead.lock().contains(s)) {
                 let x = &group.members[s];
@@ -167,8 +228,8 @@ impl StepReader {
                             dead.lock().insert(s);
                         }
                         warn(format!(
-                            "step {} rank {}: item '{}' chunk {c} not received from rank {} ({}); read from the tier instead",
-                            self.step, self.rank, it.name, x.rank, e.message
+                            "step {step} rank {}: item '{}' chunk {c} not received from rank {} ({}); read from the tier instead",
+                            self.rank, it.name, x.rank, e.message
                         ));
                         fallbacks.fetch_add(1, Ordering::Relaxed);
                     }
@@ -178,7 +239,7 @@ impl StepReader {
             }
             if !got {
                 let t = Instant::now();
-                self.read_chunk_anywhere(it, c, dst)?;
+                items[k].reader.read_chunk_anywhere(it, c, dst)?;
                 read_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
                 read.fetch_add(ch.len, Ordering::Relaxed);
             }
@@ -189,12 +250,12 @@ impl StepReader {
         };
         for (w, window) in windows.into_iter().enumerate() {
             if w >= 2 {
-                dropped.extend(self.drain(relay, Some(w as u64 - 2), group.timeout, &warn));
+                dropped.extend(self.drain_relay(relay, Some(w as u64 - 2), group.timeout, step, &warn));
             }
             // This rank's own reads run on the copy threads, the chunks it receives on
             // threads of their own: a read never waits behind a chunk another rank has yet
             // to read, so the link to the tier stays busy.
-            let (mine, theirs): (Vec<Task>, Vec<Task>) = window.into_iter().partition(|t| plan(t.0).0.is_none());
+            let (mine, theirs): (Vec<Task>, Vec<Task>) = window.into_iter().partition(|t| plan(t.1, t.2).0.is_none());
             let queue = Mutex::new(theirs.into_iter());
             let process = &process;
             std::thread::scope(|sc| {
@@ -203,12 +264,12 @@ impl StepReader {
                         sc.spawn(|| -> Result<()> {
                             loop {
                                 let Some(t) = queue.lock().next() else { return Ok(()) };
-                                process(w, t)?;
+                                process(t)?;
                             }
                         })
                     })
                     .collect();
-                let mut res = self.store.copy_pool.install(|| mine.into_par_iter().try_for_each(|t| process(w, t)));
+                let mut res = self.copy_pool.install(|| mine.into_par_iter().try_for_each(process));
                 for f in fetchers {
                     let r = f.join().unwrap_or_else(|_| Err(Error::invalid("a relay fetch thread panicked")));
                     if res.is_ok() {
@@ -219,16 +280,23 @@ impl StepReader {
             })?;
         }
         // The last windows: wait until the others took them (or went).
-        dropped.extend(self.drain(relay, None, group.timeout, &warn));
-        let mut pre = self.prefetched.lock();
-        for (i, buf) in items.into_iter().zip(bufs) {
-            pre.insert(i, buf);
+        dropped.extend(self.drain_relay(relay, None, group.timeout, step, &warn));
+        let n = items.len();
+        for (x, buf) in items.iter().zip(bufs) {
+            x.reader.prefetched.lock().insert(x.item, buf);
         }
         let warnings = warnings.into_inner();
-        self.warnings.lock().extend(warnings.iter().cloned());
+        // Each reader's restore info shows what happened, once.
+        let mut seen: Vec<*const StepReader> = vec![];
+        for x in &items {
+            if !seen.contains(&(x.reader as *const _)) {
+                seen.push(x.reader);
+                x.reader.warnings.lock().extend(warnings.iter().cloned());
+            }
+        }
         Ok(BroadcastStats {
             mode: group.mode.name(),
-            items: pre.len(),
+            items: n,
             bytes_read: read.into_inner(),
             bytes_received: received.into_inner(),
             bytes_sent: relay.served.load(Ordering::Relaxed) - served0,
@@ -241,24 +309,18 @@ impl StepReader {
         })
     }
 
-    fn drain(&self, relay: &Relay, window: Option<u64>, timeout: Duration, warn: &dyn Fn(String)) -> Vec<u32> {
+    fn drain_relay(&self, relay: &Relay, window: Option<u64>, timeout: Duration, step: u64, warn: &dyn Fn(String)) -> Vec<u32> {
         let late = relay.drain(window, timeout);
         if !late.is_empty() {
             warn(format!(
-                "step {} rank {}: rank(s) {late:?} took no replicated chunks for {} s; dropped (they read from the tier)",
-                self.step,
+                "step {step} rank {}: rank(s) {late:?} took no shared chunks for {} s; dropped (they read from the tier)",
                 self.rank,
                 timeout.as_secs_f64()
             ));
         }
         late
     }
-}
 
-/// The prefetched items of a reader, by item index (filled by `broadcast`).
-pub(super) type Prefetched = Mutex<HashMap<usize, Vec<u8>>>;
-
-impl super::Store {
     /// This process's relay, started on first use on `listen` ("ip:port"); `job`, `host`
     /// and `secret` are what the group agreed on. Returns its address.
     pub fn start_relay(&self, listen: &str, job: &str, host: &str, secret: Vec<u8>) -> Result<std::net::SocketAddr> {

@@ -27,7 +27,7 @@ use crate::tier::open::{open_tiers, Tiers};
 use crate::tier::peer::PeerTier;
 use crate::tier::{run_gc, Tier};
 
-pub use broadcast::{BroadcastStats, Group, Member};
+pub use broadcast::{BroadcastStats, Group, Member, SharedItem};
 pub use copy::copy_step;
 pub use handle::{SaveHandle, TierState};
 pub use job::{job_of, JobFilter, RUN_ID_VARS};

@@ -6,7 +6,7 @@
 //! IDENT, data frames carrying the chunk's CRC32C), with one request of its own:
 //!
 //! ```text
-//! REQUEST {"op": "chunk", "step", "item", "chunk", "len"}   ->   DATA (the chunk) or ERROR
+//! REQUEST {"op": "chunk", "step", "owner", "item", "chunk", "len"}   ->   DATA (the chunk) or ERROR
 //! ```
 //!
 //! Blocking threads, one per connection: a request waits on the table, not on I/O.
@@ -28,10 +28,12 @@ use super::messages::{Ident, Reply, Request};
 use super::Conn;
 use crate::error::{Error, ErrorKind, Result};
 
-/// One chunk of one replicated item of one step, by item name (every replica names it alike).
+/// One chunk of one shared item of one step: by the rank whose copy it is (`owner`) and the
+/// item's name there, which every rank reading it names alike.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ChunkKey {
     pub step: u64,
+    pub owner: u32,
     pub item: String,
     pub chunk: u32,
 }
@@ -395,7 +397,7 @@ mod tests {
     }
 
     fn key(chunk: u32) -> ChunkKey {
-        ChunkKey { step: 7, item: "model/w".into(), chunk }
+        ChunkKey { step: 7, owner: 0, item: "model/w".into(), chunk }
     }
 
     #[test]
