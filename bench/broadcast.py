@@ -11,7 +11,9 @@ S3 gateway runs in a namespace of its own. tc shapes the links at the switch:
 For R = 1, 2, 4, 8 replicas (one rank per host, a real torch.distributed job), R ranks save
 one replicated state of --mib MiB (the bucket holds one copy), then for each mode every
 host's RAM is wiped and the job restores: the time until the slowest rank has it all, and
-the bytes the store's link carried. Measured in the same run: the physical limits (a raw TCP
+the bytes the store's link carried, and how many of the machine's cores were busy meanwhile
+(every "host" shares them: a mode that keeps them all busy is limited by the CPU, not the
+network). Measured in the same run: the physical limits (a raw TCP
 stream store -> host and host -> host over the same shaped links). A model from those link
 speeds extrapolates to 32-2048 hosts, next to Orbax's published single-replica figures; a PNG
 plots restore time against R, measured and modelled.
@@ -68,6 +70,10 @@ def store_tx():
                          capture_output=True, text=True, check=True).stdout
     return json.loads(out)[0]["stats64"]["rx"]["bytes"]  # what the store's link carried to the switch
 
+def cpu_times():  # (busy, total) jiffies of the machine, whose CPUs every host and the store share
+    f = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    return sum(f) - f[3] - f[4], sum(f)
+
 n = cfg["bytes"]
 state = {"model": {"w": np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8)}}
 s = tiercel.Store(policy("all"))
@@ -83,16 +89,19 @@ for mode in cfg["modes"]:
         dist.barrier()
         tx0 = store_tx() if rank == 0 else 0
         dist.barrier()
+        cpu0 = cpu_times()
         t0 = time.perf_counter()
         got = s.restore(1)
         mine = time.perf_counter() - t0
         dist.barrier()
         took = time.perf_counter() - t0
+        cpu1 = cpu_times()
         served = store_tx() - tx0 if rank == 0 else 0
         assert np.array_equal(got["model"]["w"], state["model"]["w"])
         b = s.last_restore.broadcast or {}
         s.close()
-        r = out["modes"].setdefault(mode, {"seconds": [], "served": [], "rank_seconds": [], "fallbacks": 0})
+        r = out["modes"].setdefault(mode, {"seconds": [], "served": [], "rank_seconds": [], "fallbacks": 0, "cores_busy": []})
+        r["cores_busy"].append(os.cpu_count() * (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1]))
         r["seconds"].append(took)
         r["served"].append(served)
         r["rank_seconds"].append(mine)
@@ -289,13 +298,14 @@ def main() -> int:
                 for mode, m in got["modes"].items():
                     t = sorted(m["seconds"])[len(m["seconds"]) // 2]
                     row[mode] = {"seconds": t, "served_bytes": max(m["served"]), "copies_served": max(m["served"]) / size,
-                                 "fallbacks": m["fallbacks"], "samples": m["seconds"]}
+                                 "fallbacks": m["fallbacks"], "samples": m["seconds"],
+                                 "cores_busy": max(m["cores_busy"])}
                 for mode in MODES:
                     row[mode]["speedup_vs_all"] = row["all"]["seconds"] / row[mode]["seconds"]
                 sc["runs"][r] = row
                 print(f"  R={r:<3} " + "  ".join(
                     f"{mode} {row[mode]['seconds']:7.2f} s ({row[mode]['copies_served']:.2f} copies, "
-                    f"x{row[mode]['speedup_vs_all']:.2f})" for mode in MODES), flush=True)
+                    f"x{row[mode]['speedup_vs_all']:.2f}, {row[mode]['cores_busy']:.1f} cores)" for mode in MODES), flush=True)
             peer = limits["host_to_host"] or a.peer_mbit * 1e6 / 8
             egress = limits["store_egress"] or float("inf")
             sc["model"] = {m: {r: model(m, r, size, egress, limits["store_to_host"], peer)

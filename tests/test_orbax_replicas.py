@@ -50,7 +50,9 @@ def test_data_parallel_replicas_read_the_bucket_once(moto_server, s3_env, tmp_pa
                     "dir": str(tmp_path / "orbax"), "host": f"host{pid}"}
 
         reports = run_job(tmp_path, "replicas", cfg_of, nproc=2, ndev=2)
-        assert all(r["states"]["s3"] == "committed" for r in reports), reports
+        # The rank that completes the step in the bucket sees it committed, the other written.
+        assert all(r["states"]["s3"] in ("committed", "written") for r in reports), reports
+        assert any(r["states"]["s3"] == "committed" for r in reports), reports
         served = {m: proxies[m].downloaded for m in MODES}
         # Manifests, listings and heads on top of the data: far less than a copy.
         slack = 128 * KiB

@@ -131,6 +131,14 @@ impl Link {
         ReadGuard { traffic: self.traffic.clone() }
     }
 
+    /// A restore sends `bytes` over this link (the relay passing a chunk to another rank,
+    /// under a `ReadGuard::restoring` of its own): they take the link's tokens, as every byte
+    /// on it does, but never wait at the traffic gate.
+    pub fn send_restored(&self, bytes: u64) {
+        self.take_tokens(bytes);
+        self.sent.fetch_add(bytes, Ordering::Relaxed);
+    }
+
     /// Whether its chunks wait for the training job's traffic (`[traffic] mode` other than
     /// off, on a network link): then a chunk must be on the wire when its write returns.
     pub fn paced(&self) -> bool {

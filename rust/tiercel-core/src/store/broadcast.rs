@@ -329,7 +329,12 @@ impl super::Store {
             return Ok(relay.local_addr());
         }
         let me = crate::transport::Ident { job: job.into(), host: host.into(), rank: self.rank };
-        let relay = Relay::start(listen, me, secret, self.policy.replicated.timeout)?;
+        // Chunks between hosts go over the peer tier's network: under its link and limit.
+        let link = match self.slots.iter().find(|s| matches!(s.config.spec, crate::policy::TierSpec::Peer(_))) {
+            Some(s) => s.link.clone(),
+            None => crate::scheduler::Link::with_traffic("relay", None, crate::scheduler::LinkKind::Network, self.traffic().clone()),
+        };
+        let relay = Relay::start(listen, me, secret, self.policy.replicated.timeout, link)?;
         let addr = relay.local_addr();
         *r = Some(relay);
         Ok(addr)

@@ -27,6 +27,7 @@ use super::frame::*;
 use super::messages::{Ident, Reply, Request};
 use super::Conn;
 use crate::error::{Error, ErrorKind, Result};
+use crate::scheduler::Link;
 
 /// One chunk of one shared item of one step: by the rank whose copy it is (`owner`) and the
 /// item's name there, which every rank reading it names alike.
@@ -75,13 +76,17 @@ pub struct Relay {
     changed: Condvar,
     stop: AtomicBool,
     pool: Mutex<HashMap<String, Vec<Conn>>>,
+    /// The link its chunks leave by (the peer tier's, when the store has one: the same
+    /// network between hosts, under the same bandwidth limit).
+    link: Arc<Link>,
     /// Bytes this rank's server has sent to other ranks.
     pub served: AtomicU64,
 }
 
 impl Relay {
-    /// Listens on `listen` ("ip:port", port 0 for any) and serves until `stop`.
-    pub fn start(listen: &str, me: Ident, secret: Vec<u8>, wait: Duration) -> Result<Arc<Relay>> {
+    /// Listens on `listen` ("ip:port", port 0 for any) and serves until `stop`; every chunk
+    /// it sends takes `link`'s tokens first.
+    pub fn start(listen: &str, me: Ident, secret: Vec<u8>, wait: Duration, link: Arc<Link>) -> Result<Arc<Relay>> {
         check_secret(&secret, "the relay secret")?;
         let listener = TcpListener::bind(listen).map_err(|e| Error::unavailable(format!("relay: cannot listen on {listen}: {e}")))?;
         let addr = listener.local_addr().map_err(|e| Error::unavailable(format!("relay: {e}")))?;
@@ -94,6 +99,7 @@ impl Relay {
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
             pool: Mutex::new(HashMap::new()),
+            link,
             served: AtomicU64::new(0),
         });
         let weak = Arc::downgrade(&relay);
@@ -282,6 +288,7 @@ impl Relay {
                 continue;
             }
             crate::failpoint::hit("relay_send");
+            self.link.send_restored(data.len() as u64);
             let head = encode_data_head(&DataHeader { object: 0, offset: 0, crc32c: crc }, data.len());
             s.write_all(&head).map_err(io)?;
             if crate::failpoint::fires("relay_corrupt") {
@@ -393,7 +400,7 @@ mod tests {
 
     fn relay(rank: u32, wait_ms: u64) -> Arc<Relay> {
         let me = Ident { job: "job".into(), host: format!("h{rank}"), rank };
-        Relay::start("127.0.0.1:0", me, SECRET.to_vec(), Duration::from_millis(wait_ms)).unwrap()
+        Relay::start("127.0.0.1:0", me, SECRET.to_vec(), Duration::from_millis(wait_ms), Link::new("relay", None)).unwrap()
     }
 
     fn key(chunk: u32) -> ChunkKey {
@@ -451,6 +458,32 @@ mod tests {
         // Nothing is kept for it: a sender never waits on a rank that is gone.
         a.offer(key(5), &[1, 2, 3], 0, &[1], 0);
         assert_eq!(a.held(), 0);
+    }
+
+    #[test]
+    fn the_chunks_it_sends_keep_to_its_links_bandwidth() {
+        let rate = 8_000_000u64;
+        let me = Ident { job: "job".into(), host: "h0".into(), rank: 0 };
+        let link = Link::new("peer", Some(rate));
+        let a = Relay::start("127.0.0.1:0", me, SECRET.to_vec(), Duration::from_secs(5), link.clone()).unwrap();
+        let b = relay(1, 5000);
+        let addr = a.local_addr().to_string();
+        let data = vec![3u8; 1 << 20];
+        let crc = crc32c::crc32c(&data);
+        let n = 8u32;
+        for c in 0..n {
+            a.offer(key(c), &data, crc, &[1], 0);
+        }
+        let mut dst = vec![0u8; 1 << 20];
+        let t0 = Instant::now();
+        for c in 0..n {
+            b.fetch(&addr, "h0", &key(c), crc, &mut dst).unwrap();
+        }
+        let took = t0.elapsed().as_secs_f64();
+        let want = f64::from(n) * data.len() as f64 / rate as f64;
+        // The bucket starts empty and holds at most 50 ms of tokens.
+        assert!(took > 0.9 * want && took < 1.1 * want + 0.1, "{took:.3} s for {want:.3} s at the limit");
+        assert_eq!(link.bytes_sent(), u64::from(n) << 20);
     }
 
     #[test]
