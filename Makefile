@@ -90,7 +90,7 @@ chaos: build
 	TIERCEL_FUZZ_SECS=60 cargo test --release -p tiercel-core --lib fuzz -- --nocapture
 	TIERCEL_FUZZ_SECS=60 $(PY) -m pytest -q -s tests/test_tree_fuzz.py
 
-# The benchmarks of docs/performance.md, each against its physical limit and the framework's
+# The benchmarks of docs/performance.md (methods: docs/benchmarks.md), each against its physical limit and the framework's
 # own checkpointer in the same run. Run them on an otherwise idle machine.
 bench: build
 	$(PY) bench/save_restore.py

@@ -22,7 +22,7 @@ Python write + fsync, and read back cold.
     python bench/compression.py [--repeat 2] [--dir /var/tmp] [--update-docs]
 
 Timings are the best of --repeat rounds (round-robin over all rows). Writes bench/results/compression.json; with
---update-docs also the table in docs/performance.md (section "## Compression").
+--update-docs also the table in docs/benchmarks.md (section "## Compression").
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import tiercel
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-DOC = ROOT / "docs" / "performance.md"
+DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN = "<!-- compression-table:begin (bench/compression.py --update-docs writes between these lines) -->"
 END = "<!-- compression-table:end -->"
 
@@ -247,7 +247,7 @@ def update_docs(results: dict, command: str) -> None:
             END,
         ]
     )
-    text = DOC.read_text() if DOC.exists() else "# Performance\n"
+    text = DOC.read_text() if DOC.exists() else "# How each benchmark measures\n"
     if BEGIN in text and END in text:
         head, rest = text.split(BEGIN, 1)
         text = head + block + rest.split(END, 1)[1]
@@ -278,7 +278,7 @@ def main() -> int:
     ap.add_argument("--dir", default=os.environ.get("TMPDIR", "/var/tmp"), help="directory for the fs tiers and the baseline")
     ap.add_argument("--compressions", default=",".join(COMPRESSIONS), help="comma-separated fs tier compressions")
     ap.add_argument("--out", default=str(HERE / "results" / "compression.json"))
-    ap.add_argument("--update-docs", action="store_true", help="write the table into docs/performance.md")
+    ap.add_argument("--update-docs", action="store_true", help="write the table into docs/benchmarks.md")
     args = ap.parse_args()
 
     wpath = weights_file()

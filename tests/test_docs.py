@@ -42,6 +42,7 @@ DOCS = [
     "README.md",
     "docs/api.md",
     "docs/architecture.md",
+    "docs/benchmarks.md",
     "docs/cli.md",
     "docs/config.md",
     "docs/deepspeed.md",
