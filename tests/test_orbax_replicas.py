@@ -13,12 +13,12 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from test_orbax import run_job
 
 from conftest import new_shm_root
 from faultproxy import FaultProxy
 from orbax_state import COLS, ROWS
 from servers import moto_server, s3_env  # noqa: F401 (fixtures)
-from test_orbax import run_job
 
 pytest.importorskip("jax")
 pytest.importorskip("orbax.checkpoint")

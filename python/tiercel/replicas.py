@@ -82,7 +82,7 @@ def share_pieces(store: Store, step: int, wanted: dict[tuple[int, int], Reader])
     takers: dict[tuple[int, int], list[int]] = {}
     for p, (wants, _, _, at, _, keys) in enumerate(everyone):
         for key in keys if wants and at == step else ():
-            takers.setdefault(tuple(key), []).append(p)  # type: ignore[arg-type]
+            takers.setdefault((key[0], key[1]), []).append(p)
     shared = sorted(key for key, ps in takers.items() if len(ps) > 1)
     ranks = sorted({p for key in shared for p in takers[key]})
     if store.rank not in ranks or _chosen(store, everyone, ranks[0]) == "all":

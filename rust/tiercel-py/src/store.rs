@@ -15,6 +15,10 @@ use crate::errors::{invalid, TcResult};
 use crate::step::{StepReader, StepWriter};
 use crate::{json, seconds};
 
+/// One item of `Store.broadcast_items`: (reader, item index, owner rank, agreed position,
+/// indices of the members that read it).
+type SharedTuple = (Py<StepReader>, usize, u32, usize, Vec<usize>);
+
 #[pyclass(module = "tiercel._core", frozen)]
 pub struct Store {
     inner: Arc<core::Store>,
@@ -273,7 +277,7 @@ impl Store {
     fn broadcast_items<'py>(
         &self,
         py: Python<'py>,
-        items: Vec<(Py<StepReader>, usize, u32, usize, Vec<usize>)>,
+        items: Vec<SharedTuple>,
         members: Vec<(u32, String, String)>,
         mode: &str,
     ) -> TcResult<Bound<'py, PyDict>> {
