@@ -432,6 +432,8 @@ def leaf_kinds(policy: dict, directory: str) -> dict:
 
 def main() -> None:
     CFG.update(json.loads(sys.argv[1]))
+    if CFG.get("failpoint"):  # read by the core at its first use
+        os.environ["TIERCEL_FAILPOINT"] = CFG["failpoint"]
     # Before anything touches a device: CPU devices, then the job.
     jax.config.update("jax_num_cpu_devices", CFG["ndev"])
     if CFG["nproc"] > 1:
