@@ -97,6 +97,8 @@ def main() -> None:
         "store": {"chunk_size": cfg["chunk"], "threads": 2, "io_threads": 2},
         "traffic": {"mode": "off" if cfg["mode"] in ("nockpt", "local", "off") else cfg["mode"], "warmup": cfg["warmup"]},
     }
+    if cfg.get("mu") is not None:
+        policy["traffic"]["mu"] = cfg["mu"]
     store = tiercel.Store(policy)
     layers = cfg["buckets"]
     n = cfg["grad_mb"] * (1 << 20) // 4 // layers

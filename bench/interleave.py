@@ -87,8 +87,8 @@ def raw_throughput(net: Net, nbytes: int) -> float:
 def run_mode(net: Net, mode: str, ckpt_mb: int, args: argparse.Namespace, out: Path, shm: str) -> list[dict]:
     cfg = {"mode": mode, "steps": args.steps, "grad_mb": args.grad_mb, "ckpt_mb": ckpt_mb,
            "compute_s": args.compute_ms / 1e3, "backward_s": args.backward_ms / 1e3, "buckets": args.buckets,
-           "spin": args.spin, "pattern": args.pattern, "chunk": args.chunk, "warmup": args.warmup, "shm": shm,
-           "addrs": [net.addr(i) for i in range(net.n)], "out": str(out)}
+           "spin": args.spin, "pattern": args.pattern, "chunk": args.chunk, "warmup": args.warmup, "mu": args.mu,
+           "shm": shm, "addrs": [net.addr(i) for i in range(net.n)], "out": str(out)}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -267,6 +267,7 @@ def main() -> int:
                          "backward, each between two layers' compute (many short idle spans)")
     ap.add_argument("--chunk", default="1MiB", help="[store] chunk_size")
     ap.add_argument("--warmup", type=int, default=10, help="[traffic] warmup iterations")
+    ap.add_argument("--mu", type=float, default=None, help="[traffic] mu (default: the policy's, 0.8)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default=str(HERE / "results" / "interleave.json"))

@@ -85,13 +85,14 @@ def share_pieces(store: Store, step: int, wanted: dict[tuple[int, int], Reader])
             takers.setdefault((key[0], key[1]), []).append(p)
     shared = sorted(key for key, ps in takers.items() if len(ps) > 1)
     ranks = sorted({p for key in shared for p in takers[key]})
-    if store.rank not in ranks or _chosen(store, everyone, ranks[0]) == "all":
+    chosen = _chosen(store, everyone, ranks[0]) if store.rank in ranks else "all"
+    if chosen == "all":
         return None
     members = [(p, everyone[p][1], everyone[p][2]) for p in ranks]
     index = {p: i for i, p in enumerate(ranks)}
     items = [(wanted[key]._core, key[1], key[0], position, [index[p] for p in takers[key]])
              for position, key in enumerate(shared) if store.rank in takers[key]]
-    stats: dict[str, Any] = store._core.broadcast_items(items, members, _chosen(store, everyone, ranks[0]))
+    stats: dict[str, Any] = store._core.broadcast_items(items, members, chosen)
     _remember_rates(store, stats)
     return stats
 
