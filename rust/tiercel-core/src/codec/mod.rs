@@ -18,9 +18,26 @@ pub const RAW: &str = "raw";
 /// and the buffer a chunk's byte planes pass through.
 #[derive(Default)]
 struct Scratch {
-    compressor: Option<(i32, zstd::bulk::Compressor<'static>)>,
+    /// By (level, bytegroup): byte planes are compressed with parameters of their own.
+    compressor: Option<((i32, bool), zstd::bulk::Compressor<'static>)>,
     decompressor: Option<zstd::bulk::Decompressor<'static>>,
     planes: Vec<u8>,
+}
+
+/// zstd's parameters for byte planes at the fast levels (1-3), over its defaults for the
+/// level: a 16 KiB hash table (stays in the L1 cache), a 128 KiB window and matches of 7
+/// bytes or more. A plane of exponent or mantissa bytes gains from entropy coding and long
+/// runs, hardly from short matches far back. Measured on one core, 4 MiB float32 chunks
+/// (`codec_speed`): level 1 encodes ~20% faster and level 3 ~40% faster, each at a slightly
+/// better ratio. Higher levels keep zstd's own choice: whoever picks them wants the ratio.
+fn plane_parameters(level: i32) -> &'static [zstd::zstd_safe::CParameter] {
+    use zstd::zstd_safe::CParameter::{HashLog, MinMatch, WindowLog};
+    const FAST: [zstd::zstd_safe::CParameter; 3] = [HashLog(12), WindowLog(17), MinMatch(7)];
+    if level <= 3 {
+        &FAST
+    } else {
+        &[]
+    }
 }
 
 thread_local! {
@@ -49,8 +66,13 @@ pub fn encode(raw: &[u8], c: Compression, value_size: Option<usize>) -> Option<(
     };
     SCRATCH.with_borrow_mut(|s| {
         let Scratch { compressor, planes, .. } = s;
-        if compressor.as_ref().is_none_or(|(l, _)| *l != level) {
-            *compressor = Some((level, zstd::bulk::Compressor::new(level).ok()?));
+        let key = (level, group.is_some());
+        if compressor.as_ref().is_none_or(|(k, _)| *k != key) {
+            let mut zc = zstd::bulk::Compressor::new(level).ok()?;
+            for p in if key.1 { plane_parameters(level) } else { &[] } {
+                zc.set_parameter(*p).ok()?;
+            }
+            *compressor = Some((key, zc));
         }
         let input: &[u8] = match group {
             Some(n) => {
