@@ -52,11 +52,15 @@ LABELS = {"nockpt": "no checkpoint", "local": "save, no replication", "off": "sc
 PYTHON = sys.executable
 
 
-def shape(net: Net, rate: str) -> None:
-    """Every host's egress to `rate` (tc tbf): a host sends no faster than its link."""
+def shape(net: Net, rate: str, slow_start_after_idle: bool = True) -> None:
+    """Every host's egress to `rate` (tc tbf): a host sends no faster than its link. Without
+    `slow_start_after_idle`, a connection idle for a moment keeps its congestion window
+    (the namespace's net.ipv4.tcp_slow_start_after_idle = 0)."""
     for i in range(net.n):
         subprocess.run([*net.exec_prefix(i), "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate,
                         "burst", "256kb", "latency", "100ms"], check=True, capture_output=True)
+        subprocess.run([*net.exec_prefix(i), "sysctl", "-q", "-w",
+                        f"net.ipv4.tcp_slow_start_after_idle={int(slow_start_after_idle)}"], check=True, capture_output=True)
 
 
 def raw_throughput(net: Net, nbytes: int) -> float:
@@ -267,6 +271,8 @@ def main() -> int:
                          "backward, each between two layers' compute (many short idle spans)")
     ap.add_argument("--chunk", default="1MiB", help="[store] chunk_size")
     ap.add_argument("--warmup", type=int, default=10, help="[traffic] warmup iterations")
+    ap.add_argument("--no-slow-start-after-idle", action="store_true",
+                    help="hosts keep a connection's congestion window across idle spans (sysctl, per namespace)")
     ap.add_argument("--mu", type=float, default=None, help="[traffic] mu (default: the policy's, 0.8)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--timeout", type=float, default=1800)
@@ -293,7 +299,7 @@ def main() -> int:
               "| --- | --- | --- | " + " | ".join("---" for _ in MODES[1:]) + " |")
     try:
         for rate in rates:
-            shape(net, rate)
+            shape(net, rate, not args.no_slow_start_after_idle)
             raw = raw_throughput(net, max(8 << 20, args.grad_mb << 21))
             print(f"{rate}: raw TCP over the shaped link {raw / 1e6:.1f} MB/s; the all-reduce of {args.grad_mb} MiB "
                   f"moves about {args.grad_mb * 2**20 / raw * 1e3:.0f} ms of link time per step", flush=True)
