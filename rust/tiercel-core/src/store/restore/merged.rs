@@ -1,6 +1,6 @@
 //! Merged reads from tiers where every request costs a round trip (object stores): the
-//! chunks of an item that lie back to back in one object are fetched in ranged requests of up
-//! to a part's worth (`Tier::merged_reads`), several in flight, not one request per chunk on
+//! chunks of an item that lie back to back in one object are fetched in ranged requests of a
+//! part's worth or more (`Tier::merged_reads`, `run_bytes`), several in flight, not one request per chunk on
 //! the copy threads, so a restore sends no more requests than a managed download of the same
 //! bytes would. Each chunk is still decoded and checked against its own CRC32C before it is
 //! used; a chunk that fails (or a request that fails) is read again on its own, from the
@@ -42,6 +42,15 @@ pub(super) fn runs(chunks: &[ChunkMeta], range: Range<usize>, max: u64) -> Vec<R
     out
 }
 
+/// The most stored bytes one request reads for `chunks`: a part's worth, or more for a large
+/// read, as long as `in_flight` requests still share it (up to 4 parts each). Fewer, longer
+/// requests keep as many streams busy and cost less per byte: a request per run, and on a
+/// server that reads a whole object for each ranged GET (moto), one such read per request.
+fn run_bytes(chunks: &[ChunkMeta], merge: MergedReads) -> u64 {
+    let stored: u64 = chunks.iter().map(|c| c.stored_len).sum();
+    merge.bytes.max(stored.div_ceil(merge.in_flight.max(1) as u64).min(4 * merge.bytes))
+}
+
 impl StepReader {
     /// `read_owned_into` from the first source in merged runs: bytes `start..end` of item `i`
     /// into `buf`. Returns the indices of the sources the chunks came from.
@@ -50,7 +59,8 @@ impl StepReader {
         let chunks = &m.items[i].chunks;
         let mut regions: Vec<(Range<usize>, &mut [u8])> = vec![];
         let mut rest = buf;
-        for run in runs(chunks, super::overlapping(chunks, start, end), merge.bytes) {
+        let range = super::overlapping(chunks, start, end);
+        for run in runs(chunks, range.clone(), run_bytes(&chunks[range], merge)) {
             let (first, last) = (&chunks[run.start], &chunks[run.end - 1]);
             let n = (last.offset + last.len).min(end) - first.offset.max(start);
             let (a, b) = rest.split_at_mut(n as usize);
