@@ -77,7 +77,9 @@ def share_pieces(store: Store, step: int, wanted: dict[tuple[int, int], Reader])
     `[restore] replicated = "all"`; returns the broadcast's statistics or None."""
     if not _shares(store):
         return None
-    mine = sorted(key for key, r in wanted.items() if _slow(store, r))
+    # Whether a reader's tier is slow, once per saved rank: many pieces share a reader.
+    slow = {rank for rank, r in {key[0]: r for key, r in wanted.items()}.items() if _slow(store, r)}
+    mine = sorted(key for key in wanted if key[0] in slow)
     everyone = _meet(store, bool(mine), step, mine)
     takers: dict[tuple[int, int], list[int]] = {}
     for p, (wants, _, _, at, _, keys) in enumerate(everyone):

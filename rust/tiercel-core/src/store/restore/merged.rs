@@ -2,9 +2,9 @@
 //! chunks of an item that lie back to back in one object are fetched in ranged requests of a
 //! part's worth or more (`Tier::merged_reads`, `run_bytes`), several in flight, not one
 //! request per chunk on the copy threads, so a restore sends no more requests than a managed
-//! download of the same bytes would. Each chunk is still decoded and checked against its own CRC32C before it is
-//! used; a chunk that fails (or a request that fails) is read again on its own, from the
-//! first tier with a valid copy.
+//! download of the same bytes would. Each chunk is still decoded and checked against its own
+//! CRC32C before it is used; a chunk that fails (or a request that fails) is read again on
+//! its own, from the first tier with a valid copy.
 
 use std::ops::Range;
 
