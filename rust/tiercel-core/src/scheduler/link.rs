@@ -105,7 +105,7 @@ impl Link {
                     cost: self.cost(bytes),
                     pipeline_end: *self.pipeline_end.lock(),
                 };
-                t.wait_turn(&self.name, bytes, view, |now| {
+                t.wait_turn(&self.name, self.id, bytes, view, |now| {
                     if let Some(c) = self.cost(bytes) {
                         let mut end = self.pipeline_end.lock();
                         *end = end.max(now) + c;
@@ -155,6 +155,11 @@ impl Link {
         let queued: Vec<(u64, f64)> = all.iter().filter(|o| o.2).map(|o| (o.0, o.1)).collect();
         let obs = if queued.len() >= MIN_BACK_TO_BACK { queued } else { all.iter().map(|o| (o.0, o.1)).collect() };
         fit_link(&obs).map(|m| m.capped(self.rate))
+    }
+
+    /// What tells this link from the others (the scheduler lends waiting jobs' slots by it).
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 
     /// Bytes admitted onto this link so far.
@@ -208,6 +213,7 @@ impl Link {
             }
         };
         if wait > 0.0 {
+            let _lent = super::lend(self.id);
             std::thread::sleep(Duration::from_secs_f64(wait));
         }
     }

@@ -11,6 +11,11 @@
 //!   writes between two chunks;
 //! - `plan`: the learned schedule (GEMINI): idle spans per iteration and the link's alpha and
 //!   bandwidth learned from the first iterations, and chunks planned to fit mu x span.
+//!
+//! `threads` jobs run at once. A job whose chunk waits at its link (the traffic gate, the
+//! token bucket) lends its slot meanwhile to the next queued job on another link (`lend`), so
+//! that a flush to memory or a persist to local disk never waits behind a replica paused
+//! while the training job communicates. Spare workers, as many again, take the lent slots.
 
 mod link;
 pub mod plan;
@@ -19,6 +24,7 @@ mod signals;
 pub use link::{Link, LinkKind, ReadGuard};
 pub use signals::{Clock, Event, Mode, SystemClock, Traffic, TrafficConfig};
 
+use std::cell::RefCell;
 use std::collections::BinaryHeap;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -78,7 +84,11 @@ impl Ord for Queued {
 #[derive(Default)]
 struct State {
     queue: BinaryHeap<Queued>,
+    /// Jobs that may run at once (the rest of the workers take slots that waiting jobs lend).
+    slots: usize,
     running: usize,
+    /// The links of the running jobs whose chunk waits at its link now, one entry per job.
+    waiting_on: Vec<u64>,
     running_keys: Vec<String>,
     seq: u64,
     shutdown: bool,
@@ -97,8 +107,10 @@ pub struct Scheduler {
 
 impl Scheduler {
     pub fn new(threads: usize) -> Arc<Scheduler> {
-        let shared = Arc::new(Shared { state: Mutex::new(State::default()), wake: Condvar::new(), idle: Condvar::new() });
-        let workers = (0..threads.max(1))
+        let slots = threads.max(1);
+        let state = State { slots, ..State::default() };
+        let shared = Arc::new(Shared { state: Mutex::new(state), wake: Condvar::new(), idle: Condvar::new() });
+        let workers = (0..2 * slots)
             .map(|i| {
                 let s = shared.clone();
                 std::thread::Builder::new().name(format!("tiercel-io-{i}")).spawn(move || worker(s)).expect("spawn scheduler worker")
@@ -157,12 +169,18 @@ impl Scheduler {
     }
 }
 
-/// The most urgent queued job whose key is not running already.
+/// The most urgent queued job whose key is not running already, if a slot is free: one of
+/// the `slots`, or one that a waiting job lends, which only a job on another link may take.
 fn take_runnable(st: &mut State) -> Option<Job> {
+    if st.running >= st.slots + st.waiting_on.len() {
+        return None;
+    }
+    let lent_only = st.running >= st.slots;
     let mut held = vec![];
     let mut found = None;
     while let Some(q) = st.queue.pop() {
-        if q.job.supersede_key.as_ref().is_some_and(|k| st.running_keys.contains(k)) {
+        let key_runs = q.job.supersede_key.as_ref().is_some_and(|k| st.running_keys.contains(k));
+        if key_runs || (lent_only && st.waiting_on.contains(&q.job.link.id())) {
             held.push(q);
         } else {
             found = Some(q.job);
@@ -173,7 +191,37 @@ fn take_runnable(st: &mut State) -> Option<Job> {
     found
 }
 
+thread_local! {
+    /// The scheduler whose worker this thread is (`lend` needs it).
+    static WORKER: RefCell<Option<Arc<Shared>>> = const { RefCell::new(None) };
+}
+
+/// A job's chunk waiting at its link: while it lives, the job's slot is lent (see the module).
+pub(crate) struct Lent {
+    shared: Arc<Shared>,
+    link: u64,
+}
+
+/// Lends the slot of the job this thread runs until the returned guard drops; None off a
+/// worker thread (a restore on the caller's thread, a tool).
+pub(crate) fn lend(link: u64) -> Option<Lent> {
+    let shared = WORKER.with(|w| w.borrow().clone())?;
+    shared.state.lock().waiting_on.push(link);
+    shared.wake.notify_one();
+    Some(Lent { shared, link })
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        let mut st = self.shared.state.lock();
+        if let Some(i) = st.waiting_on.iter().position(|&l| l == self.link) {
+            st.waiting_on.swap_remove(i);
+        }
+    }
+}
+
 fn worker(s: Arc<Shared>) {
+    WORKER.with(|w| *w.borrow_mut() = Some(s.clone()));
     loop {
         let job = {
             let mut st = s.state.lock();
@@ -299,6 +347,51 @@ mod tests {
         }
         s.wait_idle();
         assert_eq!(worst.load(Ordering::SeqCst), 1);
+        s.shutdown();
+    }
+
+    /// Waits (polling, up to 10 s) until `f` holds of the scheduler's state.
+    fn until(s: &Scheduler, f: impl Fn(&State) -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !f(&s.shared.state.lock()) {
+            assert!(std::time::Instant::now() < deadline, "the scheduler never got there");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    #[test]
+    fn a_job_waiting_at_its_link_lends_its_slot_to_another_link() {
+        let traffic = Traffic::new(TrafficConfig { mode: Mode::Signals, ..Default::default() }, SystemClock::shared());
+        let net = Link::with_traffic("peer", None, LinkKind::Network, traffic.clone());
+        let local = Link::with_traffic("memory", None, LinkKind::Local, traffic.clone());
+        let s = Scheduler::new(1);
+        let log = Arc::new(Mutex::new(vec![]));
+        let run = |link: &Arc<Link>, p: Priority, label: &'static str| {
+            let (l, log) = (link.clone(), log.clone());
+            Job {
+                link: link.clone(),
+                priority: p,
+                size: 1,
+                label: label.into(),
+                supersede_key: None,
+                run: Box::new(move |_| {
+                    l.acquire(1);
+                    log.lock().push(label);
+                }),
+            }
+        };
+        traffic.busy(); // the training job communicates: chunks on the network link wait
+        s.submit(run(&net, Priority::Replicate, "replica"));
+        until(&s, |st| st.waiting_on == vec![net.id()]);
+        // The one slot is lent: a flush to memory runs now, a second chunk for the paused
+        // link does not take it.
+        s.submit(run(&net, Priority::Persist, "persist on the same link"));
+        s.submit(run(&local, Priority::Flush, "flush"));
+        until(&s, |st| st.queue.len() == 1 && st.running == 1);
+        assert_eq!(*log.lock(), vec!["flush"]);
+        traffic.idle().unwrap();
+        s.wait_idle();
+        assert_eq!(*log.lock(), vec!["flush", "replica", "persist on the same link"]);
         s.shutdown();
     }
 

@@ -304,12 +304,13 @@ impl Traffic {
         }
     }
 
-    /// Blocks until a chunk of `bytes` may leave on the link `view` describes; returns the
-    /// clock time it was admitted at. `admit` runs under the lock when it goes (the link
-    /// moves its pipeline on).
-    pub(super) fn wait_turn(&self, name: &str, bytes: u64, view: impl Fn() -> LinkView, admit: impl FnOnce(f64)) -> f64 {
+    /// Blocks until a chunk of `bytes` may leave on link `name` (`link_id`), which `view`
+    /// describes; returns the clock time it was admitted at. `admit` runs under the lock when
+    /// it goes (the link moves its pipeline on). While it waits, its job's slot is lent.
+    pub(super) fn wait_turn(&self, name: &str, link_id: u64, bytes: u64, view: impl Fn() -> LinkView, admit: impl FnOnce(f64)) -> f64 {
         let mut st = self.st.lock();
         let mut waited_from = None;
+        let mut lent = None;
         loop {
             let now = self.clock.now();
             let d = self.decide(&st, &view(), now);
@@ -318,6 +319,9 @@ impl Traffic {
                 Decision::Floor(s) => Some(s),
                 Decision::Wait | Decision::Until(_) => {
                     waited_from.get_or_insert(now);
+                    if lent.is_none() {
+                        lent = super::lend(link_id);
+                    }
                     let dt = match d {
                         Decision::Until(t) => Duration::from_secs_f64((t - now).clamp(0.0, POLL.as_secs_f64())),
                         _ => POLL,
@@ -334,6 +338,7 @@ impl Traffic {
             st.record(Event { t: now, kind: "chunk", link: name.to_string(), bytes, seconds: None });
             drop(st);
             if let Some(s) = floor {
+                let _lent = lent.or_else(|| super::lend(link_id));
                 std::thread::sleep(Duration::from_secs_f64(s));
             }
             return now;
