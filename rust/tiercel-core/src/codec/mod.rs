@@ -30,13 +30,24 @@ struct Scratch {
 /// runs, hardly from short matches far back. Measured on one core, 4 MiB float32 chunks
 /// (`codec_speed`): level 1 encodes ~20% faster and level 3 ~40% faster, each at a slightly
 /// better ratio. Higher levels keep zstd's own choice: whoever picks them wants the ratio.
+///
+/// Level 1 goes further: zstd's fastest match finder, which skips ahead faster the longer it
+/// finds nothing (`TargetLength` 16), with the literals still Huffman-coded (zstd turns that
+/// off for such settings unless told). On an exponent plane, whose bytes rarely repeat in
+/// runs, the match search was most of the time: measured on one core, the exponent plane of
+/// a 4 MiB bfloat16 chunk (weights ~N(0, 0.05)) encodes at 0.9-1.0 GB/s instead of 0.4, at a
+/// ratio of 2.90 instead of 2.83, and decodes twice as fast. A plane that is 90% zeros keeps
+/// a ratio of 6.8 instead of 7.3; level 3 keeps the search for such data.
 fn plane_parameters(level: i32) -> &'static [zstd::zstd_safe::CParameter] {
-    use zstd::zstd_safe::CParameter::{HashLog, MinMatch, WindowLog};
+    use zstd::zstd_safe::CParameter::{HashLog, LiteralCompressionMode, MinMatch, Strategy, TargetLength, WindowLog};
+    use zstd::zstd_safe::{ParamSwitch, Strategy as S};
     const FAST: [zstd::zstd_safe::CParameter; 3] = [HashLog(12), WindowLog(17), MinMatch(7)];
-    if level <= 3 {
-        &FAST
-    } else {
-        &[]
+    const FASTEST: [zstd::zstd_safe::CParameter; 6] =
+        [HashLog(12), WindowLog(17), MinMatch(7), Strategy(S::ZSTD_fast), TargetLength(16), LiteralCompressionMode(ParamSwitch::Enable)];
+    match level {
+        ..=1 => &FASTEST,
+        2..=3 => &FAST,
+        _ => &[],
     }
 }
 
@@ -263,15 +274,19 @@ mod tests {
             x ^= x << 5;
             x as f32 / u32::MAX as f32
         };
-        let raw: Vec<u8> = (0..1 << 20).flat_map(|_| ((next() + next() + next() - 1.5) * 0.05).to_le_bytes()).collect();
-        for (label, c) in
-            [("zstd:1", z(1, false)), ("zstd:3", z(3, false)), ("bytegroup+zstd:1", z(1, true)), ("bytegroup+zstd:3", z(3, true))]
+        let values: Vec<f32> = (0..1 << 20).map(|_| (next() + next() + next() - 1.5) * 0.05).collect();
+        let f32_raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        // bfloat16: the high half of each float32, two values per float (4 MiB too).
+        let bf16_raw: Vec<u8> = values.iter().chain(&values).flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect();
+        let codecs = [("zstd:1", z(1, false)), ("zstd:3", z(3, false)), ("bytegroup+zstd:1", z(1, true)), ("bytegroup+zstd:3", z(3, true))];
+        for ((dtype, raw, size), (label, c)) in
+            [("float32", &f32_raw, 4), ("bfloat16", &bf16_raw, 2)].into_iter().flat_map(|d| codecs.iter().map(move |c| (d, *c)))
         {
             let rounds = 10;
             let t0 = std::time::Instant::now();
             let mut last = None;
             for _ in 0..rounds {
-                last = Some(stored(&raw, c, Some(4)));
+                last = Some(stored(raw, c, Some(size)));
             }
             let enc = t0.elapsed().as_secs_f64();
             let (name, st) = last.unwrap();
@@ -282,7 +297,12 @@ mod tests {
             }
             let dec = t0.elapsed().as_secs_f64();
             let gb = (rounds * raw.len()) as f64 / 1e9;
-            println!("{label}: ratio {:.3}, encode {:.2} GB/s, decode {:.2} GB/s", raw.len() as f64 / st.len() as f64, gb / enc, gb / dec);
+            println!(
+                "{dtype} {label}: ratio {:.3}, encode {:.2} GB/s, decode {:.2} GB/s",
+                raw.len() as f64 / st.len() as f64,
+                gb / enc,
+                gb / dec
+            );
         }
     }
 }
