@@ -116,6 +116,8 @@ pub struct Event {
 struct State {
     busy: u32,
     busy_since: f64,
+    /// When the training job's communication last ended (the idle span now running began).
+    idle_since: f64,
     iteration_start: Option<f64>,
     iterations: u64,
     current: IterationTrace,
@@ -210,6 +212,7 @@ impl Traffic {
         if st.busy == 0 {
             let since = st.busy_since;
             close_busy(&mut st, since, now);
+            st.idle_since = now;
             st.record(Event { t: now, kind: "idle", link: String::new(), bytes: 0, seconds: None });
             self.changed.notify_all();
         }
@@ -366,11 +369,28 @@ impl Traffic {
         }
         match (self.config.mode, &st.profile, st.iteration_start, link.cost) {
             (Mode::Learned, Some(p), Some(it), Some(cost)) if now - it < 2.0 * p.iteration => {
+                let it = anchored(p, it, st.idle_since);
                 learned_slot(p, self.config.mu, it, now, link.pipeline_end, cost)
             }
             _ => Decision::Go,
         }
     }
+}
+
+/// Where the learned spans lie in this iteration: the iteration's start `it`, moved so that
+/// the learned span nearest to the idle span now running starts when it did (`idle_since`,
+/// the last `idle()`). The training job's collectives drift against the profile: a
+/// checkpoint's chunks slowed them during the warmup (the learned spans start late), or an
+/// iteration runs a little slower or faster. Fitted to the offsets alone, a chunk would then
+/// wait for a span that has already begun and run into the collective that ends it. An idle
+/// span that began before this iteration (no signal since) keeps the learned offsets.
+fn anchored(p: &IdleProfile, it: f64, idle_since: f64) -> f64 {
+    if idle_since <= it {
+        return it;
+    }
+    let began = idle_since - it;
+    let nearest = p.spans.iter().map(|s| s.offset).min_by(|a, b| (a - began).abs().total_cmp(&(b - began).abs()));
+    nearest.map_or(it, |offset| it + began - offset)
 }
 
 /// In iteration started at `it`, a chunk of `cost` seconds that could start at `now` or when
