@@ -249,36 +249,36 @@ fn the_learned_gate_fits_chunks_into_the_learned_spans() {
 fn the_learned_spans_follow_the_idle_signal_when_the_collectives_drift() {
     let clock = Arc::new(FakeClock(parking_lot::Mutex::new(0.0)));
     let view = |cost: f64, pipeline_end: f64| LinkView { network: true, bytes: 1, cost: Some(cost), pipeline_end };
-    // The learned second span is 50-60 ms (8 ms usable); here the all-reduce before it ends
-    // 8 ms early, at 42 ms, so the span really is 42-52 ms.
-    let t = learned(&clock, 20);
     let it = 2.0;
-    let signal = |busy: f64, idle: f64| {
+    // One iteration of `learned`, the 21st, with one all-reduce signalled at `busy`-`idle`.
+    let drifted = |busy: f64, idle: f64| {
+        let t = learned(&clock, 20);
         clock.set(it + busy);
         t.busy();
         clock.set(it + idle);
         t.idle().unwrap();
+        t
     };
-    signal(0.022, 0.042);
-    // A 7 ms chunk goes at once (the offsets alone would hold it until 50 ms and let it run
-    // into the all-reduce at 52 ms).
-    assert_eq!(t.decide_at(&view(0.007, f64::NEG_INFINITY), it + 0.042), Decision::Go);
-    // Behind it, a 5 ms chunk would end at 54 ms, past the span's usable 8 ms (50 ms): it
-    // waits for the third span, which is moved as much (80 - 8 ms).
-    assert_until(t.decide_at(&view(0.005, it + 0.049), it + 0.043), it + 0.072);
+    // The learned second span is 50-60 ms (8 ms usable). The all-reduce before it ends 4 ms
+    // early, so the span really is 46-56 ms: a 7 ms chunk goes at once (by the offsets alone
+    // it would wait until 50 ms and run into the all-reduce at 56 ms).
+    let t = drifted(0.026, 0.046);
+    assert_eq!(t.decide_at(&view(0.007, f64::NEG_INFINITY), it + 0.046), Decision::Go);
+    // Behind it, a 5 ms chunk would end at 58 ms, past the usable part (54 ms): it waits
+    // for the third span, moved as much (80 - 4 ms).
+    assert_until(t.decide_at(&view(0.005, it + 0.053), it + 0.047), it + 0.076);
 
-    // An all-reduce that ends 5 ms late, at 55 ms: the span is 55-65 ms, and a 6 ms chunk
-    // fits it (against the learned 50-58 ms it would wait for the third span).
-    let t = learned(&clock, 20);
-    let signal = |busy: f64, idle: f64| {
-        clock.set(it + busy);
-        t.busy();
-        clock.set(it + idle);
-        t.idle().unwrap();
-    };
-    signal(0.035, 0.055);
-    assert_eq!(t.decide_at(&view(0.006, f64::NEG_INFINITY), it + 0.055), Decision::Go);
-    assert_until(t.decide_at(&view(0.006, it + 0.061), it + 0.056), it + 0.085);
+    // The all-reduce ends 4 ms late: the span is 54-64 ms, and a 6 ms chunk fits it (against
+    // the learned 50-58 ms it would wait for the third span).
+    let t = drifted(0.034, 0.054);
+    assert_eq!(t.decide_at(&view(0.006, f64::NEG_INFINITY), it + 0.054), Decision::Go);
+    assert_until(t.decide_at(&view(0.006, it + 0.060), it + 0.055), it + 0.084);
+
+    // A short gap 20 ms into the first span, after a collective the profile never saw, is
+    // further than 5% of the iteration from every learned span: it is not given the first
+    // span's 24 ms. A 10 ms chunk fits no span from there on but the third.
+    let t = drifted(0.015, 0.020);
+    assert_until(t.decide_at(&view(0.010, f64::NEG_INFINITY), it + 0.020), it + 0.08);
 }
 
 #[test]

@@ -377,20 +377,31 @@ impl Traffic {
     }
 }
 
+/// How far (a share of the learned iteration) an idle span may start from a learned one and
+/// still be taken for it. Collectives drift by a few percent of the iteration; an idle span
+/// further from every learned one is not one of them (a short gap where the profile, taken
+/// while chunks slowed the collectives, saw them merged), and giving it a learned span's
+/// length would send chunks into the collective that ends it.
+const DRIFT: f64 = 0.05;
+
 /// Where the learned spans lie in this iteration: the iteration's start `it`, moved so that
 /// the learned span nearest to the idle span now running starts when it did (`idle_since`,
-/// the last `idle()`). The training job's collectives drift against the profile: a
-/// checkpoint's chunks slowed them during the warmup (the learned spans start late), or an
-/// iteration runs a little slower or faster. Fitted to the offsets alone, a chunk would then
-/// wait for a span that has already begun and run into the collective that ends it. An idle
-/// span that began before this iteration (no signal since) keeps the learned offsets.
+/// the last `idle()`), if that is within `DRIFT`. The training job's collectives drift
+/// against the profile: a checkpoint's chunks slowed them during the warmup (the learned
+/// spans start late), or an iteration runs a little slower or faster. Fitted to the offsets
+/// alone, a chunk would then wait for a span that has already begun and run into the
+/// collective that ends it. An idle span that began before this iteration (no signal
+/// since) keeps the learned offsets.
 fn anchored(p: &IdleProfile, it: f64, idle_since: f64) -> f64 {
     if idle_since <= it {
         return it;
     }
     let began = idle_since - it;
-    let nearest = p.spans.iter().map(|s| s.offset).min_by(|a, b| (a - began).abs().total_cmp(&(b - began).abs()));
-    nearest.map_or(it, |offset| it + began - offset)
+    let drift = p.spans.iter().map(|s| began - s.offset).min_by(|a, b| a.abs().total_cmp(&b.abs()));
+    match drift {
+        Some(d) if d.abs() <= DRIFT * p.iteration => it + d,
+        _ => it,
+    }
 }
 
 /// In iteration started at `it`, a chunk of `cost` seconds that could start at `now` or when
