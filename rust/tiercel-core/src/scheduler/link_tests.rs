@@ -279,6 +279,20 @@ fn the_learned_spans_follow_the_idle_signal_when_the_collectives_drift() {
     // span's 24 ms. A 10 ms chunk fits no span from there on but the third.
     let t = drifted(0.015, 0.020);
     assert_until(t.decide_at(&view(0.010, f64::NEG_INFINITY), it + 0.020), it + 0.08);
+
+    // Drift adds up through the iteration: 4 ms early at the second span, 8 ms at the third
+    // (more than 5% of the iteration from its learned 80 ms, but 4 ms from the drift before).
+    // A 10 ms chunk then fits the third span's 16 usable ms from 72 ms.
+    let t = drifted(0.026, 0.046);
+    clock.set(it + 0.052);
+    t.busy();
+    clock.set(it + 0.072);
+    t.idle().unwrap();
+    assert_eq!(t.decide_at(&view(0.010, f64::NEG_INFINITY), it + 0.072), Decision::Go);
+    // The next iteration starts where it learned to.
+    clock.set(it + 0.1);
+    t.iteration();
+    assert_until(t.decide_at(&view(0.010, it + 0.12), it + 0.101), it + 0.18);
 }
 
 #[test]

@@ -116,8 +116,9 @@ pub struct Event {
 struct State {
     busy: u32,
     busy_since: f64,
-    /// When the training job's communication last ended (the idle span now running began).
-    idle_since: f64,
+    /// How much later (negative: earlier) than learned the idle spans of this iteration
+    /// begin, as the last `idle()` found (`drift`); 0 at each iteration's start.
+    drift: f64,
     iteration_start: Option<f64>,
     iterations: u64,
     current: IterationTrace,
@@ -212,7 +213,9 @@ impl Traffic {
         if st.busy == 0 {
             let since = st.busy_since;
             close_busy(&mut st, since, now);
-            st.idle_since = now;
+            if let (Some(p), Some(it)) = (&st.profile, st.iteration_start) {
+                st.drift = drift(p, now - it, st.drift);
+            }
             st.record(Event { t: now, kind: "idle", link: String::new(), bytes: 0, seconds: None });
             self.changed.notify_all();
         }
@@ -250,6 +253,7 @@ impl Traffic {
             }
         }
         st.iteration_start = Some(now);
+        st.drift = 0.0;
         st.iterations += 1;
         st.record(Event { t: now, kind: "iteration", link: String::new(), bytes: 0, seconds: None });
         self.changed.notify_all();
@@ -369,38 +373,35 @@ impl Traffic {
         }
         match (self.config.mode, &st.profile, st.iteration_start, link.cost) {
             (Mode::Learned, Some(p), Some(it), Some(cost)) if now - it < 2.0 * p.iteration => {
-                let it = anchored(p, it, st.idle_since);
-                learned_slot(p, self.config.mu, it, now, link.pipeline_end, cost)
+                learned_slot(p, self.config.mu, it + st.drift, now, link.pipeline_end, cost)
             }
             _ => Decision::Go,
         }
     }
 }
 
-/// How far (a share of the learned iteration) an idle span may start from a learned one and
-/// still be taken for it. Collectives drift by a few percent of the iteration; an idle span
-/// further from every learned one is not one of them (a short gap where the profile, taken
-/// while chunks slowed the collectives, saw them merged), and giving it a learned span's
-/// length would send chunks into the collective that ends it.
+/// How much further (a share of the learned iteration) an idle span may start from a learned
+/// one than the one before it did, and still be taken for it.
 const DRIFT: f64 = 0.05;
 
-/// Where the learned spans lie in this iteration: the iteration's start `it`, moved so that
-/// the learned span nearest to the idle span now running starts when it did (`idle_since`,
-/// the last `idle()`), if that is within `DRIFT`. The training job's collectives drift
-/// against the profile: a checkpoint's chunks slowed them during the warmup (the learned
-/// spans start late), or an iteration runs a little slower or faster. Fitted to the offsets
-/// alone, a chunk would then wait for a span that has already begun and run into the
-/// collective that ends it. An idle span that began before this iteration (no signal
-/// since) keeps the learned offsets.
-fn anchored(p: &IdleProfile, it: f64, idle_since: f64) -> f64 {
-    if idle_since <= it {
-        return it;
-    }
-    let began = idle_since - it;
-    let drift = p.spans.iter().map(|s| began - s.offset).min_by(|a, b| a.abs().total_cmp(&b.abs()));
-    match drift {
-        Some(d) if d.abs() <= DRIFT * p.iteration => it + d,
-        _ => it,
+/// Where the learned spans lie in this iteration, from an idle span that began `began`
+/// seconds into it: the learned span nearest to it (allowing for the `previous` drift) is
+/// taken to start then, and the later spans move with it.
+///
+/// The training job's collectives drift against the profile: a checkpoint's chunks slowed
+/// them during the warmup (the learned spans start late), or an iteration runs a little
+/// slower or faster; each collective shifts all that follows it, so the drift grows
+/// through the iteration. Fitted to the offsets alone, a chunk would wait for a span that
+/// has already begun and run into the collective that ends it. An idle span whose drift
+/// differs from the previous one's by more than `DRIFT` of the iteration is not one of the
+/// learned spans (a short gap where the profile, taken while chunks slowed the collectives,
+/// saw them merged): giving it a learned span's length would send chunks into the
+/// collective that ends it, so the previous drift stands.
+fn drift(p: &IdleProfile, began: f64, previous: f64) -> f64 {
+    let d = p.spans.iter().map(|s| began - s.offset).min_by(|a, b| (a - previous).abs().total_cmp(&(b - previous).abs()));
+    match d {
+        Some(d) if (d - previous).abs() <= DRIFT * p.iteration => d,
+        _ => previous,
     }
 }
 
