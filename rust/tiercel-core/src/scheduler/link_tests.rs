@@ -274,9 +274,9 @@ fn the_learned_spans_follow_the_idle_signal_when_the_collectives_drift() {
     assert_eq!(t.decide_at(&view(0.006, f64::NEG_INFINITY), it + 0.054), Decision::Go);
     assert_until(t.decide_at(&view(0.006, it + 0.060), it + 0.055), it + 0.084);
 
-    // A short gap 20 ms into the first span, after a collective the profile never saw, is
-    // further than 5% of the iteration from every learned span: it is not given the first
-    // span's 24 ms. A 10 ms chunk fits no span from there on but the third.
+    // A short gap 20 ms into the first span, after a collective the profile never saw: its
+    // drift from every learned span differs from the iteration's so far (0) by more than 5%
+    // of the iteration, so it is not given the first span's 24 ms. A 10 ms chunk fits no span from there on but the third.
     let t = drifted(0.015, 0.020);
     assert_until(t.decide_at(&view(0.010, f64::NEG_INFINITY), it + 0.020), it + 0.08);
 
