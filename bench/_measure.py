@@ -60,3 +60,50 @@ def huge_tmpfs(size_bytes: int) -> Iterator[Path | None]:
         if mounted:
             subprocess.run(["umount", str(where)], check=False)
         shutil.rmtree(where, ignore_errors=True)
+
+
+def map_and_read_once(root: Path, nbytes: int, repeat: int) -> tuple[tuple[float, list[float]], tuple[float, list[float]]]:
+    """The physical limit of a restore from RAM that copies nothing and verifies every byte:
+    map the pages of a stored file (MADV_POPULATE_READ: page-table entries, no copy) and read
+    each byte once (an XOR over them), both on every core. Returns (median, samples) of each
+    part. The file is written under `root`, so its pages are backed as the memory tier's are
+    (4 KiB or huge pages); freeing the mapping is not timed, as in `median_time`."""
+    import ctypes
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    madvise = ctypes.CDLL(None, use_errno=True).madvise  # ctypes releases the GIL: one call per core
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    populate_read = 22  # MADV_POPULATE_READ, Linux 5.14
+    n = os.cpu_count() or 1
+    nbytes = nbytes // (4096 * n) * 4096 * n  # whole pages per core
+    cuts = [(i * nbytes // n, (i + 1) * nbytes // n) for i in range(n)]
+    path = root / "map-and-read-once.bin"
+    root.mkdir(parents=True, exist_ok=True)
+    maps, reads = [], []
+    with ThreadPoolExecutor(n) as pool:
+        try:
+            with open(path, "wb") as f:  # written, as a stored step is: no holes
+                block = np.arange(1 << 20, dtype=np.uint64).tobytes()  # 8 MiB
+                for at in range(0, nbytes, len(block)):
+                    f.write(block[: nbytes - at])
+            with open(path, "r+b") as f:
+                for _ in range(repeat):
+                    m = mmap.mmap(f.fileno(), nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+                    words = np.frombuffer(m, np.uint64)
+                    base = words.ctypes.data
+                    t0 = time.perf_counter()
+                    if any(pool.map(lambda c: madvise(base + c[0], c[1] - c[0], populate_read), cuts)):
+                        raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_READ) failed: Linux 5.14 or later needed")
+                    maps.append(time.perf_counter() - t0)
+                    slices = [words[a // 8 : b // 8] for a, b in cuts]
+                    t0 = time.perf_counter()
+                    list(pool.map(np.bitwise_xor.reduce, slices))
+                    reads.append(time.perf_counter() - t0)
+                    del words, slices  # the mapping closes only once no array holds it
+                    m.close()
+        finally:
+            path.unlink(missing_ok=True)
+    return (statistics.median(maps), maps), (statistics.median(reads), reads)

@@ -545,9 +545,19 @@ fn a_restarted_job_prefaults_its_first_save_after_restoring_from_ram() {
     assert_eq!(again.memory().pool_len(), 0, "a restore from disk pre-faults nothing");
     again.close();
 
-    // Restored from RAM: segments of the restored parts' sizes wait for the first save.
+    // Restored from RAM: segments of the restored parts' sizes wait for the first save,
+    // queued once the restore is done, so that they take no core from it.
     let restarted = Store::open(policy(), 0, 1).unwrap();
     assert_eq!(restarted.memory().pool_len(), 0, "nothing is pre-faulted at open");
+    let looked = StepReader::open(&restarted, 1, 0, None, &JobFilter::Mine).unwrap();
+    drop(looked);
+    restarted.flush();
+    assert_eq!(restarted.memory().pool_len(), 0, "a reader that read nothing pre-faults nothing");
+    let reading = StepReader::open(&restarted, 1, 0, None, &JobFilter::Mine).unwrap();
+    let got = reading.read_items(&(0..reading.manifest().items.len()).collect::<Vec<_>>()).unwrap();
+    restarted.flush();
+    assert_eq!(restarted.memory().pool_len(), 0, "nothing is pre-faulted while the restore's reader lives");
+    drop((got, reading));
     restore_check(&restarted, 1, None, &step_items(1));
     restarted.flush();
     assert_eq!(restarted.memory().pool_len(), step_items(1).len(), "one segment per part of the restored step");

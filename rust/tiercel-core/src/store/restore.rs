@@ -62,6 +62,17 @@ pub struct StepReader {
     views: Mutex<HashMap<String, Arc<View>>>,
     /// Items already read by a broadcast with the other replicas (`broadcast`).
     pub(super) prefetched: super::broadcast::Prefetched,
+    /// The manifest whose part sizes the next save of this process will need: pre-faulted
+    /// for it once this reader is done, if it read anything (`Store::prefault_after_restore`).
+    prefault_after: Option<Manifest>,
+}
+
+impl Drop for StepReader {
+    fn drop(&mut self) {
+        if let Some(m) = self.prefault_after.take().filter(|_| self.counted.load(Ordering::Relaxed)) {
+            self.store.prefault_after_restore(&m);
+        }
+    }
 }
 
 impl StepReader {
@@ -165,12 +176,11 @@ impl StepReader {
         for w in &warnings {
             log::warn!("{w}");
         }
-        if rank == store.rank {
-            let memory_layout = |i: usize| matches!(store.slots[i].config.spec, TierSpec::Memory { .. } | TierSpec::Peer(_));
-            if let Some((_, m)) = sources.iter().find(|(i, _)| memory_layout(*i)) {
-                store.prefault_after_restore(m);
-            }
-        }
+        // Queued when the reader is done (dropped), not now: the pre-fault would take cores
+        // from the restore it follows, which a restarted job waits for.
+        let memory_layout = |i: usize| matches!(store.slots[i].config.spec, TierSpec::Memory { .. } | TierSpec::Peer(_));
+        let prefault_after =
+            if rank == store.rank { sources.iter().find(|(i, _)| memory_layout(*i)).map(|(_, m)| m.clone()) } else { None };
         Ok(StepReader {
             step,
             rank,
@@ -180,6 +190,7 @@ impl StepReader {
             counted: AtomicBool::new(false),
             views: Mutex::new(HashMap::new()),
             prefetched: Default::default(),
+            prefault_after,
         })
     }
 
