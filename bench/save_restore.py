@@ -196,6 +196,10 @@ def tiercel_rows(state: dict, args: argparse.Namespace, ram: Path, disk: Path, l
     if not label:
         record("tiercel save, until on disk (fs tier)", statistics.median(persists), persists, "background: checksum + write + fsync")
 
+    # The last save's background work (its persist, the next step's pre-fault) is over, as
+    # it is by the time a job restores: it would take cores from the restore.
+    store.flush()
+
     def restore_ram():
         s = store.restore(last)
         assert store.last_restore.tiers == {"ram": ntensors}, store.last_restore
