@@ -9,6 +9,7 @@ The server runs on 127.0.0.1 (SeaweedFS by default: moto is pure Python and meas
 more than the client). Client and server share this machine's cores, so each transfer also
 reports the CPU seconds the client process and the server process spent on it: where the two
 together fill the cores, the server's own work sets the pace, whichever client drives it.
+Every timed transfer starts on cold memory, as after a restart (`_measure.settle_memory`).
 Prints the tables and writes bench/results/object_store.json.
 """
 
@@ -33,6 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import tiercel  # noqa: E402
 
+from _measure import settle_memory  # noqa: E402
 from servers import ACCESS_KEY, SECRET_KEY, MotoServer, SeaweedServer  # noqa: E402
 
 MiB = 1 << 20
@@ -103,6 +105,7 @@ def tiercel_round(server, bucket: str, state: dict, nbytes: int, compression: st
             # (fresh pages: CPU the server would otherwise have); step 2, the one timed, is
             # what every later checkpoint of a job costs.
             store.save(1, state).wait(3600)
+            settle_memory()
             t0 = time.perf_counter()
             h = store.save(2, state)
             t_block = time.perf_counter() - t0
@@ -114,6 +117,7 @@ def tiercel_round(server, bucket: str, state: dict, nbytes: int, compression: st
         stored = server.client().head_object(Bucket=bucket, Key=f"{prefix}/step-000000000002/rank-00000.data")["ContentLength"]
         pol["tier"][0]["root"] = str(shm2)  # an empty memory tier: the restore reads the bucket
         with tiercel.Store(pol, rank=0, world_size=1) as store:
+            settle_memory()
             cpu.start()
             t0 = time.perf_counter()
             got = store.restore(2)
@@ -139,12 +143,14 @@ def boto3_round(server, bucket: str, data: bytes) -> dict:
     c = server.client()
     cfg = TransferConfig(multipart_threshold=PART, multipart_chunksize=PART, max_concurrency=CONCURRENCY, use_threads=True)
     key = f"bench-boto3-{uuid.uuid4().hex[:6]}/state.bin"
+    settle_memory()
     cpu.start()
     t0 = time.perf_counter()
     c.upload_fileobj(io.BytesIO(data), bucket, key, Config=cfg)
     t_up = time.perf_counter() - t0
     persist_cpu = cpu.stop()
     out = io.BytesIO()
+    settle_memory()
     cpu.start()
     t0 = time.perf_counter()
     c.download_fileobj(bucket, key, out, Config=cfg)
@@ -212,7 +218,10 @@ def main() -> int:
     state = make_state(nbytes)
     data = flat_bytes(state)
     assert len(data) == nbytes
-    server = SeaweedServer(volumes=64) if a.server == "seaweedfs" else MotoServer()
+    # SeaweedFS takes back deleted objects' space only when it vacuums: every round's bytes
+    # (boto3's object, two tiercel steps per compression) need volumes of 64 MB of their own.
+    volumes = 64 + a.repeat * 5 * -(-nbytes // (64 * MiB))
+    server = SeaweedServer(volumes=volumes) if a.server == "seaweedfs" else MotoServer()
     server.start()
     try:
         bucket = server.new_bucket()
