@@ -32,7 +32,7 @@ import numpy as np
 
 from tiercel import _core
 
-from _measure import drop_page_cache, write_results
+from _measure import drop_page_cache, settle_memory, write_results
 
 HERE = Path(__file__).resolve().parent
 
@@ -185,6 +185,9 @@ def main() -> int:
         idx = list(range(len(m["items"])))
 
         def read(tier):
+            # On cold memory, as a recovering host's new process has (not the memory the
+            # previous sample just freed).
+            settle_memory()
             t0 = time.perf_counter()
             bufs = a.reader(last, 0, [tier]).read_items(idx)
             dt = time.perf_counter() - t0
