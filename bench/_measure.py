@@ -29,16 +29,14 @@ def median_time(fn: Callable[[], object], repeat: int) -> tuple[float, list[floa
 
 
 def settle_memory(seconds: float = 3.0) -> None:
-    """Waits until memory freed by the last operation is cold again, before a timed one, on
-    a VM whose balloon reports free memory to its host (it hands free 2 MiB blocks back
-    within 2-3 s, and the host must back them again on first touch). Without the wait, the
-    first method after a long set-up runs on cold memory and the next one on the warm
-    memory its predecessor just freed: 256 MiB touched in 14 ms 0-1 s after a free, 437-658
-    ms after 3-30 s. Every timed operation starts on cold memory, as after a restart."""
-    balloons = Path("/sys/bus/virtio/drivers/virtio_balloon")
-    reported = any(f.read_text().strip()[5:6] == "1" for f in balloons.glob("*/features")) if balloons.is_dir() else False
-    if reported:
-        time.sleep(seconds)
+    """Waits before a timed operation until the memory the last one freed is cold again. On
+    a VM whose balloon reports free memory to its host (free page reporting, as on the VM
+    docs/performance.md was measured on), free 2 MiB blocks are handed back within 2-3 s and
+    the host must back them again on first touch. Without the wait, a method timed right
+    after another's free runs on warm memory: 256 MiB touched in 14 ms 0-1 s after a free,
+    437-658 ms after 3-30 s. With it every timed operation starts on cold memory, as after a
+    restart. Elsewhere the wait changes nothing but the run's length."""
+    time.sleep(seconds)
 
 
 def drop_page_cache() -> bool:
