@@ -12,7 +12,7 @@ import pytest
 
 import tiercel
 
-from conftest import error_of, make_policy, step_dir
+from conftest import assert_same, error_of, make_policy, step_dir
 from test_multirank import run_ranks
 
 
@@ -111,7 +111,8 @@ def test_another_world_size_is_another_job_by_run_id_and_said_without(shm_root, 
     """Repro (issue 13.2): a new 2-rank job in a directory holding a committed step of an
     earlier 3-rank job restored the old job's step (100 MB states instead of 5 MB), with no
     word about world size 3 vs 2. With run ids the old job's step is refused; without, the
-    two cannot be told from one job resuming resharded (DCP does), and the restore says so."""
+    two cannot be told from one job resuming resharded (DCP does), and a plain restore of
+    this rank's own part refuses it with both world sizes named."""
     base = make_policy(shm_root, disk_root, every=1)
     stores = [tiercel.Store(with_run(base, "three"), rank=r, world_size=3) for r in range(3)]
     handles = [s.save(9, state(9 + r)) for r, s in enumerate(stores)]
@@ -124,8 +125,11 @@ def test_another_world_size_is_another_job_by_run_id_and_said_without(shm_root, 
         msg = error_of(lambda: s.restore(9), tiercel.NotFoundError)
         assert "run 'three' (world size 3)" in msg, msg
     with tiercel.Store(with_run(base, "two"), rank=0, world_size=2) as s:
-        s.restore(9, job="three")
-        assert any("saved by 3 ranks, this job has 2" in w for w in s.last_restore.warnings), s.last_restore.warnings
+        # Its own part of a step of 3 ranks is no rank's of 2: refused, both world sizes named
+        # (issue 28); saved rank 0's part, asked for, is read.
+        msg = error_of(lambda: s.restore(9, job="three"), tiercel.WorldSizeError)
+        assert "saved by 3 rank(s) and this job has 2" in msg, msg
+        assert_same(s.restore(9, job="three", rank=0), state(9))
 
 
 TWO_HOSTS = r"""
@@ -189,8 +193,8 @@ def test_commit_records_name_the_run(shm_root, monkeypatch, var):
 
 def test_without_run_ids_another_world_size_is_a_resharded_resume_and_said_at_open(shm_root, disk_root, capfd):
     """Without run ids a job cannot be told from the same job resuming resharded (DCP 2->1,
-    an Orbax mesh change): its steps stay restorable (the restore's warnings name both world
-    sizes), and opening the store logs once that the tiers hold steps of a job without a run
+    an Orbax mesh change): its steps stay restorable by a resharding reader (a plain restore
+    of this rank's own part says WorldSizeError, naming both world sizes), and opening the store logs once that the tiers hold steps of a job without a run
     id of another world size, naming the setting that keeps jobs apart."""
     base = make_policy(shm_root, disk_root, every=1)
     stores = [tiercel.Store(base, rank=r, world_size=3) for r in range(3)]
@@ -203,7 +207,10 @@ def test_without_run_ids_another_world_size_is_a_resharded_resume_and_said_at_op
         err = capfd.readouterr().err
         assert "a job without a run id (world size 3" in err and "`[store] run` or $TIERCEL_RUN_ID" in err, err
         assert s._core.restorable_steps() == [4]
-        s.restore(4)
-        assert any("saved by 3 ranks, this job has 2" in w for w in s.last_restore.warnings), s.last_restore.warnings
+        # Restorable by a resharding reader, or a saved rank's part on purpose; this rank's
+        # own part of a step of 3 ranks is refused, naming both world sizes (issue 28).
+        assert_same(s.restore(4, rank=1), state(5))
+        msg = error_of(lambda: s.restore(4), tiercel.WorldSizeError)
+        assert "saved by 3 rank(s) and this job has 2" in msg, msg
     with tiercel.Store(base, rank=0, world_size=3) as s:  # the same job again: nothing to say
         assert "without a run id" not in capfd.readouterr().err

@@ -16,6 +16,7 @@ from .errors import (
     NotFoundError,
     TiercelError,
     TierUnavailableError,
+    WorldSizeError,
 )
 from .leaves import Leaf, LeafHandler, register_leaf_handler
 from .manifest import Item, Manifest, Shard
@@ -45,6 +46,7 @@ __all__ = [
     "TiercelError",
     "TierUnavailableError",
     "TorchCoordinator",
+    "WorldSizeError",
     "Writer",
     "metrics",
     "register_leaf_handler",

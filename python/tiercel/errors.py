@@ -24,6 +24,7 @@ __all__ = [
     "NotFoundError",
     "TierUnavailableError",
     "TiercelError",
+    "WorldSizeError",
 ]
 
 #: The context fields every tiercel error carries, in this order.
@@ -115,5 +116,14 @@ class CapacityError(TiercelError):
 
 class InvalidArgumentError(TiercelError):
     """Something tiercel cannot store, or a call out of order."""
+
+    __module__ = "tiercel"
+
+
+class WorldSizeError(InvalidArgumentError):
+    """A restore of this rank's own part of a step that another number of ranks saved: the
+    job's committed steps cannot be continued at this world size without resharding. The
+    message names the steps, their world sizes and the ways on (`restore(rank=...)`, a
+    resharding adapter)."""
 
     __module__ = "tiercel"

@@ -11,12 +11,13 @@ import secrets
 import socket
 import time
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from . import _core
 from .advertise import advertised_address, is_loopback
 from .coordinator import Coordinator, default_coordinator
-from .errors import InvalidArgumentError, NotFoundError, TiercelError
+from .errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
+from .newest import Need, check_world_size, newest_step, world_size_error
 from .replicas import replica_group_of, share_replicated
 from .step import Reader, RestoreInfo, SaveHandle, Writer
 from .traffic import Traffic
@@ -193,80 +194,62 @@ class Store:
         tiercel.metrics has them as Prometheus text and serves them."""
         return {m.pop("tier"): m for m in self._core.metrics()}
 
-    def latest_step(self) -> int | None:
-        """The newest step that every rank can restore from some tier (collective when the
-        job has several ranks), or None.
+    def latest_step(self, *, reshard: bool = False) -> int | None:
+        """The newest step of this job that every rank can restore at this world size
+        (collective when the job has several ranks), or None when the job has saved none.
 
         A step counts for a rank only if the rank can open it: a commit record and its own
         manifest readable on some tier in restore order. So when one rank's copy of the newest
         step is gone (its manifest lost or corrupt on every tier), all ranks fall back together
-        to the newest step that each of them can still read."""
+        to the newest step that each of them can still read. A step this process has just
+        saved counts as soon as `save` returned (this waits for its memory commit).
+
+        Raises WorldSizeError when the newest step was saved by another number of ranks: a
+        plain restore reads each rank's own part and cannot continue from it. `reshard=True`
+        (for readers that reshard, such as tiercel.dcp): the newest step whatever world size
+        saved it, of which every saved rank's part opens."""
+        return self._newest(Need(reshard=reshard))
+
+    def _newest(self, need: Need, below: int | None = None) -> int | None:
         self._skipped = []
-        mine = self._core.restorable_steps()
-        if self.world_size == 1:
-            for step in reversed(mine):
-                if self._can_open(step):
-                    return step
-            return None
-        if self.coordinator is None:
-            raise InvalidArgumentError(
-                "a job of several ranks needs a coordinator to agree on the step: initialize torch.distributed "
-                "before opening the Store, pass coordinator=, or restore(step=N)"
-            )
-        everyone = self.coordinator.all_gather(mine)
-        common = sorted(set(everyone[0]).intersection(*map(set, everyone[1:])), reverse=True)
-        # Every rank walks the same list in the same order: one all-gather per candidate,
-        # usually just the first.
-        chosen = None
-        for step in common:
-            opened = self.coordinator.all_gather(self._open_save(step))
-            bad = [r for r, o in enumerate(opened) if o is False]
-            saves = {o for o in opened if o is not False}
-            if not bad and len(saves) == 1:
-                chosen = step
-                break
-            if bad:
-                self._skipped.append(f"step {step} passed over: rank(s) {bad} cannot restore it")
-            else:
-                # Each rank's part is whole, but not of one save: the step was saved again
-                # and some rank's new part is not on the tier it reads from (never mixed).
-                self._skipped.append(
-                    f"step {step} passed over: the ranks hold different saves of it "
-                    f"({', '.join(f'rank {r}: {o}' for r, o in enumerate(opened))}): a save of it again did not finish")
-        # Newer steps that some ranks have and others not: every rank says which and why.
-        for step in sorted(set().union(*map(set, everyone)) - set(common), reverse=True):
-            if chosen is None or step > chosen:
-                missing = [r for r, steps in enumerate(everyone) if step not in steps]
-                self._skipped.append(
-                    f"step {step} passed over: rank(s) {missing} have it committed on none of the tiers "
-                    f"{self._core.restore_order} (lost with their host, or never saved there)")
-        return chosen
-
-    def _can_open(self, step: int) -> bool:
-        return self._open_save(step) is not False
-
-    def _open_save(self, step: int) -> str | None | Literal[False]:
-        """Which save of `step` this rank would read (its generation; None for steps saved
-        before generations were recorded), or False when it cannot open the step."""
-        try:
-            return self._core.reader(step, None, None).generation
-        except TiercelError as e:
-            self._skipped.append(f"step {step} skipped on rank {self.rank}: {e}")
-            return False
+        return newest_step(self, need, below, self._skipped)
 
     def reader(self, step: int | None = None, *, rank: int | None = None, tiers: list[str] | None = None,
                job: str | None = None) -> Reader:
-        """A reader of `step` (default: the newest step restorable by every rank). `job`: see
-        `restore`."""
+        """A reader of `step` (default: the newest step restorable by every rank, as
+        `restore`). `rank`: read saved rank `rank`'s part (default: this rank's, which needs
+        the step saved at this world size: else WorldSizeError). `job`: see `restore`."""
         if step is None:
             _no_job_without_step(job)
-            step = self._require_latest()
-        return Reader(self, _check_step(step), rank, tiers, job)
+            step = self._require_latest(Need(rank=rank))
+        return self._open(_check_step(step), rank, tiers, job)
 
-    def restore(self, step: int | None = None, *, job: str | None = None) -> dict[str, Any]:
-        """Restores a step (default: the newest one every rank can restore) as the dict that
-        was saved. Arrays from the memory tier are zero-copy views over shared memory;
-        writing to them never changes the checkpoint.
+    def _open(self, step: int, rank: int | None, tiers: list[str] | None, job: str | None) -> Reader:
+        """A reader of `step`: saved rank `rank`'s part, or this rank's own part of a step
+        saved at this world size (else WorldSizeError)."""
+        try:
+            r = Reader(self, step, rank, tiers, job)
+        except InvalidArgumentError:
+            if rank is None:  # the step has no rank of this number: say why
+                check_world_size(self, step)
+            raise
+        if rank is None and r.manifest.world_size != self.world_size:
+            raise world_size_error(self, step, r.manifest.world_size, [step])
+        return r
+
+    def restore(self, step: int | None = None, *, job: str | None = None, rank: int | None = None) -> dict[str, Any]:
+        """Restores a step as the dict that was saved. Arrays from the memory tier are
+        zero-copy views over shared memory; writing to them never changes the checkpoint.
+
+        Without `step`, collective over the job's ranks: the newest step that every rank can
+        read, verified. When a rank finds a chunk of the newest step damaged on every tier,
+        all ranks fall back together to the step before (one extra all-gather), and
+        `last_restore.warnings` (and the log) say which steps were skipped and why. With
+        `step`, that step or an IntegrityError.
+
+        Each rank reads its own part, so the step must have been saved by as many ranks as
+        the job has now: else WorldSizeError, which names the steps and how to reshard.
+        `rank=r` reads saved rank r's part instead, on purpose (any world size).
 
         Only this job's steps are restored (and those of `[restore] resume_from`): a step
         another job saved into the same tiers is passed over. `job="<run id>"` (with `step`)
@@ -276,34 +259,74 @@ class Store:
         With `[restore] replicated` other than "all", collective over the job's ranks: the
         ranks of a replica group read its replicated puts from a persistent tier once between
         them (docs/restore.md); `last_restore.broadcast` says how."""
-        skipped: list[str] = []
         if step is not None:
             _check_step(step)
-        if step is None:
-            _no_job_without_step(job)
-            step = self._require_latest()
-            skipped = list(self._skipped)
+            state, info = self._read_step(step, job, rank)
+            self.last_restore = info
+            return state
+        _no_job_without_step(job)
+        need = Need(rank=rank)
+        skipped: list[str] = []
+        below = None
+        while True:
+            step = self._require_latest(need, below, skipped)
+            skipped += self._skipped
+            error: Exception | None = None
+            result = None
+            try:
+                result = self._read_step(step, None, rank)
+            except Exception as e:  # every rank takes part in the all-gather below first
+                error = e
+            failed = self._failures(error)
+            damaged = all(kind == "IntegrityError" for kind, _ in failed.values())
+            if error is not None and not (damaged and isinstance(error, IntegrityError)):
+                raise error
+            if result is not None and (not failed or not damaged):
+                break  # read; a rank that failed otherwise raises its own error
+            skipped.append(f"step {step} skipped: " + "; ".join(
+                f"rank {r} cannot read it from any tier: {why}" for r, (_, why) in sorted(failed.items())))
+            log.warning("rank %d: %s; trying an older step", self.rank, skipped[-1])
+            below = step
+        assert result is not None
+        state, info = result
         for w in skipped:
             log.warning("rank %d restores step %d: %s", self.rank, step, w)
+        info.warnings = skipped + info.warnings
+        self.last_restore = info
+        return state
+
+    def _read_step(self, step: int, job: str | None, rank: int | None) -> tuple[dict[str, Any], RestoreInfo]:
+        """Reads every put of `step` (saved rank `rank`'s part; default this rank's), every
+        chunk verified (a zero-copy view is checked when it is mapped)."""
         t0 = time.perf_counter()
         try:
-            r = Reader(self, step, job=job)
+            r = self._open(step, rank, None, job)
         except TiercelError:
             share_replicated(self, None)  # still take part, so that the others do not wait
             raise
-        r.info.broadcast = share_replicated(self, r)
+        # Another rank's part is not this rank's replica group's to share.
+        r.info.broadcast = share_replicated(self, r if r.rank == self.rank else None)
         state = r.get_all()
         r.info.seconds = time.perf_counter() - t0
-        r.info.warnings = skipped + r.info.warnings
-        self.last_restore = r.info
-        return state
+        return state, r.info
 
-    def _require_latest(self) -> int:
-        step = self.latest_step()
+    def _failures(self, error: Exception | None) -> dict[int, tuple[str, str]]:
+        """{rank: (error class, message)} of the ranks whose read of the chosen step failed
+        (one all-gather when the job has several ranks)."""
+        mine = None if error is None else (type(error).__name__, str(error))
+        everyone = [mine] if self.world_size == 1 or self.coordinator is None else self.coordinator.all_gather(mine)
+        return {r: f for r, f in enumerate(everyone) if f is not None}
+
+    def _require_latest(self, need: Need, below: int | None = None, skipped: list[str] | None = None) -> int:
+        step = self._newest(need, below)
         if step is None:
             listed = self.steps()
             steps: Any = dict(listed) | {t: f"cannot list: {e}" for t, e in listed.errors.items()}
-            why = "".join(f"; {s}" for s in self._skipped)
+            why = "".join(f"; {s}" for s in [*(skipped or []), *self._skipped])
+            if below is not None:  # every newer step was damaged
+                raise IntegrityError(
+                    f"rank {self.rank}: no step can be restored and verified by every rank from tiers "
+                    f"{self._core.restore_order} (committed here: {steps}){why}")
             raise NotFoundError(
                 f"rank {self.rank}: no step can be restored by every rank from tiers {self._core.restore_order} "
                 f"(committed here: {steps}){why}"

@@ -85,11 +85,15 @@ def load_state(
     the saved extra values. `dataloader`: an object with `load_state_dict()`, or a dict that
     receives the saved value. `strict` is passed to the model's `load_state_dict`."""
     if step is None:
-        step = store.latest_step()
-        if step is None:
+        # None only when this job has saved nothing; a job saved by another number of ranks
+        # raises WorldSizeError (a fresh start would overwrite it).
+        if store.latest_step() is None:
             return None
-    reader = store.reader(step)
-    saved = set(reader.names())
+        saved = store.restore()  # falls back past a step damaged on every tier, with a warning
+    else:
+        saved = store.restore(step)
+    assert store.last_restore is not None
+    step = store.last_restore.step
     wanted = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "dataloader": dataloader, "extra": extra}
     missing = [n for n, obj in wanted.items() if obj is not None and n not in saved]
     if rng and "rng" not in saved:
@@ -97,17 +101,17 @@ def load_state(
     if missing:
         raise NotFoundError(f"step {step} holds no {', '.join(missing)} (it has: {', '.join(sorted(saved))})")
     if model is not None:
-        model.load_state_dict(reader.get("model"), strict=strict)
+        model.load_state_dict(saved["model"], strict=strict)
     if optimizer is not None:
-        optimizer.load_state_dict(reader.get("optimizer"))
+        optimizer.load_state_dict(saved["optimizer"])
     if scheduler is not None:
-        scheduler.load_state_dict(reader.get("scheduler"))
+        scheduler.load_state_dict(saved["scheduler"])
     if dataloader is not None:
-        _load_into(dataloader, reader.get("dataloader"), "dataloader")
+        _load_into(dataloader, saved["dataloader"], "dataloader")
     if extra is not None:
-        _load_into(extra, reader.get("extra"), "extra")
+        _load_into(extra, saved["extra"], "extra")
     if rng:
-        set_rng_state(reader.get("rng"))
+        set_rng_state(saved["rng"])
     return step
 
 

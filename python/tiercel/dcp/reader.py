@@ -138,7 +138,7 @@ class Reader(StorageReader):
     # -- internals -----------------------------------------------------------------------------
 
     def _newest(self) -> int:
-        step = self.store.latest_step()
+        step = self.store.latest_step(reshard=True)
         if step is None:
             raise NotFoundError(f"rank {self.store.rank}: no step can be restored by every rank from tiers "
                                 f"{self.store._core.restore_order} (committed: {self.store.steps()})")

@@ -99,9 +99,6 @@ impl StepReader {
                     continue;
                 }
             };
-            if record.ranks.as_ref().is_some_and(|rs| !rs.contains(&rank)) {
-                continue; // a host-local commit of other ranks
-            }
             if !store.admits(&record, job) {
                 let whose = record.job.as_ref().map(|j| j.describe()).unwrap_or_default();
                 other_jobs.push(format!(
@@ -111,13 +108,9 @@ impl StepReader {
                 ));
                 continue;
             }
-            if let Some(job) = record.job.as_ref().filter(|j| j.world_size != store.world_size && !store.tool) {
-                warnings.push(format!(
-                    "tier '{name}': step {step} was saved by {} ranks, this job has {}: a resharded restore",
-                    job.world_size, store.world_size
-                ));
-            }
-            seen.push(name.clone());
+            // A step of another world size is read as saved, rank by rank: whether that may
+            // be done (a resharding adapter, `restore(rank=...)`) is the caller's rule
+            // (`Store.restore` in Python refuses it otherwise), not this reader's.
             if rank >= record.world_size {
                 return Err(Error::invalid(format!(
                     "tier '{name}': step {step} was saved by {} rank{}; there is no rank {rank}",
@@ -127,6 +120,10 @@ impl StepReader {
                 .with_tier(name.as_str())
                 .at(step, rank));
             }
+            if record.ranks.as_ref().is_some_and(|rs| !rs.contains(&rank)) {
+                continue; // a host-local commit of other ranks
+            }
+            seen.push(name.clone());
             match tier.read_manifest(step, rank).and_then(|m| crate::replica::resolve(&**tier, m)) {
                 Ok(m) if m.generation != record.generation => warnings.push(format!(
                     "tier '{name}': step {step} rank {rank}: the manifest is of another save of this step ({}) than the \

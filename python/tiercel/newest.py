@@ -1,0 +1,144 @@
+"""Which step a restore without a step reads: the newest one that every rank can open at
+this world size, agreed by all ranks (`Store.latest_step`).
+
+Collective when the job has several ranks: one all-gather of the steps each rank has
+committed, then one per candidate step, newest first (usually just the first), in which
+every rank says which save of the step it would read, or that it cannot. Every rank walks
+the same list in the same order and decides on the same gathered values, so all of them
+pick the same step, raise the same error, or fall back together.
+
+The world size is part of the rule. A plain restore reads each rank's own part, so a step
+saved by another number of ranks cannot be continued from (a rank would get another rank's
+part, or none): that is a `WorldSizeError` naming the steps and how to reshard, never "no
+step yet" (a resumed job would start over). Readers that reshard (tiercel.dcp,
+tiercel.orbax) ask for `Need.reshard`: every saved rank's part, whoever reads it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from .errors import InvalidArgumentError, TiercelError, WorldSizeError
+
+if TYPE_CHECKING:
+    from .store import Store
+
+#: What a rank reports about a candidate step: the world size that saved it (None when no
+#: commit record could be read) and the saves of it it would read (their generations), or
+#: False when it cannot open a part it needs.
+Report = tuple[int | None, list[str | None] | Literal[False]]
+
+
+@dataclass(frozen=True)
+class Need:
+    """Which saved ranks' parts a process needs of a step: its own at this world size (the
+    default), saved rank `rank`'s (`restore(rank=...)`), or, with `reshard`, its share of
+    every saved rank's (process p of n checks saved ranks p, p + n, ...)."""
+
+    rank: int | None = None
+    reshard: bool = False
+
+
+def newest_step(store: Store, need: Need, below: int | None, skipped: list[str]) -> int | None:
+    """The newest step (below `below`, if given) that every rank can read what `need` says;
+    None when there is none. Appends to `skipped` each newer step passed over and why.
+    Raises WorldSizeError when the newest such step of this job was saved by another
+    number of ranks and `need` reads each rank's own part."""
+    mine = [s for s in store._core.restorable_steps() if below is None or s < below]
+    everyone = _gather(store, mine)
+    common = sorted(set(everyone[0]).intersection(*map(set, everyone[1:])), reverse=True)
+    chosen = None
+    for step in common:
+        reports: list[Report] = _gather(store, _report(store, step, need, skipped))
+        worlds = sorted({w for w, _ in reports if w is not None})
+        if not need.reshard and need.rank is None and any(w != store.world_size for w in worlds):
+            raise world_size_error(store, step, worlds[0], common)
+        bad = [r for r, (_, o) in enumerate(reports) if o is False]
+        saves = {g for _, o in reports if o is not False for g in o}
+        if not bad and len(saves) <= 1:
+            chosen = step
+            break
+        if bad:
+            skipped.append(f"step {step} passed over: rank(s) {bad} cannot restore it")
+        else:
+            # Each rank's part is whole, but not of one save: the step was saved again and
+            # some rank's new part is not on the tier it reads from (never mixed).
+            skipped.append(
+                f"step {step} passed over: the ranks hold different saves of it "
+                f"({', '.join(f'rank {r}: {o}' for r, (_, o) in enumerate(reports))}): a save of it again did not finish")
+    # Newer steps that some ranks have and others not: every rank says which and why.
+    for step in sorted(set().union(*map(set, everyone)) - set(common), reverse=True):
+        if chosen is None or step > chosen:
+            missing = [r for r, steps in enumerate(everyone) if step not in steps]
+            skipped.append(
+                f"step {step} passed over: rank(s) {missing} have it committed on none of the tiers "
+                f"{store._core.restore_order} (lost with their host, or never saved there)")
+    return chosen
+
+
+def saved_world_size(store: Store, step: int) -> int | None:
+    """How many ranks saved `step`, from its commit record on the first tier in restore
+    order that has one; None when none can be read."""
+    for tier in store._core.restore_order:
+        try:
+            return int(json.loads(store._core.commit_record(tier, step))["world_size"])
+        except TiercelError:
+            continue
+    return None
+
+
+def check_world_size(store: Store, step: int) -> None:
+    """Raises WorldSizeError when `step` was saved by another number of ranks than this
+    job has (a restore of this rank's own part, which would be another rank's or none)."""
+    world = saved_world_size(store, step)
+    if world is not None and world != store.world_size:
+        raise world_size_error(store, step, world, [step])
+
+
+def world_size_error(store: Store, step: int, world: int, steps: list[int]) -> WorldSizeError:
+    """The error for a restore of this rank's own part of a step saved by `world` ranks:
+    the steps and their world sizes, and the ways on."""
+    seen = ", ".join(f"{s} by {saved_world_size(store, s) or '?'} rank(s)" for s in sorted(steps, reverse=True)[:8])
+    ranks = f"0..{world - 1}" if world > 1 else "0"
+    return WorldSizeError(
+        f"rank {store.rank}: step {step}, the newest step of this job, was saved by {world} rank(s) and this job has "
+        f"{store.world_size} (committed steps: {seen}). A plain restore reads each rank's own part, so it does not "
+        f"continue at another world size: restart with {world} rank(s); or reshard: tiercel.dcp (DCP) and "
+        f"tiercel.orbax (Orbax) restore at any world size; or read a saved rank's part on purpose with "
+        f"restore(step={step}, rank=r) or reader({step}, rank=r) for r in {ranks}. To start afresh instead, give this "
+        f"job another run id (`[store] run`, $TIERCEL_RUN_ID) or other tiers",
+        step=step, rank=store.rank,
+    )
+
+
+def _report(store: Store, step: int, need: Need, skipped: list[str]) -> Report:
+    world = saved_world_size(store, step)
+    if need.reshard:
+        ranks = list(range(store.rank, world, store.world_size)) if world is not None else [store.rank]
+    elif need.rank is not None:
+        ranks = [need.rank]
+    elif world is not None and world != store.world_size:
+        return world, []  # every rank raises WorldSizeError on the gathered world sizes
+    else:
+        ranks = [store.rank]
+    saves: list[str | None] = []
+    for r in ranks:
+        try:
+            saves.append(store._core.reader(step, r, None).generation)
+        except TiercelError as e:
+            skipped.append(f"step {step} skipped on rank {store.rank}: {e}")
+            return world, False
+    return world, sorted(set(saves), key=str)
+
+
+def _gather(store: Store, value: Any) -> list[Any]:
+    if store.world_size == 1:
+        return [value]
+    if store.coordinator is None:
+        raise InvalidArgumentError(
+            "a job of several ranks needs a coordinator to agree on the step: initialize torch.distributed "
+            "before opening the Store, pass coordinator=, or restore(step=N)"
+        )
+    return store.coordinator.all_gather(value)
