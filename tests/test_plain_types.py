@@ -25,7 +25,6 @@ import zoneinfo
 from typing import Any
 
 import numpy as np
-import pytest
 import torch
 
 import tiercel

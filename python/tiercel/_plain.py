@@ -175,7 +175,7 @@ def encode(v: Any) -> dict | None:
 
 def decode(node: dict) -> Any:
     """A value from its node (checked by `check`), or raises Unbuildable."""
-    t, v = node["t"], node.get("v")
+    t, v = node["t"], node["v"]
     if t == "complex":
         return complex(_unfhex(v[0]), _unfhex(v[1]))
     if t in ("datetime", "time"):

@@ -138,7 +138,7 @@ class Flattener:
             raise TypeError(f"'{self._display(path)}' contains itself (a cycle); a checkpoint must be a tree")
         self._active.add(id(v))
         try:
-            return build(v, path)  # type: ignore[no-any-return]
+            return build(v, path)
         finally:
             self._active.discard(id(v))
 

@@ -251,6 +251,8 @@ class PickleHandler(LeafHandler):
     def describe(self, value: Any, name: str) -> Leaf:
         cls = type(value)
         what = f"{where(name)}: {cls.__module__}.{cls.__qualname__}"
+        if isinstance(value, (np.ndarray, np.generic)):  # a dtype the format has no name for
+            what += f" of dtype {value.dtype}"
         try:
             data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:
