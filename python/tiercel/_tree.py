@@ -3,15 +3,21 @@ items plus a JSON tree, and building it back.
 
 Small Python values (ints, floats, strings, bools, None) and containers stay in the tree,
 which goes into the manifest; every other value is a leaf, which the first leaf handler
-that claims it (tiercel.leaves: numpy, torch, bytes, adapters' types, else pickle) turns
-into an item.
+that claims it (tiercel.leaves: numpy, torch, bytes, adapters' types) turns into an item.
+A value no handler claims stays in the tree when it is one of the common plain types
+(sets, enums, dataclasses, named tuples here; complex numbers, datetimes and paths in
+tiercel._plain); only what is left goes to the pickle fallback.
 """
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
+import enum
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from . import _plain
+from ._plain import Unbuildable
 
 if TYPE_CHECKING:
     from .leaves import Leaf
@@ -34,7 +40,12 @@ def _scalar(v: Any) -> dict | None:
 
 #: Node types a tree holds, and the scalar ones among them (dict keys are scalar nodes).
 _SCALAR_TYPES = ("none", "bool", "int", "float", "str")
-_NODE_TYPES = (*_SCALAR_TYPES, "item", "dict", "list", "tuple")
+_NODE_TYPES = (*_SCALAR_TYPES, "item", "dict", "list", "tuple",
+               # Added after format version 1 shipped: a reader from before refuses them by
+               # name ("not a tree node"), never misreads them (docs/format.md, Trees).
+               "set", "frozenset", "enum", "dataclass", "namedtuple", *_plain.NODE_TYPES)
+#: Nodes that record their fields as [name, node] pairs.
+_FIELD_TYPES = ("dataclass", "namedtuple")
 
 #: Python refuses to parse an int of more digits than this (sys.int_info's default limit).
 _INT_DIGITS = 4300
@@ -94,19 +105,54 @@ class Flattener:
             s = _scalar(v)
             assert s is not None
             return s
-        if type(v) in _CONTAINERS or isinstance(v, tuple):
-            if id(v) in self._active:
-                raise TypeError(f"'{self._display(path)}' contains itself (a cycle); a checkpoint must be a tree")
-            self._active.add(id(v))
-            try:
-                return self._container(v, path)
-            finally:
-                self._active.discard(id(v))
+        hint = None
+        if isinstance(v, enum.Enum):  # before containers: an enum may mix in tuple
+            if _plain.importable(type(v)):
+                return {"t": "enum", "c": _plain.class_path(type(v)), "v": self.node(v._value_, path)}
+            hint = _NOT_IMPORTABLE
+        elif type(v) in _CONTAINERS or isinstance(v, tuple):
+            hint = _namedtuple_hint(v)
+            if hint is None:
+                return self._nested(v, path, self._container)
         handler = handler_for(v)
-        leaf = handler.describe(v, self._name(path))
+        if handler.framework == "pickle":  # no handler claims it: is it a plain type?
+            if type(v) in (set, frozenset):
+                return self._nested(v, path, self._set)
+            if _is_dataclass(v):
+                hint = _dataclass_hint(v)
+                if hint is None:
+                    return self._nested(v, path, self._dataclass)
+            plain = _plain.encode(v)
+            if plain is not None:
+                return plain
+        try:
+            leaf = handler.describe(v, self._name(path))
+        except TypeError as e:
+            raise TypeError(f"{e} ({hint})" if hint else str(e)) from None
         leaf.handler = handler
         self.leaves.append(leaf)
         return {"t": "item", "i": len(self.leaves) - 1}
+
+    def _nested(self, v: Any, path: list[str], build: Any) -> dict:
+        if id(v) in self._active:
+            raise TypeError(f"'{self._display(path)}' contains itself (a cycle); a checkpoint must be a tree")
+        self._active.add(id(v))
+        try:
+            return build(v, path)
+        finally:
+            self._active.discard(id(v))
+
+    def _set(self, v: set | frozenset, path: list[str]) -> dict:
+        try:  # a stable order: two ranks (or two runs) saving one set write one tree
+            elems = sorted(v)
+        except TypeError:  # elements of mixed types: their iteration order
+            elems = list(v)
+        return {"t": type(v).__name__, "v": [self.node(x, [*path, str(i)]) for i, x in enumerate(elems)]}
+
+    def _dataclass(self, v: Any, path: list[str]) -> dict:
+        fields = [f.name for f in dataclasses.fields(v)]
+        return {"t": "dataclass", "c": _plain.class_path(type(v)),
+                "v": [[name, self.node(getattr(v, name), [*path, name])] for name in fields]}
 
     def _container(self, v: Any, path: list[str]) -> dict:
         if isinstance(v, dict):
@@ -123,11 +169,15 @@ class Flattener:
                 if attrs:  # ... with a `_metadata` attribute (module versions, read by load_state_dict)
                     node["a"] = self.node(dict(attrs), [*path, "@attrs"])
             return node
+        if _is_namedtuple(type(v)):
+            return {"t": "namedtuple", "c": _plain.class_path(type(v)),
+                    "v": [[name, self.node(x, [*path, name])] for name, x in zip(type(v)._fields, v)]}
         kind = "list" if isinstance(v, list) else "tuple"
         node = {"t": kind, "v": [self.node(x, [*path, str(i)]) for i, x in enumerate(v)]}
         if kind == "tuple" and type(v) is not tuple:
-            # namedtuple, torch.Size: the class is recorded and rebuilt when importable.
-            node["c"] = f"{type(v).__module__}:{type(v).__qualname__}"
+            # torch.Size and other tuple subclasses: the class is recorded and rebuilt when
+            # importable (a plain tuple otherwise, as format version 1 has always said).
+            node["c"] = _plain.class_path(type(v))
         return node
 
 
@@ -135,18 +185,42 @@ class Flattener:
 #: list subclasses (defaultdict, ...) are leaves, so the pickle fallback keeps their type.
 _CONTAINERS = (dict, OrderedDict, list)
 
+_NOT_IMPORTABLE = ("tiercel keeps enums, dataclasses and named tuples without pickle when their class can be "
+                   "imported by its module and name; define it at module level")
 
-def _tuple_class(path: str) -> type | None:
-    """The tuple subclass a tree recorded ("collections:Point"), if it can be imported here.
-    Only tuple subclasses are ever called: a manifest cannot name an arbitrary callable."""
-    module, _, qualname = path.partition(":")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except Exception:  # not importable here (ImportError, an empty or odd name, a failing import)
+
+def _is_namedtuple(cls: type) -> bool:
+    fields = getattr(cls, "_fields", None)
+    return (issubclass(cls, tuple) and isinstance(fields, tuple) and all(isinstance(f, str) for f in fields)
+            and callable(getattr(cls, "_make", None)))
+
+
+def _namedtuple_hint(v: Any) -> str | None:
+    """None when a tuple (or dict, list) is kept as tree structure; why not for a named tuple
+    a restore could not rebuild as it is."""
+    if not _is_namedtuple(type(v)):
         return None
-    return obj if isinstance(obj, type) and issubclass(obj, tuple) else None
+    if not _plain.importable(type(v)):
+        return _NOT_IMPORTABLE
+    if getattr(v, "__dict__", None) or len(v) != len(type(v)._fields):
+        return "a named tuple is kept without pickle when it holds just its fields, no other attributes"
+    return None
+
+
+def _is_dataclass(v: Any) -> bool:
+    return hasattr(type(v), "__dataclass_fields__") and not isinstance(v, type)
+
+
+def _dataclass_hint(v: Any) -> str | None:
+    """None when a dataclass instance can be kept as its fields; else why not."""
+    if not _plain.importable(type(v)):
+        return _NOT_IMPORTABLE
+    names = [f.name for f in dataclasses.fields(v)]
+    attrs = getattr(v, "__dict__", None)
+    slots_ok = all(hasattr(v, n) for n in names)
+    if not slots_ok or (attrs is not None and set(attrs) != set(names)):
+        return "a dataclass is kept without pickle when its instance holds exactly its fields"
+    return None
 
 
 def flatten(prefix: str, value: Any) -> tuple[dict, list[Leaf]]:
@@ -154,33 +228,124 @@ def flatten(prefix: str, value: Any) -> tuple[dict, list[Leaf]]:
     return f.node(value, []), f.leaves
 
 
-def unflatten(node: dict, items: Mapping[int, Any] | Sequence[Any]) -> Any:
-    """Rebuilds a tree; `items[i]` is the restored value of item reference i."""
+def unflatten(node: dict, items: Mapping[int, Any] | Sequence[Any], where: str = "the tree", **fields: Any) -> Any:
+    """Rebuilds a tree; `items[i]` is the restored value of item reference i. A node that
+    cannot be rebuilt here (a class that cannot be imported, or has changed) raises an
+    InvalidArgumentError naming `where` (step, rank, put), the path in the tree and the
+    class; `fields` (step, rank) go onto the error."""
+    try:
+        return _build(node, items)
+    except Unbuildable as e:
+        from .errors import IntegrityError, InvalidArgumentError
+
+        path = "/".join(reversed(e.path))
+        at = f"{where} at '{path}'" if path else where
+        cls = IntegrityError if e.integrity else InvalidArgumentError
+        raise cls(f"{at}: {e.why}", **fields) from None
+
+
+def _build(node: dict, items: Mapping[int, Any] | Sequence[Any]) -> Any:
     t = node["t"]
     if t == "item":
         return items[node["i"]]
+    if t in _SCALAR_TYPES:
+        return _unscalar(node)
     if t == "dict":
-        d = {_unscalar(k): unflatten(v, items) for k, v in node["v"]}
+        d = {}
+        for k, v in node["v"]:
+            key = _unscalar(k)
+            d[key] = _inside(v, items, str(key))
         if node.get("c") != "OrderedDict":
             return d
         od = OrderedDict(d)
-        for name, value in unflatten(node["a"], items).items() if "a" in node else ():
+        for name, value in _inside(node["a"], items, "@attrs").items() if "a" in node else ():
             setattr(od, name, value)
         return od
-    if t == "list":
-        return [unflatten(v, items) for v in node["v"]]
-    if t == "tuple":
-        vals = tuple(unflatten(v, items) for v in node["v"])
-        cls = _tuple_class(node["c"]) if "c" in node else None
-        if cls is None:
+    if t in ("list", "tuple", "set", "frozenset"):
+        vals = [_inside(v, items, str(i)) for i, v in enumerate(node["v"])]
+        if t == "list":
             return vals
+        if t == "tuple":
+            return _tuple(node, tuple(vals))
         try:
-            return cls(*vals) if hasattr(cls, "_fields") else cls(vals)
-        except Exception as e:  # the class here differs from the one that saved the tree
-            from .errors import IntegrityError
+            return set(vals) if t == "set" else frozenset(vals)
+        except TypeError as e:  # only a damaged tree puts an unhashable value in a set
+            raise Unbuildable(f"is a {t} of a value that cannot be in one ({e})", integrity=True) from None
+    if t == "enum":
+        return _enum(node["c"], _build(node["v"], items))
+    if t in _FIELD_TYPES:
+        values = {name: _inside(v, items, name) for name, v in node["v"]}
+        return _dataclass(node["c"], values) if t == "dataclass" else _namedtuple(node["c"], values)
+    return _plain.decode(node)
 
-            raise IntegrityError(f"the tree's tuple class {node['c']} cannot be rebuilt from {len(vals)} values here: {e}") from None
-    return _unscalar(node)
+
+def _inside(node: dict, items: Mapping[int, Any] | Sequence[Any], key: str) -> Any:
+    """`_build` of a node inside a container; an error on the way out learns its path."""
+    try:
+        return _build(node, items)
+    except Unbuildable as e:
+        e.path.append(key)
+        raise
+
+
+def _tuple(node: dict, vals: tuple) -> Any:
+    if "c" not in node:
+        return vals
+    try:
+        cls = _plain.import_class(node["c"])
+    except Unbuildable:
+        return vals  # format version 1: a tuple subclass that is not importable is a plain tuple
+    if not (isinstance(cls, type) and issubclass(cls, tuple)):  # a manifest cannot name an arbitrary callable
+        return vals
+    try:
+        return cls(*vals) if hasattr(cls, "_fields") else cls(vals)
+    except Exception as e:  # the class here differs from the one that saved the tree
+        raise Unbuildable(f"the tree's tuple class {node['c']} cannot be rebuilt from {len(vals)} values here: {e}",
+                          integrity=True) from None
+
+
+def _class(path: str, what: str, ok: Any) -> Any:
+    cls = _plain.import_class(path)
+    if not (isinstance(cls, type) and ok(cls)):
+        raise Unbuildable(f"{path.replace(':', '.')} is no {what} here; the code changed since the save")
+    return cls
+
+
+def _enum(path: str, value: Any) -> Any:
+    cls = _class(path, "Enum", lambda c: issubclass(c, enum.Enum))
+    try:
+        return cls(value)
+    except Exception:  # ValueError; or whatever the enum's _missing_ raises
+        raise Unbuildable(f"enum {path.replace(':', '.')} has no member of value {value!r:.60} here; "
+                          "the code changed since the save") from None
+
+
+def _dataclass(path: str, values: dict[str, Any]) -> Any:
+    """Rebuilt as pickle does it: the instance made without `__init__` (nor `__post_init__`,
+    which already ran before the save), then each field set."""
+    cls = _class(path, "dataclass", dataclasses.is_dataclass)
+    have = [f.name for f in dataclasses.fields(cls)]
+    if set(have) != set(values):
+        raise Unbuildable(f"dataclass {path.replace(':', '.')} has the fields {have} here, the checkpoint "
+                          f"{list(values)}; the code changed since the save")
+    try:
+        obj = cls.__new__(cls)
+        for name, value in values.items():
+            object.__setattr__(obj, name, value)  # frozen dataclasses too
+    except Exception as e:
+        raise Unbuildable(f"dataclass {path.replace(':', '.')} cannot be rebuilt here: {type(e).__name__}: {e}") from None
+    return obj
+
+
+def _namedtuple(path: str, values: dict[str, Any]) -> Any:
+    cls = _class(path, "named tuple", _is_namedtuple)
+    if tuple(cls._fields) != tuple(values):
+        raise Unbuildable(f"named tuple {path.replace(':', '.')} has the fields {list(cls._fields)} here, the "
+                          f"checkpoint {list(values)}; the code changed since the save")
+    try:
+        return cls._make(values.values())
+    except Exception as e:
+        raise Unbuildable(f"named tuple {path.replace(':', '.')} cannot be rebuilt here: {type(e).__name__}: {e}") from None
 
 
 def check_tree(tree: Any, where: str) -> list[int]:
@@ -211,18 +376,40 @@ def check_tree(tree: Any, where: str) -> list[int]:
     def walk(node: Any, path: str, depth: int) -> None:
         if depth > 2 * MAX_DEPTH + 8:
             raise bad(path, "nests deeper than any tree tiercel writes")
+        if isinstance(node, dict) and isinstance(node.get("t"), str) and node["t"] not in _NODE_TYPES:
+            raise IntegrityError(f"{where}: the tree at '{path or '$'}' is a '{node['t']:.40}' node, which this tiercel "
+                                 "does not know: the step was written by a newer tiercel (upgrade this one), or the "
+                                 "manifest is damaged")
         if not isinstance(node, dict) or node.get("t") not in _NODE_TYPES:
             raise bad(path, f"is not a tree node: {node!r:.80}")
         t = node["t"]
         if t in _SCALAR_TYPES:
             scalar(node, path)
+        elif t in _plain.NODE_TYPES:
+            why = _plain.check(node)
+            if why:
+                raise bad(path, why)
         elif t == "item":
             i = node.get("i")
             if type(i) is not int:
                 raise bad(path, f"refers to item {i!r:.40}, not an item number")
             refs.append(i)
+        elif t == "enum":
+            if not isinstance(node.get("c"), str):
+                raise bad(path, f"is an enum of no class: {node.get('c')!r:.60}")
+            walk(node.get("v"), path, depth + 1)
         elif not isinstance(node.get("v"), list):
             raise bad(path, f"is a '{t}' without a list of entries")
+        elif t in _FIELD_TYPES:
+            if not isinstance(node.get("c"), str):
+                raise bad(path, f"is a {t} of no class: {node.get('c')!r:.60}")
+            names: set[str] = set()
+            for n, pair in enumerate(node["v"]):
+                if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)
+                        and pair[0].isidentifier() and pair[0] not in names):
+                    raise bad(f"{path}/{n}", f"is not a [field name, value] pair: {pair!r:.80}")
+                names.add(pair[0])
+                walk(pair[1], f"{path}/{pair[0]}", depth + 1)
         elif t == "dict":
             if node.get("c", "OrderedDict") != "OrderedDict" or ("a" in node and node.get("c") != "OrderedDict"):
                 raise bad(path, f"is a dict of an unknown class {node.get('c')!r:.60}")
@@ -235,10 +422,10 @@ def check_tree(tree: Any, where: str) -> list[int]:
             if "a" in node:
                 attrs = node["a"]
                 walk(attrs, f"{path}/@attrs", depth + 1)
-                names = [k.get("v") if k["t"] == "str" else None for k, _ in attrs["v"]] if attrs["t"] == "dict" else [None]
-                if not all(isinstance(k, str) and k.isidentifier() and not k.startswith("__") for k in names):
+                keys = [k.get("v") if k["t"] == "str" else None for k, _ in attrs["v"]] if attrs["t"] == "dict" else [None]
+                if not all(isinstance(k, str) and k.isidentifier() and not k.startswith("__") for k in keys):
                     raise bad(f"{path}/@attrs", "is not a dict of attribute names")
-        else:
+        else:  # list, tuple, set, frozenset
             if "c" in node and (t != "tuple" or not isinstance(node["c"], str)):
                 raise bad(path, f"names a class {node['c']!r:.60} a '{t}' cannot have")
             for n, x in enumerate(node["v"]):
@@ -251,13 +438,17 @@ def check_tree(tree: Any, where: str) -> list[int]:
 
 
 def tree_items(node: dict) -> list[int]:
-    """The item references in a tree, in order."""
+    """The item references in a tree, in order (the order `flatten` made the leaves in)."""
     t = node["t"]
     if t == "item":
         return [node["i"]]
     if t == "dict":
         # An OrderedDict's attributes ("a") are flattened after its entries.
         return [i for _, v in node["v"] for i in tree_items(v)] + (tree_items(node["a"]) if "a" in node else [])
-    if t in ("list", "tuple"):
+    if t in ("list", "tuple", "set", "frozenset"):
         return [i for v in node["v"] for i in tree_items(v)]
+    if t in _FIELD_TYPES:
+        return [i for _, v in node["v"] for i in tree_items(v)]
+    if t == "enum":
+        return tree_items(node["v"])
     return []

@@ -30,10 +30,11 @@ from typing import Any
 import numpy as np
 
 from . import _dtypes
+from ._plain import where
 from .errors import InvalidArgumentError
 from .manifest import Item, Shard
 
-__all__ = ["PICKLE_MODE", "Leaf", "LeafHandler", "PickleWarning", "Shard", "check_unpickle", "handler_for", "rebuilder",
+__all__ = ["PICKLE_MODE", "PICKLE_TRUSTED", "Leaf", "LeafHandler", "PickleWarning", "Shard", "check_unpickle", "handler_for", "rebuilder",
            "register", "register_leaf_handler"]
 
 
@@ -44,6 +45,10 @@ class PickleWarning(UserWarning):
 #: The policy's `[store] pickle` for the put being flattened in this thread or task ("warn",
 #: "error" or "allow"): set by the Writer, read by the pickle fallback.
 PICKLE_MODE: ContextVar[str] = ContextVar("tiercel_pickle_mode", default="warn")
+#: Whether the put being flattened is restored by a reader that unpickles it whatever the
+#: policy says (`Writer.prepare(trust_pickles=True)`: an adapter whose framework unpickles its
+#: own objects, as DeepSpeed's torch.load does). Under "warn" such a put may be pickled.
+PICKLE_TRUSTED: ContextVar[bool] = ContextVar("tiercel_pickle_trusted", default=False)
 
 
 def check_unpickle(item: Item, mode: str, step: int, rank: int) -> None:
@@ -233,8 +238,10 @@ class BytesHandler(LeafHandler):
 
 
 class PickleHandler(LeafHandler):
-    """The fallback for values no other handler claims. Pickled values get no zero-copy
-    restore and no compression, and unpickling runs code: a warning names each one."""
+    """The fallback for values no other handler claims and the tree cannot hold. Pickled
+    values get no zero-copy restore and no compression, and unpickling runs code: a save
+    pickles only where the restore will unpickle (`[store] pickle = "allow"`, or a trusted
+    adapter's put under "warn"), and refuses the value, naming it, everywhere else."""
 
     framework = "pickle"
 
@@ -243,24 +250,30 @@ class PickleHandler(LeafHandler):
 
     def describe(self, value: Any, name: str) -> Leaf:
         cls = type(value)
-        mode = PICKLE_MODE.get()
-        what = f"'{name}': {cls.__module__}.{cls.__qualname__}"
-        if mode == "error":
-            raise TypeError(f"{what} can only be stored by pickling it, which the policy forbids ([store] pickle = "
-                            "\"error\"); convert it to arrays, tensors or plain Python values, or register a leaf handler")
-        if mode == "warn":
-            warnings.warn(
-                f"{what} is stored by pickling it (no zero-copy restore; unpickling runs code, so restores refuse it "
-                "unless the policy says [store] pickle = \"allow\"); convert it to arrays, tensors or plain Python "
-                "values to avoid this",
-                PickleWarning,
-                stacklevel=6,
-            )
+        what = f"{where(name)}: {cls.__module__}.{cls.__qualname__}"
+        if isinstance(value, (np.ndarray, np.generic)):  # a dtype the format has no name for
+            what += f" of dtype {value.dtype}"
         try:
             data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:
-            raise TypeError(f"'{name}': {cls.__qualname__} cannot be stored: it is no array, tensor or bytes, "
-                            f"and pickling it failed: {e}") from None
+            raise TypeError(f"{what} cannot be stored: it is none of the types tiercel stores (docs/api.md, What can "
+                            f"be stored), and pickling it failed: {e}") from None
+        mode = PICKLE_MODE.get()
+        if mode == "error":
+            raise TypeError(f"{what} can only be stored by pickling it, which the policy forbids ([store] pickle = "
+                            "\"error\"); convert it to arrays, tensors or plain Python values, or register a leaf handler")
+        if mode == "warn" and not PICKLE_TRUSTED.get():
+            # A restore under this policy would refuse to unpickle it (check_unpickle): a
+            # checkpoint that cannot be restored is refused now, not found out at the restore.
+            raise TypeError(f"{what} can only be stored by pickling it, and restores refuse to unpickle under "
+                            "[store] pickle = \"warn\" (the default), so the step could not be restored: convert it "
+                            "to a type tiercel stores (docs/api.md, What can be stored: arrays, tensors, bytes, plain "
+                            "Python values, sets, enums, dataclasses, named tuples, datetimes, paths; vars(namespace) "
+                            "for an argparse Namespace), register a leaf handler, or set pickle = \"allow\" in the "
+                            "policy for checkpoints you trust")
+        if mode == "warn":
+            warnings.warn(f"{what} is stored by pickling it (no zero-copy restore; this writer's reader unpickles it)",
+                          PickleWarning, stacklevel=6)
         return Leaf(name, "bytes", "uint8", (len(data),), len(data), {"type": "pickle", "class": cls.__qualname__},
                     data, handler=self)
 

@@ -18,7 +18,7 @@ import numpy as np
 from . import _core
 from ._tree import flatten, tree_items, unflatten
 from .errors import InvalidArgumentError, NotFoundError, TierUnavailableError
-from .leaves import PICKLE_MODE, Leaf, check_unpickle, rebuilder
+from .leaves import PICKLE_MODE, PICKLE_TRUSTED, Leaf, check_unpickle, rebuilder
 from .manifest import Item, Manifest
 
 if TYPE_CHECKING:
@@ -125,13 +125,16 @@ class Writer:
         differs is reported when the step commits there (an IntegrityError naming it)."""
         self.write(self.prepare(name, value, replicated=replicated))
 
-    def prepare(self, name: str, value: Any, *, replicated: bool = False) -> Prepared:
+    def prepare(self, name: str, value: Any, *, replicated: bool = False, trust_pickles: bool = False) -> Prepared:
         """The first half of `put`: flattens `value` (small values are taken now: scalars into
         the tree, pickled objects as bytes); the arrays and tensors are referenced, not
-        copied. `write` copies them later; until then they must not change."""
+        copied. `write` copies them later; until then they must not change.
+        `trust_pickles`: the put is read back by `Reader(trust_pickles=True)`, so under
+        `[store] pickle = "warn"` its values may be pickled (an adapter's own objects)."""
         if not isinstance(name, str) or not name or "/" in name:
             raise InvalidArgumentError(f"put name must be a non-empty string without '/', got {name!r}")
         token = PICKLE_MODE.set(self._store._core.pickle)  # what the pickle fallback may do
+        trusted = PICKLE_TRUSTED.set(trust_pickles)
         try:
             tree, leaves = flatten(name, value)
         except TypeError as e:
@@ -140,6 +143,7 @@ class Writer:
             raise InvalidArgumentError(f"step {self.step}: '{name}' is nested too deeply to store") from None
         finally:
             PICKLE_MODE.reset(token)
+            PICKLE_TRUSTED.reset(trusted)
         return Prepared(name, tree, leaves, replicated)
 
     def write(self, prepared: Prepared) -> None:
@@ -338,7 +342,7 @@ class Reader:
             self.info.nbytes += it.nbytes
         self.info.seconds += time.perf_counter() - t0
         self.info.warnings = self._core.warnings()
-        return unflatten(tree, values)
+        return unflatten(tree, values, f"step {self.step} rank {self.rank} put '{put}'", step=self.step, rank=self.rank)
 
 
 def writable_bytes(out: Any, what: str) -> memoryview:

@@ -309,7 +309,7 @@ def _prepare(writer: Writer, name: str, value: Any) -> Prepared:
         # DeepSpeed's states hold a few small objects (ZeroStageEnum, LossScaler, the config)
         # that only pickle keeps: expected, not worth a warning per save.
         warnings.simplefilter("ignore", PickleWarning)
-        return writer.prepare(name, value)
+        return writer.prepare(name, value, trust_pickles=True)  # its readers are Reader(trust_pickles=True)
 
 
 def _to_location(value: Any, map_location: Any) -> Any:
