@@ -216,6 +216,17 @@ impl Store {
         }
     }
 
+    /// Read-your-writes for "the newest step": waits until every save this process began
+    /// has reached its memory commit or failed (`await_own_save` for each). Returns the steps
+    /// this process has written whose host commit waits for other ranks of the host: they
+    /// commit when the last of those ranks is done (`Store.latest_step` agrees on them
+    /// after every rank has waited here).
+    pub fn await_own_saves(&self) -> Vec<u64> {
+        let handles: Vec<Arc<SaveHandle>> = self.recent.lock().values().cloned().collect();
+        let mem = &self.memory_slot().config.name;
+        handles.iter().filter(|h| h.wait_tier(mem) == TierState::Written).map(|h| h.step).collect()
+    }
+
     /// Sets this launch of the job: a token every rank of the job was given at open (rank 0
     /// makes it), so that the ranks' saves of one step carry one generation.
     pub fn set_launch(&self, token: &str) {
@@ -266,8 +277,12 @@ impl Store {
 
     /// Steps this rank could restore from some tier in restore order, newest last. A tier
     /// that cannot be listed right now is skipped (logged): restore falls back past it.
+    ///
+    /// First waits for this process's own saves to reach the memory tier (`await_own_saves`),
+    /// so a step it has just saved is among them; a step whose host commit waits for other
+    /// ranks of the host is listed too (it commits once they are done).
     pub fn restorable_steps(&self) -> Vec<u64> {
-        let mut all = std::collections::BTreeSet::new();
+        let mut all: std::collections::BTreeSet<u64> = self.await_own_saves().into_iter().collect();
         for name in &self.policy.restore_order {
             let Ok(slot) = self.slot(name) else { continue };
             match slot.tier.committed_steps() {
