@@ -7,6 +7,10 @@ checkpoints through tiercel.dcp; started by tests/test_dcp.py as `python -c SCRI
     resume  builds the model afresh, loads the newest step (or `step`) with tiercel.dcp.Reader,
             records what it loaded, saves it again as step `resave` if given, trains on to
             `last`, records the losses.
+    saveload  for k = 1..`last`: saves a state whose every value is k (a tensor sharded over
+            the ranks, a plain tensor, a byte item), then at once loads the newest step into
+            the same layout and into a resharded one (the sharded tensor whole on every
+            rank); records the step and values each load got.
 
 Everything a test checks is written as JSON (losses as float.hex: bit for bit) or torch.save
 files under `out`.
@@ -211,6 +215,35 @@ def resume(cfg: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     return report
 
 
+def saveload(cfg: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def state(k: float, place: Any) -> dict[str, Any]:
+        full = torch.full((4 * world, 6), k)
+        return {"sharded": distribute_tensor(full, mesh, [place]), "plain": torch.full((5,), k), "meta": {"k": k}}
+
+    def values(loaded: dict[str, Any]) -> list[Any]:
+        t = loaded["sharded"].to_local()
+        return [sorted(set(t.flatten().tolist())), sorted(set(loaded["plain"].tolist())), loaded["meta"]["k"]]
+
+    report: dict[str, Any] = {"loads": []}
+    for k in range(1, cfg["last"] + 1):
+        dcp.save(state(float(k), Shard(0)), storage_writer=tiercel.dcp.Writer(cfg["policy"], step=k))
+        for place in (Shard(0), Replicate()):  # as saved; resharded
+            target = state(-1.0, place)
+            reader = tiercel.dcp.Reader(cfg["policy"])
+            try:
+                dcp.load(target, storage_reader=reader)
+                report["loads"].append([k, reader.step, *values(target)])
+            except CheckpointException as e:
+                report["loads"].append([k, reader.step, f"error: {e}"[:2000]])
+    _write(Path(cfg["out"]) / f"saveload-{rank}.json", report)
+    return report
+
+
 def _write(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj))
 
@@ -220,7 +253,7 @@ def main() -> None:
     cfg = json.loads(sys.argv[1].replace("{host}", os.environ.get("TIERCEL_HOST", "")))
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    {"train": train, "resume": resume}[cfg["mode"]](cfg, rank, world)
+    {"train": train, "resume": resume, "saveload": saveload}[cfg["mode"]](cfg, rank, world)
     tiercel.dcp.close()
     dist.barrier()
     dist.destroy_process_group()

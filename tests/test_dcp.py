@@ -253,3 +253,30 @@ def test_box_reads_only_the_chunks_that_hold_it(single, store, shm_root):
     assert torch.equal(tiercel.dcp._layout.read_box(fresh, it, (0, 0), (64, 256)), t[:64])
     with pytest.raises(tiercel.IntegrityError):
         tiercel.dcp._layout.read_box(fresh, it, (700, 0), (10, 256))
+
+
+# -- a load right after a save gets that save (issue 28 item 6) ----------------------------------
+
+
+def test_load_of_the_newest_step_right_after_a_save_gets_that_step(single):
+    """DCP's own suite saves and loads at once: the newest step is the one this process just
+    saved, though its memory commit may still be in flight (never the one before)."""
+    for k in range(1, 7):
+        dcp.save(_state(k), storage_writer=tiercel.dcp.Writer(single, step=k))
+        got = _zeros_like(_state(0))
+        r = tiercel.dcp.Reader(single)
+        dcp.load(got, storage_reader=r)
+        assert r.step == k
+        assert_same(got, _state(k))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_ranks_load_the_step_they_just_saved_as_saved_and_resharded(tmp_path, out, shm_root, disk_root, world):
+    policy = make_policy(shm_root, disk_root, every=2, ram={"keep": 2})
+    last = 6
+    reports = run_job(tmp_path, {"policy": policy, "out": str(out), "mode": "saveload", "last": last}, world=world)
+    for rank, report in enumerate(reports):
+        # [saved step, loaded step, the sharded tensor's values, the plain one's, meta's k], as
+        # saved and then resharded, after each save.
+        want = [[k, k, [float(k)], [float(k)], float(k)] for k in range(1, last + 1) for _ in range(2)]
+        assert report["loads"] == want, (rank, report["loads"])

@@ -316,7 +316,20 @@ ce.create(CheckpointCommitInfo(tag="global_step7", save_dir=save_dir, save_lates
 ce.save({"w": torch.ones(3)}, os.path.join(save_dir, "global_step7", "mp_rank_00_model_states.pt"))
 out["unknown"] = error(lambda: engine.load_checkpoint(save_dir, tag="nope"))
 out["uncommitted"] = error(lambda: engine.load_checkpoint(save_dir, tag="global_step7"))
-out["other_dir"] = error(lambda: engine.load_checkpoint(os.path.join(cfg["dir"], "elsewhere")))
+# A new save_dir while tiercel holds checkpoints of another one: stock DeepSpeed finds no
+# `latest` there and starts fresh, and so does the job with tiercel (issue 28 item 12).
+import logging
+class Notes(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+notes = Notes()
+logging.getLogger("tiercel.deepspeed").addHandler(notes)
+out["other_dir"] = list(engine.load_checkpoint(os.path.join(cfg["dir"], "elsewhere")))
+out["other_dir_note"] = notes.lines[-1] if notes.lines else ""
+out["other_dir_tag"] = error(lambda: engine.load_checkpoint(os.path.join(cfg["dir"], "elsewhere"), tag="global_step1"))
 out["from_disk"] = engine.load_checkpoint(stock_dir)[0]  # tiercel does not hold it: DeepSpeed reads the disk
 out["params_kept"] = all(torch.equal(v, params[k]) for k, v in engine.module.state_dict().items())
 path, client = engine.load_checkpoint(save_dir, tag="best")
@@ -345,7 +358,10 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(tmp_path, shm_root, disk
     assert "'global_step1'" in msg and "'best'" in msg, msg  # what there is instead
     kind, msg = out["uncommitted"]
     assert kind == "NotFoundError" and "tag 'global_step7' (step 7)" in msg and "['ram', 'disk']" in msg, msg
-    kind, msg = out["other_dir"]
+    assert out["other_dir"] == [None, None]  # as stock DeepSpeed: a fresh start
+    note = out["other_dir_note"]
+    assert "elsewhere" in note and str(tmp_path / "ckpt") in note and "fresh start" in note, note
+    kind, msg = out["other_dir_tag"]  # a tag asked for is never a fresh start
     assert kind == "NotFoundError" and "elsewhere" in msg and str(tmp_path / "ckpt") in msg, msg
     assert out["params_kept"]
     assert out["from_disk"] == str(tmp_path / "stock" / "global_step0" / "mp_rank_00_model_states.pt")

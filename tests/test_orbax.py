@@ -216,3 +216,17 @@ def test_a_step_saved_again_replaces_the_stale_copies(tmp_path, shm):
     policy = make_policy(shm, tmp_path / "disk", every=1)
     got = run_isolated("orbax_worker", "resave", policy, str(tmp_path / "orbax"), timeout=TIMEOUT)
     assert got == {"ram": 2.0, "disk": 2.0}, got
+
+
+def test_two_items_of_one_step_on_one_policy_both_restore(tmp_path, shm):
+    """Issue 28 item 7: items of one Orbax step share one tiercel step, whether each has its
+    own handler of the policy or one handler serves both."""
+    r = run_isolated("orbax_worker", "two_items", make_policy(shm, tmp_path / "disk", every=1),
+                     str(tmp_path / "orbax"), timeout=TIMEOUT)
+    for case, base in (("two_handlers", 0), ("one_handler", 10)):
+        want = [[float(s), float(s), f"p{s}", True, s] for s in (base + 1, base + 2)]
+        assert r[case]["steps"] == [base + 1, base + 2], r
+        assert r[case]["now"] == want, r
+        assert r[case]["reopened"] == want, r
+    assert r["clash"].startswith("InvalidArgumentError") and "step 2" in r["clash"] and "'extra'" in r["clash"], r
+    assert r["after_clash"] == [2.0, 2.0, "p2", True, 2], r

@@ -6,7 +6,7 @@
     tiercel cp STEP --from TIER --to TIER [--json]
     tiercel gc [--dry-run] [--tmp-age SECONDS] [--json]
     tiercel rm STEP --tier T [--json]
-    tiercel export STEP DIR --format deepspeed|orbax|dcp [--json]
+    tiercel export STEP DIR --format deepspeed|orbax|dcp|torch [--json]
     tiercel placement --hosts N --replicas M [--failures K] [--json]
     tiercel stats --url HOST:PORT [--url ...] [--json]
     tiercel --version
@@ -137,10 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tier", required=True, metavar="T")
     s.set_defaults(func=cmd_rm)
 
-    s = sub.add_parser("export", help="write a step in a framework's own format (DeepSpeed, Orbax, torch DCP)",
+    s = sub.add_parser("export", help="write a step in a framework's own format (DeepSpeed, Orbax, torch DCP, torch.save)",
                        description="Writes a committed step as a plain checkpoint of the framework that saved it, "
                                    "loadable without tiercel: a DeepSpeed checkpoint directory, an Orbax checkpoint, "
-                                   "or a torch.distributed.checkpoint directory.")
+                                   "a torch.distributed.checkpoint directory, or (a plain save) one torch.save file per rank.")
     s.add_argument("step", type=_step, metavar="STEP")
     s.add_argument("dir", metavar="DIR", help="the directory to write (created)")
     s.add_argument("--format", required=True, choices=sorted(FORMATS))

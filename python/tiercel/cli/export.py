@@ -1,5 +1,6 @@
 """`tiercel export STEP DIR --format F`: write a committed step in a framework's own format,
-loadable without tiercel (no lock-in). Each adapter owns its format; this only dispatches."""
+loadable without tiercel (no lock-in). Each adapter owns its format (plain saves:
+tiercel.torch_export); this only dispatches."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ FORMATS = {
     "deepspeed": "tiercel.deepspeed",
     "orbax": "tiercel.orbax",
     "dcp": "tiercel.dcp",
+    # Plain saves (Store.save, tiercel.torch.save_state): one torch.save file per rank.
+    "torch": "tiercel.torch_export",
 }
 
 

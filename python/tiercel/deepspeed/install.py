@@ -10,6 +10,8 @@ outside the engine; `attach` covers each piece on the engine instance:
   from their writers the files a rank cannot read itself, then runs DeepSpeed's own
   load_checkpoint with that step's tag. A checkpoint tiercel does not hold but DeepSpeed
   wrote on disk (before the job adopted tiercel) is loaded from disk, as DeepSpeed would.
+  A directory of which neither holds a checkpoint (a new `save_dir`) loads nothing and
+  returns (None, None), as DeepSpeed does without a `latest` file.
 - `engine._get_all_ckpt_names` (DeepSpeed's glob over the tag folder, made before any file is
   loaded) answers from the step's layout while a load runs: the tag folder is not on disk.
 - `engine.optimizer.step` first waits for the last save's snapshot: a save returns before
@@ -33,7 +35,8 @@ from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from ..errors import InvalidArgumentError, TierUnavailableError
 from ..store import PolicyLike, Store
 from .engine import Loading, TiercelCheckpointEngine
-from .resolve import committed_steps, gather, not_found, resolve
+from .layout import norm_dir
+from .resolve import committed_steps, gather, may_hold_dir, not_found, resolve
 from .snapshot import updated_by_step
 
 log = logging.getLogger("tiercel.deepspeed")
@@ -101,10 +104,14 @@ def load_checkpoint(engine: Any, original: Callable[..., Any], load_dir: str, ta
                 return original(*bound.args, **bound.kwargs)
             finally:
                 engine.checkpoint_engine = ce
-        if tag is None and not any(gather(store, bool(committed_steps(store)))):
-            log.warning("tiercel holds no checkpoint yet (tiers %s): nothing loaded from %s",
-                        [t["name"] for t in store.tiers()], load_dir)
-            return None, None  # as DeepSpeed does without a `latest` file: a fresh start
+        if tag is None and not any(gather(store, may_hold_dir(store, load_dir))):
+            # As stock DeepSpeed does where `load_dir` has no `latest` file: a fresh start.
+            # Only where no rank sees a step that holds (or might hold) a checkpoint of
+            # `load_dir`: one that some rank cannot restore is an error, never "nothing saved".
+            held = "; ".join(notes[-3:]) or f"committed: {committed_steps(store)}"
+            log.warning("tiercel holds no checkpoint of %s (tiers %s; %s) and DeepSpeed finds none on disk there: "
+                        "nothing loaded, a fresh start", norm_dir(load_dir), [t["name"] for t in store.tiers()], held)
+            return None, None
         raise not_found(store, load_dir, tag, notes)
     loading = Loading(store, found)
     ce.loading = loading

@@ -46,6 +46,24 @@ def committed_steps(store: Store) -> list[int]:
     return sorted({s for steps in store.steps().values() for s in steps})
 
 
+def may_hold_dir(store: Store, load_dir: str) -> bool:
+    """Whether some step this process sees committed may hold a DeepSpeed save of
+    `load_dir`: its own layout of the step records one, or the step cannot be opened to
+    tell (then a load must say what is wrong, not start fresh). Not collective."""
+    want = norm_dir(load_dir)
+    for step in reversed(committed_steps(store)):
+        try:
+            reader = Reader(store, step, trust_pickles=True)
+            if LAYOUT_PUT not in reader.manifest.trees:
+                continue  # not saved through the DeepSpeed engine
+            layout = Layout.from_tree(reader.get(LAYOUT_PUT), f"step {step} rank {reader.rank}")
+        except TiercelError:
+            return True
+        if any(s.dir == want for s in layout.saves):
+            return True
+    return False
+
+
 def tier_names(store: Store) -> list[str]:
     return [t["name"] for t in store.tiers()]
 

@@ -9,7 +9,7 @@ CheckpointManager's handler registry.
     mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=3),
                                  handler_registry=reg)
     mngr.save(step, args=ocp.args.Composite(state=tiercel.orbax.Save(train_state)))
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, train_state)
+    abstract = jax.tree.map(lambda x: ocp.utils.to_shape_dtype_struct(x) if hasattr(x, "shape") else x, train_state)
     restored = mngr.restore(mngr.latest_step(), args=ocp.args.Composite(state=tiercel.orbax.Restore(abstract)))
 
 Importing this module registers the jax.Array leaf handler with tiercel.leaves. See

@@ -219,7 +219,7 @@ def restore_tree(saved: SavedStep, target: Any, multi_process: bool, on_leaf: Ca
             raise InvalidArgumentError(
                 f"step {saved.step}: Restore() without a target returns numpy global arrays, which only a single-process "
                 "job can use; pass Restore(abstract_state) with the shardings to restore into, e.g. "
-                "jax.tree.map(ocp.utils.to_shape_dtype_struct, state)"
+                "jax.tree.map(lambda x: ocp.utils.to_shape_dtype_struct(x) if hasattr(x, 'shape') else x, state)"
             )
         pairs = [(leaf, None) for leaf in saved.leaves]
     else:

@@ -8,6 +8,7 @@ themselves are in the tiers of the handler's policy.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import re
@@ -23,6 +24,7 @@ from .. import _dtypes
 from ..errors import InvalidArgumentError, NotFoundError, TiercelError, TierUnavailableError
 from ..step import RestoreInfo, SaveHandle
 from ..store import PolicyLike, Store
+from . import _steps
 from ._layout import FORMAT, VERSION, leaf_records, nested
 from ._restore import SavedStep, read_structure, restore_tree
 
@@ -92,9 +94,8 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     def __init__(self, policy: PolicyLike | None = None, *, store: Store | None = None, timeout: float = 600.0):
         self._policy = policy
         self._store = store
-        self._own_store = store is None
+        self._key: _steps.Key | None = None if store is None else _steps.store_key(store)
         self._timeout = timeout
-        self._saved: tuple[int, str] | None = None
         #: tiercel's handle of the last save, once its background copy is done: `states()` per
         #: tier, `wait()` for all tiers (`blocking_seconds` is the background copy's time).
         self.last_save: SaveHandle | None = None
@@ -105,8 +106,10 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
 
     @property
     def store(self) -> Store:
+        """The Store of the handler's policy, shared by every handler of that policy in this
+        process (tiercel.orbax._steps)."""
         if self._store is None:
-            self._store = Store(self._policy)
+            self._key, self._store = _steps.acquire(self._policy)
         return self._store
 
     # -- save -----------------------------------------------------------------------------------
@@ -114,8 +117,10 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     async def async_save(self, directory: epath.Path, args: Save | None = None) -> list[ocp_future.Future] | None:
         """Takes what the save needs from the pytree (host views or copies of this process's
         shards, see `leaf_records`: the only part that blocks) and returns a future that copies
-        them into the memory tier and completes once the memory tier has the step;
-        replication and persistence go on in tiercel's background after that."""
+        them into the memory tier as one put of the step's tiercel write and completes once
+        every item of the Orbax step is in and the memory tier has the step
+        (tiercel.orbax._steps); replication and persistence go on in tiercel's background
+        after that."""
         return self._start_save(epath.Path(directory), args)
 
     def save(self, directory: epath.Path, args: Save | None = None) -> None:
@@ -128,42 +133,44 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             raise InvalidArgumentError(f"TiercelCheckpointHandler saves tiercel.orbax.Save(state), got {type(args).__name__}")
         step = args.step if args.step is not None else _step_of(directory)
         put = _item_of(directory)
-        if self._saved is not None and self._saved[0] == step and self._saved[1] != put:
-            raise InvalidArgumentError(
-                f"step {step}: this handler already saved item '{self._saved[1]}'; one handler stores one item per step: "
-                f"register another TiercelCheckpointHandler for '{put}', or save both in one pytree"
-            )
         # A step of this number that tiercel still holds (Orbax deleted it, or max_to_keep
         # dropped it, and training went back) is simply saved again: the core never commits
         # or reads the old save's ranks with the new one's (see docs/reliability.md).
         store = self.store
+        assert self._key is not None
         try:
             value = leaf_records(args.item, store.rank, store.world_size)
         except TypeError as e:
             raise InvalidArgumentError(f"step {step} '{put}': {e}") from None
-        self._saved = (step, put)
-        commit = self._write(step, put, value, directory, store.rank == 0)
+        write = _steps.begin(self._key, store, step, put)
+        try:
+            # Inside Orbax's gather of the items' saves: the other items join first.
+            asyncio.get_running_loop().call_soon(write.close_registration)
+        except RuntimeError:  # a save of one item, outside an event loop
+            write.close_registration()
         # Starting the future starts its thread: part of what the caller waits for.
-        futures: list[ocp_future.Future] = [ocp_future.CommitFutureAwaitingContractedSignals(commit, name="tiercel_save")]
+        futures: list[ocp_future.Future] = [ocp_future.CommitFutureAwaitingContractedSignals(
+            self._write(write, put, value, directory, store.rank == 0), name="tiercel_save")]
         self.last_blocking_seconds = time.perf_counter() - t0
         return futures
 
-    async def _write(self, step: int, put: str, value: dict[str, Any], directory: epath.Path, primary: bool) -> None:
+    async def _write(self, write: _steps.StepWrite, put: str, value: dict[str, Any], directory: epath.Path,
+                     primary: bool) -> None:
         """The background half of a save, on Orbax's commit thread (Orbax runs one save at a
-        time and has created the directory): the copy into the memory tier, then the marker."""
-        store = self.store
-        with store.writer(step) as w:
-            w.put(put, value)
+        time and has created the directory): the copy into the memory tier, the commit once
+        every item is in, then the marker."""
+        write.put(put, value)
         del value  # the host views: the device buffers may be reused from here on
-        assert w.handle is not None
-        self.last_save = w.handle
+        handle = write.arrive(put, self._timeout)
+        self.last_save = handle
+        store = self.store
         memory = store.tiers()[0]["name"]
-        wait_for_tier(w.handle, memory, self._timeout)
+        wait_for_tier(handle, memory, self._timeout)
         if primary:
             marker = {
                 "format": FORMAT,
                 "version": VERSION,
-                "step": step,
+                "step": write.step,
                 "item": put,
                 "world_size": store.world_size,
                 "tiers": [t["name"] for t in store.tiers()],
@@ -216,15 +223,17 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         return nested(leaves, values)
 
     def finalize(self, directory: epath.Path) -> None:
-        """Nothing to do: tiercel committed the step before the future completed, and Orbax
+        """Nothing to do: tiercel committed the step before the futures completed, and Orbax
         renames its directory itself."""
 
     def close(self) -> None:
-        """Finishes tiercel's background work (persists, replication) and closes the Store if
-        this handler opened it."""
-        if self._store is not None and self._own_store:
-            self._store.close()
+        """Lets go of the shared Store; the last handler of a policy to close closes it, which
+        finishes tiercel's background work (persists, replication). A Store passed in is
+        left open."""
+        if self._store is not None and self._key is not None and self._key[0] != "store":
+            _steps.release(self._key)
             self._store = None
+            self._key = None
 
     # -- steps --------------------------------------------------------------------------------------
 
@@ -252,7 +261,8 @@ class Save(ocp.args.CheckpointArgs):
 @dataclasses.dataclass
 class Restore(ocp.args.CheckpointArgs):
     """Restore into `item`: an abstract pytree (jax.ShapeDtypeStruct with shardings, e.g.
-    `jax.tree.map(ocp.utils.to_shape_dtype_struct, state)`) or concrete arrays; None for
+    `jax.tree.map(lambda x: ocp.utils.to_shape_dtype_struct(x) if hasattr(x, "shape") else x, state)`,
+    which keeps strings and other values as they are) or concrete arrays; None for
     numpy arrays of the global shape (single-process jobs)."""
 
     item: Any = None
