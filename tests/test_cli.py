@@ -544,3 +544,14 @@ timeout = 5
     peer_only.write_text(env.policy.read_text().replace("[store]", '[[tier]]\nname = "peer"\nkind = "peer"\n\n[store]'))
     for args in (("ls",), ("verify",), ("gc", "--dry-run")):
         assert main(capsys, *args, "--policy", str(peer_only))[0] == 0, args
+
+
+def test_the_version_line_is_the_one_docs_cli_shows(capsys):
+    """Repro (issue 28.18): `tiercel --version` printed format 2 while docs/cli.md said 1."""
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    printed = capsys.readouterr().out.strip()
+    shown = re.findall(r"tiercel \d+\.\d+\.\d+ \(format \d+\)", (Path(__file__).parent.parent / "docs" / "cli.md").read_text())
+    assert shown, "docs/cli.md shows no --version line"
+    want = printed.replace(tiercel.__version__, "0.1.0")
+    assert set(shown) == {want}, (shown, printed)

@@ -214,3 +214,89 @@ def test_without_run_ids_another_world_size_is_a_resharded_resume_and_said_at_op
         assert "saved by 3 rank(s) and this job has 2" in msg, msg
     with tiercel.Store(base, rank=0, world_size=3) as s:  # the same job again: nothing to say
         assert "without a run id" not in capfd.readouterr().err
+
+
+WRITER = r"""
+import json, sys
+import numpy as np
+import tiercel
+store = tiercel.Store(json.loads(sys.argv[1]), rank=0, world_size=1)
+store.save(1, {"w": np.full(1000, 1.0, np.float32)}).wait(60)
+print("saved", flush=True)
+sys.stdin.readline()  # alive until told, or killed
+store.close()
+"""
+
+
+def start_writer(policy: dict):
+    """A real second process that saves step 1 of rank 0 with `policy`, then stays alive."""
+    import subprocess
+
+    from conftest import PYTHON, TESTS_DIR, child_env
+
+    p = subprocess.Popen([PYTHON, "-c", WRITER, json.dumps(policy)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=child_env(), cwd=str(TESTS_DIR))
+    line = p.stdout.readline()
+    assert line.strip() == "saved", f"writer: {line!r} {p.stderr.read() if p.poll() is not None else ''}"
+    return p
+
+
+@pytest.mark.parametrize("shared", ["memory", "fs"])
+def test_a_second_live_writer_of_a_rank_into_one_tier_is_refused(shared, shm_root, disk_root, tmp_path):
+    """Repro (issue 28.4): two processes saving rank 0 into one root replaced each other's
+    steps without a word (only checksums caught a torn read). Now the second live writer is
+    refused before it writes a byte, with an error naming the tier, its location, the rank and
+    the other process; once that process is gone (SIGKILL: no close), a new one saves."""
+    from conftest import new_shm_root
+
+    other_root = new_shm_root("other-")
+    if shared == "memory":  # one memory root, no disk tier
+        first, second = make_policy(shm_root, None), make_policy(shm_root, None)
+        tier, location = "ram", str(shm_root)
+    else:  # each its own memory root, one disk directory
+        first, second = make_policy(other_root, disk_root, every=1), make_policy(shm_root, disk_root, every=1)
+        tier, location = "disk", str(disk_root)
+    p = start_writer(first)
+    try:
+        with tiercel.Store(second, rank=0, world_size=1) as s:
+            # Reading is fine: only a save claims the rank.
+            assert s.restore(1)["w"][0] == 1.0
+            for step in (1, 2):
+                with pytest.raises(tiercel.ConfigError) as ei:
+                    s.save(step, {"w": np.full(1000, 2.0, np.float32)})
+                msg, e = str(ei.value), ei.value
+                assert f"tier '{tier}' ({location})" in msg and "rank 0" in msg and f"pid {p.pid}" in msg, msg
+                assert "another live process" in msg and "its own tiers" in msg, msg
+                assert e.tier == tier and e.rank == 0 and e.path.endswith(".writers/rank-00000"), e.fields()
+            # Nothing of the second writer reached the tier: the first one's step is whole.
+            assert s.restore(1)["w"][0] == 1.0
+            assert 2 not in s.steps()[tier]
+        p.kill()  # a crash: the kernel drops the lease
+        p.wait(30)
+        with tiercel.Store(second, rank=0, world_size=1) as s:
+            assert s.save(2, {"w": np.full(1000, 2.0, np.float32)}).wait(60)[tier] == "committed"
+            assert s.restore(2)["w"][0] == 2.0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+        import shutil
+        shutil.rmtree(other_root, ignore_errors=True)
+
+
+def test_a_writer_that_closed_lets_the_next_one_save(shm_root):
+    """A store that closed hands the rank over (a job run twice one after another), and two
+    stores of one process share the rank (a reader opened beside the trainer's store)."""
+    p = start_writer(make_policy(shm_root, None))
+    p.stdin.write("\n")
+    p.stdin.flush()
+    assert p.wait(60) == 0, p.stderr.read()
+    a = tiercel.Store(make_policy(shm_root, None), rank=0, world_size=1)
+    b = tiercel.Store(make_policy(shm_root, None), rank=0, world_size=1)
+    try:
+        a.save(2, {"w": np.zeros(10)}).wait(60)
+        b.save(3, {"w": np.ones(10)}).wait(60)
+        assert b.steps()["ram"][-2:] == [2, 3] and b.restore(3)["w"][0] == 1.0
+    finally:
+        a.close()
+        b.close()

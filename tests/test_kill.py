@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import threading
 import time
@@ -129,3 +130,72 @@ def test_kill_during_saves(shm_root, disk_root, make_store):
     assert len(store.steps()["ram"]) <= 2, store.steps()
     stale = [s for s in store._core.all_steps("ram") if s < last - 2]
     assert stale == [], f"old steps left in ram: {stale}"
+
+
+MID_SAVE = r"""
+import json, sys
+import numpy as np
+import tiercel
+store = tiercel.Store(json.loads(sys.argv[1]), rank=0, world_size=1)
+for step in (1, 2):
+    store.save(step, {"w": np.full(1000, float(step))}).wait(60)
+w = store.writer(3)  # mid-save of step 3: a put copied into memory, no commit
+w.__enter__()
+w.put("model", {"w": np.full(200_000, 3.0)})
+print("mid-save", flush=True)
+sys.stdin.readline()  # alive until killed
+"""
+
+
+def start_mid_save(policy: dict) -> subprocess.Popen:
+    p = subprocess.Popen([PYTHON, "-c", MID_SAVE, json.dumps(policy)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=child_env())
+    line = p.stdout.readline()
+    assert line.strip() == "mid-save", f"{line!r} {p.stderr.read() if p.poll() is not None else ''}"
+    return p
+
+
+def gc_json(policy_file: Path, *args: str) -> dict:
+    r = subprocess.run([PYTHON, "-m", "tiercel", "gc", "--json", "--policy", str(policy_file), *args],
+                       capture_output=True, text=True, env=child_env(), timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_gc_removes_a_killed_writers_uncommitted_step_from_memory(tmp_path):
+    """Repro (issue 28.16): a writer killed with SIGKILL mid-save left its uncommitted step in
+    /dev/shm, and `tiercel gc` kept it although nothing held the writer's leases. Now gc
+    removes it (and never a committed step), while a live writer's uncommitted step, in
+    another root, stays."""
+    from conftest import new_shm_root
+
+    roots = {"killed": new_shm_root("killed-"), "live": new_shm_root("live-")}
+    files = {}
+    for name, root in roots.items():
+        files[name] = tmp_path / f"{name}.toml"
+        files[name].write_text(f'[[tier]]\nname = "ram"\nkind = "memory"\nroot = "{root}"\nkeep = 3\n')
+    procs = {name: start_mid_save(make_policy(root, None, ram={"keep": 3})) for name, root in roots.items()}
+    try:
+        procs["killed"].kill()
+        procs["killed"].wait(30)
+        for name, root in roots.items():
+            assert (Path(root) / "step-000000000003").is_dir(), name
+        dry = gc_json(files["killed"], "--dry-run")
+        assert [(r["step"], r["reason"]) for r in dry["tiers"][0]["removals"]] == [
+            (3, "uncommitted; no process writes to this tier: its writer is gone")], dry
+        done = gc_json(files["killed"])
+        assert [r["step"] for r in done["tiers"][0]["removals"]] == [3], done
+        assert not (Path(roots["killed"]) / "step-000000000003").exists()
+        with tiercel.Store(files["killed"], rank=0, world_size=1) as s:
+            assert s.steps()["ram"] == [1, 2]
+            assert s.restore()["w"][0] == 2.0
+        # The live writer's step stays: it may still commit.
+        assert gc_json(files["live"])["tiers"][0]["removals"] == []
+        assert (Path(roots["live"]) / "step-000000000003").is_dir()
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+        for root in roots.values():
+            shutil.rmtree(root, ignore_errors=True)

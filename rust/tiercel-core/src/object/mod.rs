@@ -37,7 +37,7 @@ use tokio::runtime::Runtime;
 
 pub use bucket::ObjectBlobs;
 pub use settings::Env;
-pub use uploads::{STALE_UPLOAD_AGE, UPLOADS_DIR};
+pub use uploads::{host_id, STALE_UPLOAD_AGE, UPLOADS_DIR};
 
 /// One multi-thread runtime for every object-store tier of the process: its two workers
 /// drive the sockets and run uploaded parts; callers block on their own requests.

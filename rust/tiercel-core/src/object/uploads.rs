@@ -42,7 +42,8 @@ pub(super) fn active_uploads() -> &'static parking_lot::Mutex<std::collections::
 }
 
 /// This process's host as markers name it: host name and pid namespace.
-pub(super) fn host_id() -> String {
+/// This host (and pid namespace), as upload markers and writer leases name it.
+pub fn host_id() -> String {
     let mut buf = [0u8; 256];
     let host = if unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) } == 0 {
         let n = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());

@@ -4,13 +4,16 @@
 //! holds an older or another job's steps never wins silently.
 
 use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 
 use super::{Store, TierSlot};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{CommitRecord, JobId};
-use crate::policy::{Policy, TierKind};
+use crate::policy::{Policy, TierKind, TierSpec};
+use crate::tier::lease::WriterLease;
 
 /// Environment variables that name a run, in the order they are consulted after the
 /// policy's `[store] run`. Each stays the same across restarts of one job.
@@ -33,6 +36,22 @@ fn fingerprint(policy: &Policy) -> String {
         text.push_str(&format!("{}:{}\n", t.kind().as_str(), t.spec.location()));
     }
     format!("{:08x}", crate::checksum::crc32c(text.as_bytes()))
+}
+
+/// Now as UTC "YYYY-MM-DD HH:MM:SS", for the writer lease's file.
+fn humantime_now() -> String {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0) as i64;
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    unsafe { libc::gmtime_r(&t, &mut tm) };
+    format!(
+        "{:04}-{:02}-{:02} {:02}:{:02}:{:02} UTC",
+        tm.tm_year + 1900,
+        tm.tm_mon + 1,
+        tm.tm_mday,
+        tm.tm_hour,
+        tm.tm_min,
+        tm.tm_sec
+    )
 }
 
 /// Whose steps a read may return.
@@ -62,7 +81,68 @@ impl JobFilter {
 #[derive(Default)]
 pub struct Foreign(Mutex<HashMap<(String, u64), Option<JobId>>>);
 
+/// The writer leases this store holds (`tier::lease::WriterLease`): taken at its first
+/// save, one per memory and fs tier, released at close.
+#[derive(Default)]
+pub struct Writers(Mutex<Option<Vec<Arc<WriterLease>>>>);
+
 impl Store {
+    /// Before this store's first save: takes this rank's writer lease on every memory and fs
+    /// tier, so that no other live process saves the same rank into the same root (two jobs
+    /// in one directory would replace each other's steps, and a restore could meet a step
+    /// torn between them). Refused, naming the other process, when one holds it. A process
+    /// that died holds nothing (the kernel drops its locks): a restart after a crash is
+    /// fine. Object stores hold no lease (see docs/config.md, "Jobs").
+    pub(super) fn claim_writer(&self) -> Result<()> {
+        let mut held = self.writers.0.lock();
+        if held.is_some() {
+            return Ok(());
+        }
+        let who = format!(
+            "pid {} on host {} (launch {}, {}, since {})",
+            std::process::id(),
+            crate::object::host_id(),
+            self.launch.read().as_deref().unwrap_or("not yet agreed"),
+            self.job.describe(),
+            humantime_now()
+        );
+        let mut leases = vec![];
+        for slot in &self.slots {
+            let root = match &slot.config.spec {
+                TierSpec::Memory { root } => Path::new(root),
+                TierSpec::Fs { path } => Path::new(path),
+                _ => continue,
+            };
+            let name = &slot.config.name;
+            let at = crate::tier::lease::writer_path(root, self.rank);
+            match WriterLease::take(root, self.rank, &who).map_err(|e| Error::io(name, &at, e))? {
+                Ok(l) => leases.push(l),
+                Err(holder) => {
+                    return Err(Error::config(format!(
+                        "tier '{name}' ({}): rank {} is being saved there by another live process: {holder}. This \
+                         process (pid {}, {}) would replace its steps: two jobs save into one directory. Give each \
+                         job its own tiers (`root`, `path`), or stop the other process first (a process that died \
+                         holds nothing: a restart after a crash is fine)",
+                        slot.config.spec.location(),
+                        self.rank,
+                        std::process::id(),
+                        self.job.describe()
+                    ))
+                    .with_tier(name.as_str())
+                    .with_rank(self.rank)
+                    .with_path(at.display().to_string()));
+                }
+            }
+        }
+        *held = Some(leases);
+        Ok(())
+    }
+
+    /// At close: another process may save this rank into these tiers now.
+    pub(super) fn release_writer(&self) {
+        self.writers.0.lock().take();
+    }
+
     /// This job's identity, as recorded in every commit record it writes.
     pub fn job(&self) -> &JobId {
         &self.job

@@ -58,6 +58,8 @@ pub struct Store {
     /// This job's identity, written into every commit record.
     job: crate::format::JobId,
     foreign: job::Foreign,
+    /// This rank's writer leases, from its first save to close (`claim_writer`).
+    writers: job::Writers,
     /// Opened for tools (`open_as`): every job's steps count as this job's.
     tool: bool,
     metrics: Metrics,
@@ -151,6 +153,7 @@ impl Store {
             recent: Default::default(),
             job,
             foreign: Default::default(),
+            writers: Default::default(),
             tool,
             metrics,
             // One process is the whole job: its own launch. A larger job's ranks agree on one
@@ -304,6 +307,7 @@ impl Store {
             p.shutdown();
         }
         self.memory.release_pool();
+        self.release_writer();
         if let Some(r) = self.relay.lock().take() {
             r.stop();
         }

@@ -43,6 +43,7 @@ impl Store {
                 format::MAX_STEP
             )));
         }
+        self.claim_writer()?;
         let lease = self.memory.lease_step(step)?;
         Ok(StepWriter {
             store: self.clone(),

@@ -7,6 +7,9 @@
 //!
 //! - committed steps beyond the newest `keep`;
 //! - uncommitted steps older than the newest committed one (a rank died mid-save);
+//! - on a tier that knows its writers (the memory tier: `tier::lease`'s writer leases), any
+//!   uncommitted step once no process holds a writer lease there (its writers were killed
+//!   mid-save: nobody will ever commit it), in a gc run that looks for dead writers' leftovers;
 //! - temporary files (`<name>.tmp-<pid>-<n>`) whose writer process is gone, once they are
 //!   old enough not to belong to a writer on another host of a shared filesystem;
 //! - multipart uploads that a killed writer left on an object store (see `object::uploads`);
@@ -104,6 +107,22 @@ pub fn step_removals(committed: &[u64], all: &[u64], keep: Option<usize>) -> Vec
         .collect()
 }
 
+/// Why an abandoned step goes (see `abandoned_steps`).
+pub const ABANDONED: &str = "uncommitted; no process writes to this tier: its writer is gone";
+
+/// Uncommitted steps that `step_removals` leaves (newer than the newest committed one, or
+/// none committed), for a tier where no process holds a writer lease: their writers are
+/// gone, so nothing will ever commit them. A tier calls this only when it knows that
+/// (`tier::lease::any_writer`), and only for a gc run that removes dead writers' leftovers
+/// (`GcOptions::temp_age` set). Oldest first.
+pub fn abandoned_steps(committed: &[u64], all: &[u64]) -> Vec<Removal> {
+    let newest = committed.last().copied();
+    all.iter()
+        .filter(|s| !committed.contains(s) && newest.is_none_or(|n| **s > n))
+        .map(|&s| Removal::new(Target::Step(s), ABANDONED))
+        .collect()
+}
+
 /// Steps a plan removes.
 pub fn steps_of(plan: &[Removal]) -> Vec<u64> {
     plan.iter().filter_map(Removal::step).collect()
@@ -168,6 +187,10 @@ mod tests {
         // Keep all: only leftovers. Nothing committed: nothing goes (a save may be under way).
         assert_eq!(steps_of(&step_removals(&[2, 4], &[1, 2, 3, 4, 5], None)), vec![1, 3]);
         assert!(step_removals(&[], &[1, 2, 3], Some(1)).is_empty());
+        // With no writer left: the uncommitted steps the step rule leaves.
+        assert_eq!(steps_of(&abandoned_steps(&[2, 4], &[1, 2, 3, 4, 5, 7])), vec![5, 7]);
+        assert_eq!(steps_of(&abandoned_steps(&[], &[1, 3])), vec![1, 3]);
+        assert!(abandoned_steps(&[2, 4], &[2, 4]).is_empty());
     }
 
     #[test]
@@ -213,6 +236,8 @@ mod tests {
         let disk_tier = BlobTier::new("disk", blobs.clone(), Compression::none());
         let ram_root = tempfile::Builder::new().prefix("tiercel-gc-test").tempdir_in("/dev/shm").unwrap();
         let ram = MemoryTier::open("ram", ram_root.path(), None).unwrap();
+        // A live writer of the memory root: its uncommitted steps may still commit.
+        let writer = crate::tier::lease::WriterLease::take(ram_root.path(), 0, "this test").unwrap().unwrap();
         for (tier, root) in [(&disk_tier as &dyn Tier, disk.as_path()), (&*ram as &dyn Tier, ram_root.path())] {
             // Steps 1..=4 committed, 5 written by a rank that died; 6 on its way (newest).
             for step in 1..=6u64 {
@@ -254,6 +279,15 @@ mod tests {
             assert_eq!(std::fs::read(&outside).unwrap(), b"keep me");
             assert!(tier.gc_plan(&opts).unwrap().is_empty(), "{}: a second run finds nothing", tier.name());
         }
+
+        // The writer gone (killed mid-save): nobody will commit steps 5 and 6 in memory.
+        drop(writer);
+        let opts = GcOptions { temp_age: Some(Duration::from_secs(600)), ..Default::default() };
+        let plan = ram.gc_plan(&opts).unwrap();
+        assert_eq!(plan.iter().map(|r| (r.step(), r.reason.as_str())).collect::<Vec<_>>(), vec![(Some(5), ABANDONED), (Some(6), ABANDONED)]);
+        assert!(ram.gc_plan(&GcOptions::default()).unwrap().is_empty(), "only a run for dead writers' leftovers");
+        assert_eq!(steps_of(&run_gc(&*ram, &opts).unwrap()), vec![5, 6]);
+        assert_eq!(ram.all_steps().unwrap(), vec![3, 4]);
 
         // A spare segment of a process that is gone (a killed trainer's pool).
         let dead = ram_root.path().join(".pool").join("999999999-0.seg");

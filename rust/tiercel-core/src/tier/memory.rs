@@ -557,9 +557,17 @@ impl Tier for MemoryTier {
         self.evict(step)
     }
 
-    /// The layout's plan, and spare segments of processes that are gone.
+    /// The layout's plan, uncommitted steps nobody will commit (a gc run for dead writers'
+    /// leftovers, where no process holds a writer lease on this root), and spare segments
+    /// of processes that are gone.
     fn gc_plan(&self, opts: &GcOptions) -> Result<Vec<Removal>> {
         let mut plan = self.layout.gc_plan(opts)?;
+        if opts.temp_age.is_some() && !lease::any_writer(&self.root) {
+            let mine = |s: &u64| !opts.foreign.contains(s);
+            let committed: Vec<u64> = self.committed_steps()?.into_iter().filter(mine).collect();
+            let all: Vec<u64> = self.all_steps()?.into_iter().filter(mine).collect();
+            plan.extend(gc::abandoned_steps(&committed, &all));
+        }
         // A step whose writer has not finished its flush (its memory commit may still come)
         // is no leftover, whatever its age relative to newer steps.
         plan.retain(|r| r.step().is_none_or(|s| !self.being_written(s)));
@@ -573,7 +581,15 @@ impl Tier for MemoryTier {
         let mut done = vec![];
         for r in plan {
             match &r.target {
-                Target::Step(s) => self.evict(*s)?,
+                Target::Step(s) => {
+                    // Under the step directory's exclusive lock: a writer that begins the step
+                    // meanwhile waits for its write lease, then finds the directory gone and
+                    // makes it again (`lease_step`); one that holds the lease keeps the step.
+                    let dir = self.root.join(format::step_dir(*s));
+                    if !lease::with_exclusive(&dir, |free| if free { self.evict(*s).map(|_| true) } else { Ok(false) })? {
+                        continue;
+                    }
+                }
                 Target::Segment { key, .. } => self.layout.blobs().delete(key)?,
                 _ => {
                     done.extend(self.layout.gc_apply(vec![r])?);
