@@ -128,5 +128,14 @@ _bench: build
 	$(PY) bench/interleave.py
 	$(PY) bench/broadcast.py
 
+# The frameworks' own checkpoint tests (DeepSpeed, Orbax, DCP) with tiercel in place of their
+# stock backends, pass counts next to the stock ones: docs/peer-suites.md. Not part of `make
+# test` (tens of minutes). Fetches the test files from GitHub once; SUITES_ARGS="--suite dcp".
+peer-suites: $(DEPS_STAMP)
+	@$(LOCKED_MAKE) _peer-suites
+
+_peer-suites: build
+	$(PY) suites/run.py $(SUITES_ARGS)
+
 clean:
 	rm -rf $(BUILD_STAMP) $(WHEEL_STAMP) python/tiercel/_core*.so
