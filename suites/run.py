@@ -31,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -127,9 +128,11 @@ def run_suite(suite: Suite, backend: str, src: Path, deps: Path | None, out: Pat
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else out
     root = shm / f"tiercel-peer-suite-{os.getpid()}-{suite.name}-{backend}"
     paths = [str(SHIM)] + ([str(deps)] if deps else []) + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    tmp = Path(tempfile.mkdtemp(prefix=f"tiercel-peer-suite-{suite.name}-{backend}-"))
     env = {
         **os.environ,
         **dict(suite.env),
+        "TEST_TMPDIR": str(tmp),  # absltest's temporary directories: fresh for each run
         "PYTHONPATH": os.pathsep.join(paths),
         "TIERCEL_PEER_SUITE": backend,
         "TIERCEL_PEER_SUITE_ROOT": str(root),
@@ -159,6 +162,7 @@ def run_suite(suite: Suite, backend: str, src: Path, deps: Path | None, out: Pat
             proc.wait()
             note = f"timed out after {timeout:.0f} s"
     shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
     collected: list[str] = []
     outcomes: dict[str, str] = {}
     why: dict[str, str] = {}

@@ -2,8 +2,8 @@
 $TIERCEL_PEER_SUITE_REPORT as one JSON line when the test ends, so that a run cut short
 (a hang, the runner's time limit) still reports every test that finished. For Orbax it also
 lets `orbax.checkpoint._src.testing` (a namespace package without its test helpers in the
-wheel) find the fetched helpers ($TIERCEL_PEER_SUITE_ORBAX_TESTING), and starts JAX's
-distributed runtime with one process, as Orbax's test launcher does."""
+wheel) find the fetched helpers ($TIERCEL_PEER_SUITE_ORBAX_TESTING), marks absl's flags
+parsed and starts JAX's distributed runtime with one process, as Orbax's test launcher does."""
 
 from __future__ import annotations
 
@@ -27,8 +27,11 @@ def pytest_configure(config: Any) -> None:
 
         import jax
         import orbax.checkpoint._src.testing as testing
+        from absl import flags
 
         testing.__path__.append(extra)
+        # absltest's flags (--test_tmpdir, ...) at their defaults, as absltest.main would parse them.
+        flags.FLAGS.mark_as_parsed()
         # Orbax's MultiProcessTest meets its processes at JAX's coordination service: a job
         # of one process here, as its launcher starts with --num_processes=1.
         with socket.socket() as s:
