@@ -67,7 +67,8 @@ SUITES = {
             "tests",
             tuple(f"unit/checkpoint/test_{n}.py" for n in ("latest_checkpoint", "tag_validation", "lr_scheduler",
                                                            "other_optimizer", "shared_weights")),
-            (("DS_ACCELERATOR", "cpu"),),
+            # LOCAL_SIZE: the CPU accelerator's device count, so that the two-rank tests run.
+            (("DS_ACCELERATOR", "cpu"), ("LOCAL_SIZE", "2")),
         ),  # fmt: skip
         Suite(
             "orbax-handler",

@@ -2,8 +2,9 @@
 peer-suite run (suites/run.py puts this directory first on PYTHONPATH, so Python imports it
 at start-up, in the pytest process and in every rank it spawns).
 
-Active only with TIERCEL_PEER_SUITE=tiercel; otherwise it does nothing and the suite runs on
-the stock backend. Each substitution is the one the framework offers its users, made when the
+Active only with TIERCEL_PEER_SUITE=tiercel; with `stock` the suite runs on the stock backend
+(with the one bridge between the pinned test files and the installed DeepSpeed that both
+backends get, `_bridge_deepspeed`). Each substitution is the one the framework offers its users, made when the
 framework's module has been imported (before the test module takes names from it):
 
 - DeepSpeed: `deepspeed.initialize` returns engines with tiercel attached
@@ -52,7 +53,18 @@ def policy_for(*parts: object) -> dict[str, Any]:
 # -- DeepSpeed -----------------------------------------------------------------------------------
 
 
+def _bridge_deepspeed(deepspeed: Any) -> None:
+    """For both backends alike: the pinned test files compare the saved and the loaded
+    engine's `sparse_tensor_module_names`, an attribute DeepSpeed 0.19.8 no longer has; an
+    engine without one has no sparse-gradient modules, so the comparison is of two empty sets."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    if not hasattr(DeepSpeedEngine, "sparse_tensor_module_names"):
+        DeepSpeedEngine.sparse_tensor_module_names = frozenset()
+
+
 def _patch_deepspeed(deepspeed: Any) -> None:
+    _bridge_deepspeed(deepspeed)
     import tiercel.deepspeed
 
     stock = deepspeed.initialize
@@ -206,4 +218,7 @@ if os.environ.get("TIERCEL_PEER_SUITE") == "tiercel":
         "orbax.checkpoint": _patch_orbax,
         "torch.distributed.checkpoint": _patch_dcp,
     })  # fmt: skip
+    sys.meta_path.insert(0, _AfterImport())
+elif os.environ.get("TIERCEL_PEER_SUITE") == "stock":
+    _PATCHES["deepspeed"] = _bridge_deepspeed
     sys.meta_path.insert(0, _AfterImport())
