@@ -90,7 +90,7 @@ lint: $(DEPS_STAMP)
 	@echo "==> lint (cargo fmt --check, cargo clippy -D warnings, ruff, mypy)"
 	cargo fmt --all --check
 	$(LOCKED) cargo clippy --release --workspace --all-targets --quiet -- -D warnings
-	$(VENV)/bin/ruff check python tests bench examples
+	$(VENV)/bin/ruff check python tests bench examples suites
 	$(VENV)/bin/mypy
 
 test: lint test-rust test-python

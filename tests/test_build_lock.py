@@ -123,5 +123,7 @@ def test_two_clones_take_turns_with_the_shared_cache_and_virtualenv(tmp_path):
         assert not start <= t <= end, f"{where} cleaned the cache during {other}'s build or tests\n{events}"
     assert (target / ".tiercel-checkout").read_text().strip() in (a, b)
 
-    # The clone that came second said what it waited for.
-    assert any("waiting for" in out for out in outs), outs
+    # The clone that came second said what it waited for (when it did wait: on a loaded machine
+    # it may have started only after the first was done).
+    if s2 - e1 < 0.5:
+        assert any("waiting for" in out for out in outs), outs
