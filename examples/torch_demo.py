@@ -20,6 +20,11 @@ examples/tiercel_demo.toml: shared memory, keep 2; a directory every 5 steps, zs
 
 Exits 0 when the check passes, 1 when it fails, 2 on any other error (or after --timeout s).
 Options: --steps, --kill-step, --kill-rank, --world, --timeout, --tolerance; --keep keeps the files.
+
+The time limit scales with the work (three launches of --world ranks, each importing torch,
+and every rank-step of the three runs); while the ranks are busy, a line every
+--progress-every seconds says where they are. On a slow or busy machine raise it:
+`make demo DEMO_ARGS="--timeout 1800"` (or `python examples/torch_demo.py --timeout 1800`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,18 @@ POLICY_TEMPLATE = HERE / "tiercel_demo.toml"
 # The model and the data: ~1.6 M parameters (6.3 MB), with Adam ~19 MB of state per rank.
 IN, HIDDEN, CLASSES, BATCH = 256, 1024, 16, 64
 LR = 1e-3
+
+# The default time limit (--timeout): per launch, time for its ranks to import torch and join
+# the gloo group (they contend for the cores: on 2 busy cores 4 ranks take ~a minute), then
+# per rank-step, a forward/backward, an all-reduce and a save of ~19 MB. Generous: a limit is
+# only there to stop a demo that hangs, and a newcomer's busy laptop must not hit it.
+LAUNCH_S, RANK_START_S, RANK_STEP_S = 30.0, 15.0, 1.0
+
+
+def default_timeout(world: int, steps: int, kill_step: int) -> float:
+    launches = 3  # the reference, the attempt that loses a rank, the resumed attempt
+    rank_steps = world * (steps + kill_step + (steps - kill_step + 1))
+    return launches * (LAUNCH_S + RANK_START_S * world) + RANK_STEP_S * rank_steps
 
 
 # =============================================================================================
@@ -213,7 +230,7 @@ class Job:
     """One launch of all ranks (what torchrun does for one attempt)."""
 
     def __init__(self, label: str, out: Path, policy: Path, args: argparse.Namespace, *, resume: bool, kill: bool):
-        self.label, self.out = label, out
+        self.label, self.out, self.timeout = label, out, args.timeout
         out.mkdir(parents=True, exist_ok=True)
         port = free_port()
         env = dict(os.environ)
@@ -239,14 +256,24 @@ class Job:
         print(f"[{label}] started {args.world} ranks (pids {', '.join(str(p.pid) for p in self.procs)}), "
               f"MASTER_PORT={port}", flush=True)  # fmt: skip
         self._seen = 0
-        self.t0 = time.monotonic()
+        self.t0 = self._said = time.monotonic()
 
     def records(self, rank: int) -> list[dict]:
         return read_records(self.out / f"rank{rank}.jsonl")
 
-    def progress(self, every: int, steps: int) -> None:
-        """Prints rank 0's new records."""
+    def progress(self, every: int, steps: int, deadline: float, heartbeat: float) -> None:
+        """Prints rank 0's new records, and a line when nothing was printed for `heartbeat` s
+        (so that a slow start, ranks importing torch, does not look like a hang)."""
         recs = self.records(0)
+        now = time.monotonic()
+        if len(recs) > self._seen:
+            self._said = now
+        elif now - self._said >= heartbeat:
+            self._said = now
+            done = [r["step"] for r in recs if r["event"] == "step"]
+            where = f"rank 0 finished step {done[-1]} of {steps}" if done else "ranks starting (importing torch, joining gloo)"
+            print(f"[{self.label}] still running, {now - self.t0:.0f} s: {where}; "
+                  f"{max(0.0, deadline - now):.0f} s left of the time limit (--timeout)", flush=True)  # fmt: skip
         for r in recs[self._seen :]:
             if r["event"] == "restored":
                 print(f"[{self.label}] restored step {r['step']} from '{r['tier']}' in {r['total_s']:.3f} s", flush=True)
@@ -255,12 +282,12 @@ class Job:
                       f"save blocked {r['blocking_s'] * 1e3:6.2f} ms", flush=True)  # fmt: skip
         self._seen = len(recs)
 
-    def wait(self, deadline: float, every: int, steps: int) -> tuple[int, int] | None:
+    def wait(self, deadline: float, every: int, steps: int, heartbeat: float) -> tuple[int, int] | None:
         """Waits until all ranks exit (None) or one fails: then stops the others, as torchrun
         does, and returns (rank, returncode) of the first to fail."""
         failed = None
         while True:
-            self.progress(every, steps)
+            self.progress(every, steps, deadline, heartbeat)
             codes = [p.poll() for p in self.procs]
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if bad:
@@ -273,10 +300,12 @@ class Job:
             if time.monotonic() > deadline:
                 self.stop()
                 logs = "\n".join(self.log_tail(r, 5) for r in range(len(self.procs)))
-                raise DemoError(f"[{self.label}] timed out (--timeout); the last lines of the rank logs "
-                                f"(--keep keeps them all):\n{logs}")  # fmt: skip
+                raise DemoError(f"[{self.label}] timed out: the whole demo may take {self.timeout:.0f} s (--timeout). "
+                                f"On a slow or busy machine give it more: make demo DEMO_ARGS=\"--timeout "
+                                f"{2 * self.timeout:.0f}\" (or examples/torch_demo.py --timeout {2 * self.timeout:.0f}). "
+                                f"The last lines of the rank logs (--keep keeps them all):\n{logs}")  # fmt: skip
             time.sleep(0.05)
-        self.progress(every, steps)
+        self.progress(every, steps, deadline, heartbeat)
         self.seconds = time.monotonic() - self.t0
         if failed is None:
             print(f"[{self.label}] all ranks finished ({self.seconds:.1f} s)", flush=True)
@@ -350,7 +379,7 @@ def run_demo(args: argparse.Namespace, work: Path, shm: Path) -> bool:
         job = Job(label, work / label.replace(" ", "-"), policy, args, resume=resume, kill=kill)
         jobs.append(job)
         try:
-            return job, job.wait(deadline, every, args.steps)
+            return job, job.wait(deadline, every, args.steps, args.progress_every)
         except BaseException:
             job.stop()
             raise
@@ -364,6 +393,7 @@ def run_demo(args: argparse.Namespace, work: Path, shm: Path) -> bool:
         for name in ("reference", "run"):
             write_policy(work / f"{name}.toml", shm / name, work / f"{name}-disk")
         print(f"policy: {POLICY_TEMPLATE.relative_to(HERE.parent)} (shared memory under {shm}, directories under {work})")
+        print(f"time limit: {args.timeout:.0f} s for the whole demo (--timeout; make demo DEMO_ARGS=\"--timeout N\")")
 
         # 1. Reference: nothing goes wrong.
         print(f"\n== 1. reference run: {args.world} ranks, {args.steps} steps, no failure")
@@ -493,7 +523,9 @@ def main() -> int:
     ap.add_argument("--kill-step", type=int, default=17)
     ap.add_argument("--kill-rank", type=int, default=2)
     ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--timeout", type=float, default=240, help="seconds for the whole demo")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="seconds for the whole demo (default: scales with --world and --steps; 514 s for the defaults)")
+    ap.add_argument("--progress-every", type=float, default=15, help="a line when the ranks were quiet this many seconds")
     ap.add_argument("--tolerance", type=float, default=1e-6, help="largest |loss diff| that passes")
     ap.add_argument("--keep", action="store_true", help="keep the shared memory and directories")
     # Internal: the trainer processes.
@@ -506,6 +538,8 @@ def main() -> int:
         return trainer(args)
     if not (0 <= args.kill_rank < args.world and 2 <= args.kill_step < args.steps):
         ap.error("need 0 <= --kill-rank < --world and 2 <= --kill-step < --steps")
+    if args.timeout is None:
+        args.timeout = default_timeout(args.world, args.steps, args.kill_step)
 
     work = Path(tempfile.mkdtemp(prefix="tiercel-demo-"))
     shm_base = Path("/dev/shm") if os.path.isdir("/dev/shm") else work

@@ -49,6 +49,7 @@ DOCS = [
     "docs/format.md",
     "docs/object-store.md",
     "docs/orbax.md",
+    "docs/peer-suites.md",
     "docs/performance.md",
     "docs/pytorch.md",
     "docs/reliability.md",
