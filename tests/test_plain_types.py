@@ -362,9 +362,9 @@ class Meters:
 def orbax_plain(policy: dict, directory: str) -> str:
     """Plain-type leaves of an Orbax pytree through tiercel.orbax and back (run through
     conftest.run_isolated: JAX in its own process)."""
-    import orbax_worker as ow
-
     import tiercel.orbax
+
+    import orbax_worker as ow
 
     state = {"seen": {3, 1}, "when": dt.datetime(2026, 12, 3, 8, tzinfo=dt.timezone.utc), "mode": Mode.EVAL,
              "dir": pathlib.Path("runs/a"), "meters": Meters(2, np.arange(4.0)), "w": np.ones(3, dtype=np.float32)}
