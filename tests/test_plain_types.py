@@ -25,6 +25,7 @@ import zoneinfo
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 import tiercel
@@ -350,3 +351,36 @@ def test_float_fields_keep_their_bits():
         tree, _ = flatten("x", complex(x, -x))
         back = unflatten(tree, [])
         assert struct.pack("<dd", back.real, back.imag) == struct.pack("<dd", x, -x)
+
+
+@dataclasses.dataclass
+class Meters:
+    seen: int
+    values: np.ndarray
+
+
+def orbax_plain(policy: dict, directory: str) -> str:
+    """Plain-type leaves of an Orbax pytree through tiercel.orbax and back (run through
+    conftest.run_isolated: JAX in its own process)."""
+    import tiercel.orbax
+
+    import orbax_worker as ow
+
+    state = {"seen": {3, 1}, "when": dt.datetime(2026, 12, 3, 8, tzinfo=dt.timezone.utc), "mode": Mode.EVAL,
+             "dir": pathlib.Path("runs/a"), "meters": Meters(2, np.arange(4.0)), "w": np.ones(3, dtype=np.float32)}
+    handler = tiercel.orbax.TiercelCheckpointHandler(policy)
+    mngr = ow.manager(handler, directory)
+    mngr.save(3, args=ow.ocp.args.Composite(state=tiercel.orbax.Save(state)))
+    mngr.wait_until_finished()
+    got = ow.restore(mngr, 3, None)
+    mngr.close()
+    same(dict(sorted(got.items())), dict(sorted(state.items())))  # JAX orders a dict's keys
+    return "same"
+
+
+def test_orbax_leaves_of_plain_types_round_trip(tmp_path, shm_root):
+    from conftest import make_policy, run_isolated
+
+    pytest.importorskip("orbax.checkpoint")
+    assert run_isolated("test_plain_types", "orbax_plain", make_policy(shm_root, None), str(tmp_path / "orbax"),
+                        timeout=300) == "same"

@@ -145,7 +145,7 @@ class Flattener:
     def _set(self, v: set | frozenset, path: list[str]) -> dict:
         try:  # a stable order: two ranks (or two runs) saving one set write one tree
             elems = sorted(v)
-        except TypeError:  # elements of mixed types: their iteration order
+        except Exception:  # mixed types (TypeError), tensors (no truth value): their iteration order
             elems = list(v)
         return {"t": type(v).__name__, "v": [self.node(x, [*path, str(i)]) for i, x in enumerate(elems)]}
 

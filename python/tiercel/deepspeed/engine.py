@@ -306,7 +306,7 @@ class TiercelCheckpointEngine(CheckpointEngine):
 
 def _prepare(writer: Writer, name: str, value: Any) -> Prepared:
     with warnings.catch_warnings():
-        # DeepSpeed's states hold a few small objects (ZeroStageEnum, LossScaler, the config)
+        # DeepSpeed's states hold a few small objects (LossScaler, the config)
         # that only pickle keeps: expected, not worth a warning per save.
         warnings.simplefilter("ignore", PickleWarning)
         return writer.prepare(name, value, trust_pickles=True)  # its readers are Reader(trust_pickles=True)

@@ -94,7 +94,7 @@ def leaf_records(state: Any, process_index: int, process_count: int) -> dict[str
             rec["value"] = copy.deepcopy(leaf) if process_index == 0 else None
         elif type(leaf) in _PY:
             rec.update(type="python", value=leaf)
-        else:  # stored by tiercel's leaf registry (pickled, with a warning, if nothing claims it)
+        else:  # stored by tiercel's tree (plain types) or leaf registry (pickled only where allowed)
             rec.update(type="object", value=_copied(leaf, key) if process_index == 0 else None)
         records.append(rec)
     for _, _, x in pending:
@@ -132,6 +132,9 @@ class SavedLeaf:
     pieces: list[tuple[int, Item]] = field(default_factory=list)
     #: Python values (and "object" leaves, as the item that holds them).
     value: Any = None
+    #: An "object" leaf kept in the tree (a set, a dataclass: tiercel._tree's plain types):
+    #: its tree node and rank 0's items of the put, to rebuild it with any items inside it.
+    tree: tuple[dict, list[Item]] | None = None
 
 
 def is_layout(tree: dict[str, Any]) -> bool:
@@ -149,12 +152,22 @@ def rank_records(m: Manifest, put: str) -> list[dict[str, Any]]:
     bytes read). Raises ValueError when the put is missing or not a tiercel.orbax layout."""
     if put not in m.trees:
         raise ValueError(f"rank {m.rank} put nothing under '{put}' (have: {', '.join(m.trees) or 'nothing'})")
-    value = unflatten(m.trees[put], list(m.items_of(put)))
+    items = list(m.items_of(put))
+    value = unflatten(m.trees[put], items)
     if not isinstance(value, dict) or value.get("format") != FORMAT:
         raise ValueError(f"'{put}' of rank {m.rank} was not saved by tiercel.orbax")
     if value["version"] > VERSION:
         raise ValueError(f"'{put}' was saved by a newer tiercel.orbax (layout version {value['version']} > {VERSION})")
-    return list(value["leaves"])
+    records = list(value["leaves"])
+    for rec, node in zip(records, _entry(m.trees[put], "leaves")["v"]):
+        if rec["type"] == "object" and not isinstance(rec["value"], Item):
+            rec["tree"] = (_entry(node, "value"), items)
+    return records
+
+
+def _entry(node: dict, key: str) -> dict:
+    """The node of a dict node's entry `key`."""
+    return next(v for k, v in node["v"] if k == {"t": "str", "v": key})
 
 
 def merge_layout(shares: Mapping[int, list[dict[str, Any]]]) -> list[SavedLeaf]:
@@ -178,7 +191,7 @@ def merge_layout(shares: Mapping[int, list[dict[str, Any]]]) -> list[SavedLeaf]:
             elif rank == 0 and rec["type"] == "numpy":
                 leaf.pieces.append((0, rec["value"]))
             elif rank == 0 and rec["type"] == "object":
-                leaf.value = rec["value"]
+                leaf.value, leaf.tree = rec["value"], rec.get("tree")
     return leaves
 
 

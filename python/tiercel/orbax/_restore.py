@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import _dtypes
 from .._sharding import Box, CoverageError, Plan, box_of_index, box_shape, plan
+from .._tree import tree_items, unflatten
 from ..errors import InvalidArgumentError, NotFoundError, TiercelError
 from ..manifest import Item
 from ..replicas import share_pieces
@@ -146,6 +147,10 @@ class SavedStep:
 
     def value(self, leaf: SavedLeaf) -> Any:
         """A non-array leaf as saved: a Python value, or the value of an "object" item."""
+        if leaf.type == "object" and leaf.tree is not None:  # kept in the tree, with its items read
+            node, items = leaf.tree
+            reader = self.reader(0)
+            return unflatten(node, {i: reader.value(items[i]) for i in tree_items(node)})
         if leaf.type == "object":
             return self.reader(0).value(leaf.value)
         return leaf.value
