@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 
 from .context import EXIT_OK, Ctx, UsageError
-from .output import json_out
+from .output import Progress, json_out
 
 #: --format -> the adapter module whose `export(store, step, out_dir)` writes it.
 FORMATS = {
@@ -19,6 +19,31 @@ FORMATS = {
 }
 
 
+class _Bar:
+    """The exporters' `progress` callbacks as one progress bar (on a terminal): DeepSpeed's
+    (files done, files, bytes done, bytes), Orbax's (leaves done, leaves), DCP's and torch's
+    (bytes done, bytes)."""
+
+    def __init__(self, label: str, fmt: str):
+        self.label, self.fmt = label, fmt
+        self.bar: Progress | None = None
+
+    def __call__(self, *args: int) -> None:
+        if self.fmt == "deepspeed":
+            done, total, nbytes, total_bytes, unit = *args, "file"
+        elif self.fmt == "orbax":
+            (done, total), nbytes, total_bytes, unit = args, None, None, "leaf"
+        else:
+            done, total, nbytes, total_bytes, unit = args[0], args[1], args[0], args[1], "byte"
+        if self.bar is None:
+            self.bar = Progress(self.label, total, total_bytes, unit=unit)
+        self.bar.update(done, nbytes)
+
+    def finish(self) -> None:
+        if self.bar is not None:
+            self.bar.finish()
+
+
 def cmd_export(ctx: Ctx) -> int:
     a = ctx.args
     module_name = FORMATS[a.format]
@@ -26,7 +51,11 @@ def cmd_export(ctx: Ctx) -> int:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise UsageError(f"--format {a.format} needs {module_name}, which cannot be imported here: {e}") from None
-    out = str(module.export(ctx.store, a.step, a.dir) or a.dir)
+    bar = _Bar(f"export step {a.step} as {a.format}", a.format)
+    try:
+        out = str(module.export(ctx.store, a.step, a.dir, progress=bar) or a.dir)
+    finally:
+        bar.finish()
     if a.json:
         json_out({"step": a.step, "format": a.format, "dir": out})
     else:

@@ -121,13 +121,14 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         every item of the Orbax step is in and the memory tier has the step
         (tiercel.orbax._steps); replication and persistence go on in tiercel's background
         after that."""
-        return self._start_save(epath.Path(directory), args)
+        return self._start_save(epath.Path(directory), args, alone=False)
 
     def save(self, directory: epath.Path, args: Save | None = None) -> None:
-        for f in self._start_save(epath.Path(directory), args):
+        """A save of this item alone (Orbax's Checkpointer calls it for a handler of its own)."""
+        for f in self._start_save(epath.Path(directory), args, alone=True):
             f.result()
 
-    def _start_save(self, directory: epath.Path, args: Save | None) -> list[ocp_future.Future]:
+    def _start_save(self, directory: epath.Path, args: Save | None, alone: bool) -> list[ocp_future.Future]:
         t0 = time.perf_counter()
         if not isinstance(args, Save):
             raise InvalidArgumentError(f"TiercelCheckpointHandler saves tiercel.orbax.Save(state), got {type(args).__name__}")
@@ -143,10 +144,16 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         except TypeError as e:
             raise InvalidArgumentError(f"step {step} '{put}': {e}") from None
         write = _steps.begin(self._key, store, step, put)
-        try:
+        loop = None
+        if not alone:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                pass
+        if loop is not None:
             # Inside Orbax's gather of the items' saves: the other items join first.
-            asyncio.get_running_loop().call_soon(write.close_registration)
-        except RuntimeError:  # a save of one item, outside an event loop
+            loop.call_soon(write.close_registration)
+        else:
             write.close_registration()
         # Starting the future starts its thread: part of what the caller waits for.
         futures: list[ocp_future.Future] = [ocp_future.CommitFutureAwaitingContractedSignals(
