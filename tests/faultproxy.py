@@ -12,6 +12,9 @@ repeated), while the fault budget lasts:
             seconds (longer than the client's timeout), then close.
 - "ok":     forward untouched.
 
+`hold = True` stops forwarding on every connection, open or new, without closing any (a
+server that hangs) until set back.
+
 `down = True` resets every open connection and refuses every new one (RST) until set back:
 a server that went away. Counters tell the test what was assigned (`injected`) and what
 really happened on the wire (`fired`: a reset or stall only fires once its connection has
@@ -68,6 +71,7 @@ class FaultProxy:
         self.stall_s = stall_s
         self.max_offset = max_offset
         self.down = False
+        self.hold = False
         self.injected: Counter[str] = Counter()
         self.fired: Counter[str] = Counter()
         self.connections = 0
@@ -196,6 +200,9 @@ class FaultProxy:
                     _rst(client)
                     _rst(server)
                     return
+                if self.hold:  # a hung server: nothing moves, nothing closes
+                    self._stop.wait(0.05)
+                    continue
                 readable, _, _ = select.select(socks, [], [], 0.1)
                 for s in readable:
                     data = s.recv(1 << 16)

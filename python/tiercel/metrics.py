@@ -30,10 +30,10 @@ FIELDS: list[tuple[str, str, str]] = [
     ("steps_read", "counter", "steps opened for reading with the tier first in restore order"),
     ("bytes_read", "counter", "bytes read from the tier"),
     ("last_step", "gauge", "the newest step this rank finished writing to the tier"),
-    ("lag_steps", "gauge", "steps between the newest save and last_step"),
-    ("lag_seconds", "gauge", "seconds between the newest save and the save of last_step"),
+    ("lag_steps", "gauge", "steps the tier is behind the newest save (before its first write: from its oldest save)"),
+    ("lag_seconds", "gauge", "seconds since the oldest save the tier has not written was made (0: caught up)"),
     ("queue_depth", "gauge", "background jobs for the tier waiting in the queue"),
-    ("skips", "counter", "saves the tier did not get (replaced while queued, not enough hosts)"),
+    ("skips", "counter", "saves the tier did not get (replaced by a newer save while queued, not enough hosts)"),
     ("failures", "counter", "writes to the tier that failed"),
     ("effective_interval", "gauge", "iterations between checkpoints that reach the tier (learned traffic schedule)"),
 ]
@@ -45,7 +45,8 @@ def _sample_name(field: str, kind: str) -> str:
 
 def prometheus_text(store: Store) -> str:
     """The store's metrics in Prometheus' text format (version 0.0.4). A value not known yet
-    (no lag before the first write) is left out."""
+    (no lag before the tier was handed a save) is left out; a tier handed saves it never
+    finished writing has its lag, growing, so an alert on lag fires for a hung tier."""
     metrics = store.metrics()
     lines: list[str] = []
     for field, kind, help_text in FIELDS:

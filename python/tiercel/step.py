@@ -48,9 +48,15 @@ class SaveHandle:
         saves in between are skipped there."""
         return {tier: (n, why) for tier, n, why in self._core.notes()}
 
-    def wait(self, timeout: float | None = None) -> dict[str, str]:
-        """Waits for the background tiers; raises TimeoutError, or the tier's error if one failed."""
-        if not self._core.wait(timeout):
+    def wait(self, timeout: float | None = None, *, commit: bool = False) -> dict[str, str]:
+        """Waits for the background tiers; raises TimeoutError, or the tier's error if one failed.
+
+        A tier's state is final for this rank once it has written its part ("written": other
+        ranks still going). `commit=True` waits, on every tier this rank wrote the step to,
+        until the step is committed there (every rank's part and the commit record: the state
+        becomes "committed"), or will never be (this rank's part was removed or saved again:
+        "skipped: ..."), looking again every few milliseconds; `timeout` bounds it all."""
+        if not self._core.wait(timeout, commit):
             raise TimeoutError(f"step {self.step}: background tiers not done after {timeout} s: {self.states()}")
         states = self.states()
         failed = {t: s for t, s in states.items() if s.startswith("failed")}

@@ -338,9 +338,15 @@ class Store:
     def tiers(self) -> list[dict[str, Any]]:
         return self._core.tiers()
 
-    def flush(self) -> None:
-        """Waits until every background job (persist, evict) has finished."""
-        self._core.flush()
+    def flush(self, timeout: float | None = None) -> None:
+        """Waits until every background job (flush, replicate, persist, evict) has finished,
+        at most `timeout` seconds (None: as long as it takes). At the timeout it raises
+        TimeoutError naming the tiers, steps and bytes still pending; the work goes on in the
+        background. Waiting longer than 2 s logs what it waits for; Ctrl-C interrupts it
+        (KeyboardInterrupt; the work goes on)."""
+        left = self._core.flush(timeout)
+        if left is not None:
+            raise TimeoutError(f"rank {self.rank}: background work not finished after {timeout} s: {left}")
 
     def prefault(self, nbytes: int | Sequence[int]) -> None:
         """Prepares shared memory for this process's first save of about `nbytes` (one rank's
@@ -354,17 +360,29 @@ class Store:
             raise InvalidArgumentError(f"prefault takes a byte count or a list of them, got {nbytes!r}")
         self._core.prefault(sizes)
 
-    def close(self) -> None:
-        """Finishes background work and releases this process's spare shared memory."""
-        if not self._closed:
-            self._closed = True
-            self._core.close()
+    def close(self, timeout: float | None = None) -> bool:
+        """Finishes background work and releases this process's spare shared memory.
+
+        Waits for the background work (persists, replication) at most `timeout` seconds
+        (None: as long as it takes), logging which tiers, steps and bytes it waits for once it
+        takes longer than 2 s. What is not done by then is abandoned and logged as not
+        persisted there; committed steps stay committed, and a step cut off on a tier is never
+        visible there. Ctrl-C while it waits says what is pending; a second Ctrl-C abandons
+        it and raises KeyboardInterrupt (a `with` block left by Ctrl-C needs only one more).
+        Returns True when every background job finished, False when some were abandoned."""
+        return self._close(timeout, interrupted=False)
+
+    def _close(self, timeout: float | None, interrupted: bool) -> bool:
+        if self._closed:
+            return True
+        self._closed = True
+        return self._core.close(timeout, interrupted) is None
 
     def __enter__(self) -> Store:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self._close(None, interrupted=exc_type is not None and issubclass(exc_type, KeyboardInterrupt))
 
     def __del__(self) -> None:
         try:

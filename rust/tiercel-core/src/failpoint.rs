@@ -9,6 +9,9 @@
 //! its marker under `.uploads/` not yet written), `relay_send` (before a rank passes a chunk
 //! on to another replica), `relay_recv` (after a rank received one). `relay_corrupt` does not
 //! abort: the count-th chunk passed on has one bit flipped after its checksum was taken (`fires`).
+//! `persist_late:N` does not abort either: the N-th save of the process (in save order) hands
+//! its persists to the scheduler only after the next save has handed over its own, as when two
+//! background flushes finish in the other order (`armed_at`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -37,6 +40,13 @@ pub fn hit(name: &str) {
 pub fn fires(name: &str) -> bool {
     let armed = ARMED.get_or_init(|| std::env::var("TIERCEL_FAILPOINT").ok().and_then(|v| parse(&v)));
     matches!(armed, Some((want, count)) if want == name && HITS.fetch_add(1, Ordering::SeqCst) + 1 == *count)
+}
+
+/// Whether `name` is the armed failpoint and `n` its count (for points that name one event
+/// by its number, such as the n-th save, whatever order the threads reach them in).
+pub fn armed_at(name: &str, n: u64) -> bool {
+    let armed = ARMED.get_or_init(|| std::env::var("TIERCEL_FAILPOINT").ok().and_then(|v| parse(&v)));
+    matches!(armed, Some((want, count)) if want == name && *count == n)
 }
 
 #[cfg(test)]

@@ -122,7 +122,7 @@ fn save(store: &Arc<Store>, step: u64, puts: &[Vec<Item>]) -> Result<Arc<SaveHan
 /// Saves and waits until every tier is final.
 fn save_wait(store: &Arc<Store>, step: u64, puts: &[Vec<Item>]) -> Arc<SaveHandle> {
     let h = save(store, step, puts).unwrap_or_else(|e| panic!("save step {step}: {e}"));
-    assert!(h.wait(Some(WAIT)), "step {step} not done: {:?}", h.states());
+    assert!(h.wait(Some(WAIT), false), "step {step} not done: {:?}", h.states());
     h
 }
 

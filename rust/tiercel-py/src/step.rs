@@ -112,6 +112,9 @@ impl StepWriter {
     }
 }
 
+/// How often a wait with the GIL released looks for Ctrl-C.
+const POLL: Duration = Duration::from_millis(100);
+
 #[pyclass(module = "tiercel._core", frozen)]
 pub struct SaveHandle {
     inner: Arc<core::SaveHandle>,
@@ -154,11 +157,23 @@ impl SaveHandle {
             .collect()
     }
 
-    /// Waits (GIL released) until every tier is final; False on timeout.
-    #[pyo3(signature = (timeout=None))]
-    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> bool {
-        let t = timeout.map(Duration::from_secs_f64);
-        py.allow_threads(|| self.inner.wait(t))
+    /// Waits (GIL released) until every tier is final; False on timeout. `commit`: until
+    /// the step's commit record is on every tier this rank wrote it to, too (or it never
+    /// will be). Ctrl-C interrupts the wait (checked every 100 ms).
+    #[pyo3(signature = (timeout=None, commit=false))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>, commit: bool) -> PyResult<bool> {
+        let deadline = timeout.map(|t| std::time::Instant::now() + Duration::from_secs_f64(t.max(0.0)));
+        loop {
+            let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
+            let slice = left.map_or(POLL, |l| l.min(POLL));
+            if py.allow_threads(|| self.inner.wait(Some(slice), commit)) {
+                return Ok(true);
+            }
+            if left.is_some_and(|l| l <= slice) {
+                return Ok(false);
+            }
+            py.check_signals()?;
+        }
     }
 }
 

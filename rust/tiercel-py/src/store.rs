@@ -2,6 +2,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use pyo3::prelude::*;
@@ -357,16 +358,68 @@ impl Store {
         self.inner.scheduler().pending()
     }
 
-    fn flush(&self, py: Python<'_>) {
-        py.allow_threads(|| self.inner.flush())
+    /// Waits (GIL released; Ctrl-C interrupts it) until no background work is left, or
+    /// `timeout` seconds passed. Returns None when done, else what is left ("tier 'disk':
+    /// step 7 (running), ...").
+    #[pyo3(signature = (timeout=None))]
+    fn flush(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<String>> {
+        let timeout = timeout.map(|t| Duration::from_secs_f64(t.max(0.0)));
+        let mut err = None;
+        let waited = py.allow_threads(|| {
+            self.inner.wait_background(timeout, false, || Python::with_gil(|py| py.check_signals().map_err(|e| err = Some(e)).is_ok()))
+        });
+        if let Some(e) = err {
+            return Err(e);
+        }
+        Ok((waited != core::Waited::Idle).then(|| core::PendingWork::describe(&self.inner.pending_work())))
+    }
+
+    /// The background work queued or running: [(tier, [job labels], running, bytes)].
+    fn pending_work(&self) -> Vec<(String, Vec<String>, usize, u64)> {
+        self.inner.pending_work().into_iter().map(|w| (w.tier, w.jobs, w.running, w.bytes)).collect()
     }
 
     fn prefault(&self, sizes: Vec<u64>) {
         self.inner.prefault(&sizes)
     }
 
-    fn close(&self, py: Python<'_>) {
-        py.allow_threads(|| self.inner.close())
+    /// Waits for the background work (GIL released), up to `timeout` seconds, then stops;
+    /// what is still queued or running then is left (logged). The first Ctrl-C while it
+    /// waits says what it waits for; the next one (or the first, when `interrupted`: the
+    /// caller is already leaving on a Ctrl-C) leaves at once, raising KeyboardInterrupt.
+    /// Returns what was left, as `flush` describes it, or None.
+    #[pyo3(signature = (timeout=None, interrupted=false))]
+    fn close(&self, py: Python<'_>, timeout: Option<f64>, interrupted: bool) -> PyResult<Option<String>> {
+        let timeout = timeout.map(|t| Duration::from_secs_f64(t.max(0.0)));
+        let mut err = None;
+        let mut patience = if interrupted { 0 } else { 1 };
+        let waited = py.allow_threads(|| {
+            self.inner.wait_background(timeout, true, || {
+                Python::with_gil(|py| match py.check_signals() {
+                    Ok(()) => true,
+                    Err(e) if patience > 0 && e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py) => {
+                        patience -= 1;
+                        self.inner.note_interrupt();
+                        true
+                    }
+                    Err(e) => {
+                        err = Some(e);
+                        false
+                    }
+                })
+            })
+        });
+        let left = if waited == core::Waited::Idle {
+            py.allow_threads(|| self.inner.close_waited());
+            None
+        } else {
+            let left = py.allow_threads(|| self.inner.close_now());
+            (!left.is_empty()).then(|| core::PendingWork::describe(&left))
+        };
+        match err {
+            Some(e) => Err(e),
+            None => Ok(left),
+        }
     }
 }
 

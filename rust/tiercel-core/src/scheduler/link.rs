@@ -64,7 +64,17 @@ pub struct Link {
     /// Clock time at which the chunks already admitted are expected to be sent (learned mode).
     pipeline_end: Mutex<f64>,
     sent: AtomicU64,
+    /// Set when the store closes without waiting (`close`): background chunks stop here.
+    closed: std::sync::atomic::AtomicBool,
 }
+
+/// What a background job's chunk unwinds with when its link was closed under it (the store
+/// closed without waiting for it): the job's runner catches it and says the job was cut off.
+/// Unwound with `resume_unwind`, so no panic message is printed.
+pub struct LinkClosed;
+
+/// How long a background chunk sleeps at most between two looks at whether its link closed.
+const CLOSED_POLL: Duration = Duration::from_millis(50);
 
 impl Link {
     /// A link with no traffic signals (tools, tests): only its bandwidth limit applies.
@@ -88,6 +98,7 @@ impl Link {
             observed: Mutex::new(VecDeque::new()),
             pipeline_end: Mutex::new(f64::NEG_INFINITY),
             sent: AtomicU64::new(0),
+            closed: Default::default(),
         })
     }
 
@@ -95,6 +106,7 @@ impl Link {
     /// the token bucket. Returns once the chunk may go; a chunk already on its way is never
     /// held back, so pauses and preemption are chunk-granular.
     pub fn acquire(&self, bytes: u64) {
+        self.unwind_if_closed();
         let entered = Instant::now();
         let followed = self.observe_previous(entered);
         let admitted = match &self.traffic {
@@ -114,7 +126,8 @@ impl Link {
             }
             None => 0.0,
         };
-        self.take_tokens(bytes);
+        self.take_tokens(bytes, true);
+        self.unwind_if_closed();
         self.sent.fetch_add(bytes, Ordering::Relaxed);
         let now = Instant::now();
         let back_to_back = followed && now.duration_since(entered) < BACK_TO_BACK;
@@ -127,7 +140,7 @@ impl Link {
         if let Some(t) = &self.traffic {
             t.restore_begin();
         }
-        self.take_tokens(bytes);
+        self.take_tokens(bytes, false);
         ReadGuard { traffic: self.traffic.clone() }
     }
 
@@ -135,7 +148,7 @@ impl Link {
     /// under a `ReadGuard::restoring` of its own): they take the link's tokens, as every byte
     /// on it does, but never wait at the traffic gate.
     pub fn send_restored(&self, bytes: u64) {
-        self.take_tokens(bytes);
+        self.take_tokens(bytes, false);
         self.sent.fetch_add(bytes, Ordering::Relaxed);
     }
 
@@ -195,9 +208,23 @@ impl Link {
         true
     }
 
+    /// Closes the link to background chunks: the next `acquire` (or one sleeping for its
+    /// tokens) unwinds with `LinkClosed`; the job it belongs to ends there, its tier never
+    /// committing the step (the commit record is written last).
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+    }
+
+    fn unwind_if_closed(&self) {
+        if self.closed.load(Ordering::SeqCst) {
+            std::panic::resume_unwind(Box::new(LinkClosed));
+        }
+    }
+
     /// Takes `bytes` tokens, sleeping while the bucket is in debt. The bucket holds at most
-    /// 50 ms worth of tokens, so an idle link cannot burst far above its rate.
-    fn take_tokens(&self, bytes: u64) {
+    /// 50 ms worth of tokens, so an idle link cannot burst far above its rate. `background`:
+    /// a background chunk, whose sleep ends early when the link closes.
+    fn take_tokens(&self, bytes: u64, background: bool) {
         let Some(rate) = self.rate else { return };
         let wait = {
             let mut b = self.bucket.lock();
@@ -214,7 +241,14 @@ impl Link {
         };
         if wait > 0.0 {
             let _lent = super::lend(self.id);
-            std::thread::sleep(Duration::from_secs_f64(wait));
+            let until = Instant::now() + Duration::from_secs_f64(wait);
+            loop {
+                let now = Instant::now();
+                if now >= until || (background && self.closed.load(Ordering::SeqCst)) {
+                    break;
+                }
+                std::thread::sleep((until - now).min(CLOSED_POLL));
+            }
         }
     }
 }

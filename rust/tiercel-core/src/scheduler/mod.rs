@@ -12,6 +12,11 @@
 //! - `plan`: the learned schedule (GEMINI): idle spans per iteration and the link's alpha and
 //!   bandwidth learned from the first iterations, and chunks planned to fit mu x span.
 //!
+//! Jobs that replace each other (`Supersede`: a tier's persists) carry their save's place in
+//! the process's save order: a queued job is replaced only by a job of a later save, and a
+//! job that reaches the scheduler after a later save's job (background flushes finish out of
+//! order) is the one skipped, so the newest save is never dropped for an older one.
+//!
 //! `threads` jobs run at once. A job whose chunk waits at its link (the traffic gate, the
 //! token bucket) lends its slot meanwhile to the next queued job on another link (`lend`), so
 //! that a flush to memory or a persist to local disk never waits behind a replica paused
@@ -21,7 +26,7 @@ mod link;
 pub mod plan;
 mod signals;
 
-pub use link::{Link, LinkKind, ReadGuard};
+pub use link::{Link, LinkClosed, LinkKind, ReadGuard};
 pub use signals::{Clock, Event, Mode, SystemClock, Traffic, TrafficConfig};
 
 use std::cell::RefCell;
@@ -43,7 +48,20 @@ pub enum Priority {
 /// while it was still waiting (a persist that fell behind is skipped, never queued forever).
 pub enum Start {
     Run,
-    Superseded { by: String },
+    Superseded {
+        by: String,
+    },
+    /// The scheduler was closed with the job still queued (`Scheduler::abandon`).
+    Abandoned,
+}
+
+/// Jobs with the same `key` replace each other while queued, and never run at the same time
+/// (two persists to one tier would race each other's retention). `order` is the job's save
+/// in the process's save order: only a later save replaces an earlier one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Supersede {
+    pub key: String,
+    pub order: u64,
 }
 
 pub struct Job {
@@ -51,10 +69,24 @@ pub struct Job {
     pub priority: Priority,
     pub size: u64,
     pub label: String,
-    /// Jobs with the same key replace each other while queued, and never run at the same
-    /// time (two persists to one tier would race each other's retention).
-    pub supersede_key: Option<String>,
+    pub supersede: Option<Supersede>,
     pub run: Box<dyn FnOnce(Start) + Send>,
+}
+
+impl Job {
+    fn key(&self) -> Option<&String> {
+        self.supersede.as_ref().map(|s| &s.key)
+    }
+}
+
+/// A job queued or running, as `Scheduler::pending_jobs` lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingJob {
+    /// The job's link: the tier it moves bytes to or from.
+    pub link: String,
+    pub label: String,
+    pub size: u64,
+    pub running: bool,
 }
 
 struct Queued {
@@ -90,6 +122,11 @@ struct State {
     /// The links of the running jobs whose chunk waits at its link now, one entry per job.
     waiting_on: Vec<u64>,
     running_keys: Vec<String>,
+    /// The running jobs, as `pending_jobs` lists them (by their `seq`).
+    running_jobs: Vec<(u64, PendingJob)>,
+    /// Per supersede key, the latest save submitted (order, label): a job of an earlier save
+    /// that arrives after it is skipped at once.
+    newest: std::collections::HashMap<String, (u64, String)>,
     seq: u64,
     shutdown: bool,
 }
@@ -120,27 +157,37 @@ impl Scheduler {
     }
 
     pub fn submit(&self, job: Job) {
-        let by = job.label.clone();
         let mut superseded = vec![];
         {
             let mut st = self.shared.state.lock();
-            if let Some(key) = &job.supersede_key {
-                let old = std::mem::take(&mut st.queue);
-                for q in old.into_vec() {
-                    if q.job.supersede_key.as_ref() == Some(key) {
-                        superseded.push(q.job);
-                    } else {
-                        st.queue.push(q);
+            let mut job = Some(job);
+            if let Some(Supersede { key, order }) = job.as_ref().and_then(|j| j.supersede.clone()) {
+                match st.newest.get(&key) {
+                    // A later save's job came first: this one is the older, and it goes.
+                    Some((newer, by)) if *newer > order => superseded.push((job.take().expect("set"), by.clone())),
+                    _ => {
+                        let by = job.as_ref().map(|j| j.label.clone()).unwrap_or_default();
+                        let old = std::mem::take(&mut st.queue);
+                        for q in old.into_vec() {
+                            if q.job.key() == Some(&key) {
+                                superseded.push((q.job, by.clone()));
+                            } else {
+                                st.queue.push(q);
+                            }
+                        }
+                        st.newest.insert(key, (order, by));
                     }
                 }
             }
-            st.seq += 1;
-            let seq = st.seq;
-            st.queue.push(Queued { priority: job.priority, seq, job });
+            if let Some(job) = job {
+                st.seq += 1;
+                let seq = st.seq;
+                st.queue.push(Queued { priority: job.priority, seq, job });
+            }
         }
         self.shared.wake.notify_one();
-        for j in superseded {
-            (j.run)(Start::Superseded { by: by.clone() });
+        for (j, by) in superseded {
+            (j.run)(Start::Superseded { by });
         }
     }
 
@@ -150,6 +197,52 @@ impl Scheduler {
         while !st.queue.is_empty() || st.running > 0 {
             self.shared.idle.wait(&mut st);
         }
+    }
+
+    /// Blocks until no job is queued or running, or `timeout` passed; true when idle.
+    pub fn wait_idle_for(&self, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut st = self.shared.state.lock();
+        while !st.queue.is_empty() || st.running > 0 {
+            if self.shared.idle.wait_until(&mut st, deadline).timed_out() {
+                return st.queue.is_empty() && st.running == 0;
+            }
+        }
+        true
+    }
+
+    /// The jobs queued or running: running first, then the queue in the order it would run.
+    pub fn pending_jobs(&self) -> Vec<PendingJob> {
+        let st = self.shared.state.lock();
+        let mut out: Vec<PendingJob> = st.running_jobs.iter().map(|(_, j)| j.clone()).collect();
+        let mut queued: Vec<&Queued> = st.queue.iter().collect();
+        queued.sort_by(|a, b| b.cmp(a));
+        out.extend(queued.into_iter().map(|q| PendingJob {
+            link: q.job.link.name.clone(),
+            label: q.job.label.clone(),
+            size: q.job.size,
+            running: false,
+        }));
+        out
+    }
+
+    /// Stops without finishing: every queued job is told it was abandoned, the workers stop
+    /// taking jobs, and the running ones are left to end on their own threads (not joined).
+    /// Returns what was queued or running.
+    pub fn abandon(&self) -> Vec<PendingJob> {
+        let pending = self.pending_jobs();
+        let dropped: Vec<Queued> = {
+            let mut st = self.shared.state.lock();
+            st.shutdown = true;
+            std::mem::take(&mut st.queue).into_vec()
+        };
+        self.shared.wake.notify_all();
+        for q in dropped {
+            (q.job.run)(Start::Abandoned);
+        }
+        // Running jobs keep their threads until they end; the process may exit before.
+        self.workers.lock().clear();
+        pending
     }
 
     /// Number of jobs queued or running.
@@ -179,7 +272,7 @@ fn take_runnable(st: &mut State) -> Option<Job> {
     let mut held = vec![];
     let mut found = None;
     while let Some(q) = st.queue.pop() {
-        let key_runs = q.job.supersede_key.as_ref().is_some_and(|k| st.running_keys.contains(k));
+        let key_runs = q.job.key().is_some_and(|k| st.running_keys.contains(k));
         if key_runs || (lent_only && st.waiting_on.contains(&q.job.link.id())) {
             held.push(q);
         } else {
@@ -226,24 +319,30 @@ fn worker(s: Arc<Shared>) {
         let job = {
             let mut st = s.state.lock();
             loop {
+                if st.shutdown && st.queue.is_empty() {
+                    return;
+                }
                 if let Some(job) = take_runnable(&mut st) {
                     st.running += 1;
-                    if let Some(k) = &job.supersede_key {
+                    if let Some(k) = job.key() {
                         st.running_keys.push(k.clone());
                     }
-                    break job;
-                }
-                if st.shutdown {
-                    return;
+                    st.seq += 1;
+                    let id = st.seq;
+                    let shown = PendingJob { link: job.link.name.clone(), label: job.label.clone(), size: job.size, running: true };
+                    st.running_jobs.push((id, shown));
+                    break (id, job);
                 }
                 s.wake.wait(&mut st);
             }
         };
+        let (id, job) = job;
         // A panicking job must not take the worker (and every later job) down with it.
-        let key = job.supersede_key.clone();
+        let key = job.key().cloned();
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (job.run)(Start::Run)));
         let mut st = s.state.lock();
         st.running -= 1;
+        st.running_jobs.retain(|(i, _)| *i != id);
         if let Some(k) = key {
             if let Some(i) = st.running_keys.iter().position(|x| *x == k) {
                 st.running_keys.swap_remove(i);
@@ -264,6 +363,10 @@ mod tests {
     use std::time::Duration;
 
     fn job(link: &Arc<Link>, p: Priority, key: Option<&str>, log: &Arc<Mutex<Vec<String>>>, label: &str) -> Job {
+        ordered(link, p, key, 0, log, label)
+    }
+
+    fn ordered(link: &Arc<Link>, p: Priority, key: Option<&str>, order: u64, log: &Arc<Mutex<Vec<String>>>, label: &str) -> Job {
         let log = log.clone();
         let label2 = label.to_string();
         Job {
@@ -271,11 +374,12 @@ mod tests {
             priority: p,
             size: 0,
             label: label.into(),
-            supersede_key: key.map(String::from),
+            supersede: key.map(|k| Supersede { key: k.into(), order }),
             run: Box::new(move |start| {
                 let tag = match start {
                     Start::Run => label2,
                     Start::Superseded { by } => format!("{label2} skipped for {by}"),
+                    Start::Abandoned => format!("{label2} abandoned"),
                 };
                 log.lock().push(tag);
             }),
@@ -298,7 +402,7 @@ mod tests {
             priority: Priority::Persist,
             size: 0,
             label: "gate".into(),
-            supersede_key: None,
+            supersede: None,
             run: Box::new(move |_| {
                 started_tx.send(()).unwrap();
                 let mut open = g.0.lock();
@@ -308,9 +412,9 @@ mod tests {
             }),
         });
         started.recv().unwrap();
-        s.submit(job(&link, Priority::Persist, Some("p"), &log, "persist-1"));
+        s.submit(ordered(&link, Priority::Persist, Some("p"), 1, &log, "persist-1"));
         s.submit(job(&link, Priority::Replicate, None, &log, "replicate"));
-        s.submit(job(&link, Priority::Persist, Some("p"), &log, "persist-2"));
+        s.submit(ordered(&link, Priority::Persist, Some("p"), 2, &log, "persist-2"));
         s.submit(job(&link, Priority::Restore, None, &log, "restore"));
         *gate.0.lock() = true;
         gate.1.notify_all();
@@ -318,6 +422,71 @@ mod tests {
         let got = log.lock().clone();
         assert_eq!(got, vec!["persist-1 skipped for persist-2", "restore", "replicate", "persist-2"]);
         s.shutdown();
+    }
+
+    /// A job blocking the single worker of `s` until the returned gate opens.
+    fn block_worker(s: &Scheduler, link: &Arc<Link>) -> Arc<(Mutex<bool>, Condvar)> {
+        let gate = Arc::new((Mutex::new(false), Condvar::new()));
+        let g = gate.clone();
+        let (started_tx, started) = std::sync::mpsc::channel();
+        s.submit(Job {
+            link: link.clone(),
+            priority: Priority::Restore,
+            size: 0,
+            label: "gate".into(),
+            supersede: None,
+            run: Box::new(move |_| {
+                started_tx.send(()).unwrap();
+                let mut open = g.0.lock();
+                while !*open {
+                    g.1.wait(&mut open);
+                }
+            }),
+        });
+        started.recv().unwrap();
+        gate
+    }
+
+    fn open(gate: &(Mutex<bool>, Condvar)) {
+        *gate.0.lock() = true;
+        gate.1.notify_all();
+    }
+
+    /// Background flushes finish out of order: the persist of save 8 reaches the scheduler
+    /// before that of save 7. Save 7's job is the one skipped, queued or not (issue 28, 8).
+    #[test]
+    fn an_older_save_arriving_late_never_replaces_a_newer_one() {
+        let s = Scheduler::new(1);
+        let link = Link::new("disk", None);
+        let log = Arc::new(Mutex::new(vec![]));
+        let gate = block_worker(&s, &link);
+        s.submit(ordered(&link, Priority::Persist, Some("disk"), 8, &log, "step 8"));
+        s.submit(ordered(&link, Priority::Persist, Some("disk"), 7, &log, "step 7"));
+        open(&gate);
+        s.wait_idle();
+        // And after save 8 ran: a late save 7 still does not run after it.
+        s.submit(ordered(&link, Priority::Persist, Some("disk"), 7, &log, "step 7 again"));
+        s.submit(ordered(&link, Priority::Persist, Some("disk"), 9, &log, "step 9"));
+        s.wait_idle();
+        assert_eq!(*log.lock(), vec!["step 7 skipped for step 8", "step 8", "step 7 again skipped for step 8", "step 9"]);
+        s.shutdown();
+    }
+
+    #[test]
+    fn abandon_drops_the_queue_and_says_what_was_pending() {
+        let s = Scheduler::new(1);
+        let link = Link::new("disk", Some(1 << 20));
+        let log = Arc::new(Mutex::new(vec![]));
+        let gate = block_worker(&s, &link);
+        let mut j = job(&link, Priority::Persist, None, &log, "step 3");
+        j.size = 100;
+        s.submit(j);
+        assert!(!s.wait_idle_for(Duration::from_millis(20)));
+        let pending = s.abandon();
+        let shown: Vec<(&str, bool, u64)> = pending.iter().map(|p| (p.label.as_str(), p.running, p.size)).collect();
+        assert_eq!(shown, vec![("gate", true, 0), ("step 3", false, 100)]);
+        assert_eq!(*log.lock(), vec!["step 3 abandoned"]);
+        open(&gate);
     }
 
     #[test]
@@ -334,7 +503,7 @@ mod tests {
                 size: 0,
                 label: format!("p{i}"),
                 // Distinct keys per pair: p0/p1 share "a", etc. Superseding may skip some.
-                supersede_key: Some("disk".into()),
+                supersede: Some(Supersede { key: "disk".into(), order: i }),
                 run: Box::new(move |start| {
                     if let Start::Run = start {
                         let now = a.fetch_add(1, Ordering::SeqCst) + 1;
@@ -373,7 +542,7 @@ mod tests {
                 priority: p,
                 size: 1,
                 label: label.into(),
-                supersede_key: None,
+                supersede: None,
                 run: Box::new(move |_| {
                     l.acquire(1);
                     log.lock().push(label);
@@ -405,7 +574,7 @@ mod tests {
             priority: Priority::Flush,
             size: 0,
             label: "boom".into(),
-            supersede_key: None,
+            supersede: None,
             run: Box::new(|_| panic!("boom")),
         });
         let n2 = n.clone();
@@ -414,7 +583,7 @@ mod tests {
             priority: Priority::Flush,
             size: 0,
             label: "ok".into(),
-            supersede_key: None,
+            supersede: None,
             run: Box::new(move |_| {
                 n2.fetch_add(1, Ordering::SeqCst);
             }),

@@ -46,9 +46,10 @@ pub struct SaveHandle {
     states: Mutex<Vec<(String, TierState)>>,
     changed: Condvar,
     started: Instant,
-    /// For a tier left `Written` (this rank done, others of its host not yet): tells whether
-    /// the step has committed there since, by another rank's hand.
-    probe: Mutex<Option<(String, Probe)>>,
+    /// For each tier left `Written` (this rank done, other ranks not yet): tells whether the
+    /// step has committed there since, by another rank's hand. Looked at by every `wait`
+    /// when `always` (the memory tier, which commits per host), else by `wait(commit)`.
+    probes: Mutex<Vec<(String, Probe, bool)>>,
     /// Per tier: the effective checkpoint interval of the learned traffic schedule, when it
     /// is longer than the tier's `every`, and why.
     notes: Mutex<Vec<(String, u64, String)>>,
@@ -78,7 +79,7 @@ impl SaveHandle {
             states: Mutex::new(slots.iter().map(|s| (s.config.name.clone(), TierState::Pending)).collect()),
             changed: Condvar::new(),
             started: Instant::now(),
-            probe: Mutex::new(None),
+            probes: Mutex::new(vec![]),
             notes: Mutex::new(vec![]),
         })
     }
@@ -102,31 +103,37 @@ impl SaveHandle {
         self.notes.lock().clone()
     }
 
-    /// Sets how to learn that `tier`, left `Written`, has committed since.
-    pub(super) fn set_probe(&self, tier: &str, probe: Probe) {
-        *self.probe.lock() = Some((tier.to_string(), probe));
+    /// Sets how to learn that `tier`, left `Written`, has committed since; `always`: every
+    /// `wait` looks (the memory tier), else only `wait` for the commit.
+    pub(super) fn set_probe(&self, tier: &str, probe: Probe, always: bool) {
+        let mut probes = self.probes.lock();
+        probes.retain(|(t, _, _)| t != tier);
+        probes.push((tier.to_string(), probe, always));
     }
 
     /// A `Written` tier whose commit another rank has written since becomes `Done` (and
     /// one whose part was removed meanwhile `Skipped`): the rank that commits a step on a
-    /// host's memory tier is whichever finishes last, and the others' handles learn it here
-    /// rather than staying `written` for ever. True while such a tier is still pending.
-    fn refresh(&self) -> bool {
-        let probe = self.probe.lock();
-        let Some((tier, check)) = probe.as_ref() else { return false };
-        if self.state(tier) != Some(TierState::Written) {
-            return false;
+    /// tier is whichever finishes last, and the others' handles learn it here rather than
+    /// staying `written` for ever. `all`: every probed tier, else those probed `always`.
+    /// True while such a tier is still pending.
+    fn refresh(&self, all: bool) -> bool {
+        let probes = self.probes.lock();
+        let mut pending = false;
+        for (tier, check, always) in probes.iter() {
+            if !(all || *always) || self.state(tier) != Some(TierState::Written) {
+                continue;
+            }
+            match check() {
+                Probed::Committed => self.set(tier, TierState::Done),
+                Probed::Pending => pending = true,
+                Probed::Gone(why) => self.set(tier, TierState::Skipped(why)),
+            }
         }
-        match check() {
-            Probed::Committed => self.set(tier, TierState::Done),
-            Probed::Pending => return true,
-            Probed::Gone(why) => self.set(tier, TierState::Skipped(why)),
-        }
-        false
+        pending
     }
 
     pub fn states(&self) -> Vec<(String, TierState)> {
-        self.refresh();
+        self.refresh(false);
         self.states.lock().clone()
     }
 
@@ -154,8 +161,10 @@ impl SaveHandle {
     /// Waits until every tier is final, and a tier that commits per host (the memory tier)
     /// has committed the step or will never (the other ranks of the host save it in other
     /// processes, so this looks again every few milliseconds), or until `timeout` passes.
-    /// True when all that is so.
-    pub fn wait(&self, timeout: Option<Duration>) -> bool {
+    /// `commit`: every tier this rank has written the step to, too, until its commit record
+    /// is there (`Done`) or the step will never commit there (`Skipped`): `written` is then
+    /// not final. True when all that is so.
+    pub fn wait(&self, timeout: Option<Duration>, commit: bool) -> bool {
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut v = self.states.lock();
         while !v.iter().all(|(_, s)| s.is_final()) {
@@ -163,7 +172,7 @@ impl SaveHandle {
                 Some(d) => {
                     if self.changed.wait_until(&mut v, d).timed_out() {
                         drop(v);
-                        self.refresh();
+                        self.refresh(commit);
                         return false;
                     }
                 }
@@ -172,7 +181,7 @@ impl SaveHandle {
         }
         drop(v);
         let mut pause = PROBE_PAUSE.0;
-        while self.refresh() {
+        while self.refresh(commit) {
             let now = Instant::now();
             if deadline.is_some_and(|d| now >= d) {
                 return false;

@@ -10,6 +10,7 @@ mod copy;
 mod handle;
 mod job;
 mod metrics;
+mod pending;
 mod restore;
 mod save;
 
@@ -32,6 +33,7 @@ pub use copy::copy_step;
 pub use handle::{SaveHandle, TierState};
 pub use job::{job_of, JobFilter, RUN_ID_VARS};
 pub use metrics::{Metrics, TierMetrics};
+pub use pending::{PendingWork, Waited};
 pub use restore::{ItemData, StepReader};
 pub use save::{ItemSpec, StepWriter};
 
@@ -72,6 +74,11 @@ pub struct Store {
     /// Whether segments for this process's next save are (being) pre-faulted: after each
     /// save, or after the restore a restarted job begins with (`prefault_after_restore`).
     prefaulting: std::sync::atomic::AtomicBool,
+    /// Saves committed by this process so far: each save's place in the save order.
+    save_order: std::sync::atomic::AtomicU64,
+    /// Persists held back by the `persist_late` failpoint until a later save's are queued,
+    /// with their save's order.
+    held_persists: parking_lot::Mutex<Vec<(u64, Box<dyn FnOnce() + Send>)>>,
 }
 
 /// How many steps' save counts a process remembers: a step saved again after this many other
@@ -162,6 +169,8 @@ impl Store {
             committed: Default::default(),
             relay: Default::default(),
             prefaulting: Default::default(),
+            save_order: Default::default(),
+            held_persists: Default::default(),
         };
         if !tool {
             store.check_other_jobs()?;
@@ -300,22 +309,76 @@ impl Store {
     }
 
     /// Waits for every background job; then stops the workers and frees this process's
-    /// spare shared memory. Committed steps stay.
+    /// spare shared memory. Committed steps stay. (`wait_background` bounds the wait, and
+    /// `close_now` leaves the rest.)
     pub fn close(&self) {
+        self.release_held_persists(u64::MAX);
         self.scheduler.shutdown();
+        self.finish_close(true);
+    }
+
+    /// Closes after `wait_background(.., closing = true, ..)` found nothing left (a peer
+    /// tier's replicas coming in were waited for there).
+    pub fn close_waited(&self) {
+        self.scheduler.shutdown();
+        self.finish_close(false);
+    }
+
+    /// Closes without waiting for the background work still queued or running: the queued
+    /// jobs are dropped (their handles say so), the running ones end on their own threads
+    /// or with the process. Logs and returns what was left, per tier. Committed steps stay
+    /// committed; a step cut off on a tier is never visible there (its commit record is
+    /// written last).
+    pub fn close_now(&self) -> Vec<PendingWork> {
+        self.release_held_persists(u64::MAX);
+        let left = PendingWork::of(&self.scheduler.abandon());
+        for slot in &self.slots {
+            slot.link.close();
+        }
+        if !left.is_empty() {
+            log::warn!(
+                "rank {}: closed with background work unfinished: {}; it was not persisted there (committed steps stay committed)",
+                self.rank,
+                PendingWork::describe(&left)
+            );
+        }
+        self.finish_close(false);
+        left
+    }
+
+    /// `drain`: a peer tier first waits for the replicas still coming to it (bounded).
+    fn finish_close(&self, drain: bool) {
         if let Some(p) = &self.peer {
-            p.shutdown();
+            if drain {
+                p.drain();
+            }
+            p.stop();
         }
         self.memory.release_pool();
         self.release_writer();
         if let Some(r) = self.relay.lock().take() {
             r.stop();
         }
+        self.log_skip_summary();
     }
 
     /// Blocks until the background queue is empty.
     pub fn flush(&self) {
+        self.release_held_persists(u64::MAX);
         self.scheduler.wait_idle();
+    }
+
+    /// Queues the persists the `persist_late` failpoint held back for saves before `order`.
+    fn release_held_persists(&self, order: u64) {
+        let held: Vec<_> = {
+            let mut all = self.held_persists.lock();
+            let (due, keep) = std::mem::take(&mut *all).into_iter().partition(|(o, _)| *o < order);
+            *all = keep;
+            due
+        };
+        for (_, queue) in held {
+            queue();
+        }
     }
 
     pub fn scheduler(&self) -> &Arc<Scheduler> {

@@ -11,7 +11,7 @@ use super::handle::Probed;
 use super::{SaveHandle, Store, TierState, MEMORY_SLOT};
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkMeta, ItemMeta, Manifest, ObjectMeta, ShardInfo};
-use crate::scheduler::{Job, Priority, Start};
+use crate::scheduler::{Job, LinkClosed, Priority, Start, Supersede};
 use crate::tier::lease::Lease;
 use crate::tier::memory::Segment;
 use crate::tier::{ChunkSource, Tier};
@@ -242,7 +242,11 @@ impl StepWriter {
         let handle = SaveHandle::new(manifest.step, &store.slots);
         store.track(&handle);
         let lease = self.lease.take();
+        // This save's place in the process's save order: which persist replaces which
+        // follows it, never the order in which background flushes happen to finish.
+        let order = store.save_order.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
         store.metrics.saved(manifest.step);
+        store.metrics.tier(MEMORY_SLOT).scheduled(manifest.step);
         // The flush pre-faults for the next save: a restore after this needs no pre-fault of its own.
         store.prefaulting.store(true, std::sync::atomic::Ordering::Relaxed);
         let (store2, handle2) = (store.clone(), handle.clone());
@@ -251,34 +255,42 @@ impl StepWriter {
             priority: Priority::Flush,
             size: manifest.total_bytes(),
             label: format!("step {}", manifest.step),
-            supersede_key: None,
-            run: Box::new(move |_| flush_step(store2, handle2, manifest, parts, lease)),
+            supersede: None,
+            run: Box::new(move |_| flush_step(store2, handle2, manifest, parts, lease, order)),
         });
         Ok(handle)
     }
 }
 
-/// Where this rank's save of `step` (of `generation`) stands on the memory tier, whose
-/// commit the last rank of the host to finish writes: committed (a commit of this save, not
-/// of a later save of the step), pending, or gone (retention removed this rank's part as an
-/// uncommitted leftover, or a later save replaced it) and never to commit.
-fn probe_host_commit(memory: Option<Arc<crate::tier::memory::MemoryTier>>, step: u64, rank: u32, generation: &Option<String>) -> Probed {
-    let Some(m) = memory else { return Probed::Gone("the store was closed".into()) };
-    if m.commit_record(step).is_ok_and(|r| &r.generation == generation) {
+/// Where this rank's save of `step` (of `generation`) stands on `tier`, whose commit the
+/// last rank to finish writes (on the memory tier, the last of the host): committed (a commit
+/// of this save, not of a later save of the step), pending, or gone (retention removed this
+/// rank's part as an uncommitted leftover, or a later save replaced it) and never to commit.
+fn probe_commit(tier: Option<&dyn Tier>, step: u64, rank: u32, generation: &Option<String>) -> Probed {
+    let Some(t) = tier else { return Probed::Gone("the store was closed".into()) };
+    if t.commit_record(step).is_ok_and(|r| &r.generation == generation) {
         return Probed::Committed;
     }
-    match m.read_manifest(step, rank) {
+    match t.read_manifest(step, rank) {
         Ok(mine) if &mine.generation == generation => Probed::Pending,
-        Ok(_) => Probed::Gone(format!("step {step} was saved again before the other ranks of this host saved this save of it")),
+        Ok(_) => Probed::Gone(format!("step {step} was saved again before the other ranks saved this save of it")),
         Err(e) if e.kind == crate::error::ErrorKind::NotFound => {
-            Probed::Gone(format!("step {step} was removed before the other ranks of this host saved it (retention keeps newer steps)"))
+            Probed::Gone(format!("step {step} was removed before the other ranks saved it (retention keeps newer steps)"))
         }
-        Err(_) => Probed::Pending, // unreadable for a moment (being replaced): look again
+        Err(_) => Probed::Pending, // unreadable for a moment (being replaced, a server down): look again
     }
 }
 
-/// The background half of a save (see `StepWriter::commit`).
-fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest, parts: Vec<Arc<Segment>>, lease: Option<Lease>) {
+/// The background half of a save (see `StepWriter::commit`); `order`: the save's place in
+/// this process's save order.
+fn flush_step(
+    store: Arc<Store>,
+    handle: Arc<SaveHandle>,
+    mut manifest: Manifest,
+    parts: Vec<Arc<Segment>>,
+    lease: Option<Lease>,
+    order: u64,
+) {
     let step = manifest.step;
     let mem = store.memory_slot();
     let mem_name = mem.config.name.clone();
@@ -305,7 +317,8 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
             if !committed {
                 // Another rank of this host commits it when it finishes: let the handle see.
                 let (memory, rank, generation) = (Arc::downgrade(&store.memory), store.rank, manifest.generation.clone());
-                handle.set_probe(&mem_name, Box::new(move || probe_host_commit(memory.upgrade(), step, rank, &generation)));
+                let probe = move || probe_commit(memory.upgrade().as_deref().map(|m| m as &dyn Tier), step, rank, &generation);
+                handle.set_probe(&mem_name, Box::new(probe), true);
             }
             store.metrics.tier(MEMORY_SLOT).written(step, manifest.total_bytes(), started.elapsed());
             handle.set(&mem_name, if committed { TierState::Done } else { TierState::Written })
@@ -322,6 +335,30 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
         }
     }
     let manifest = Arc::new(manifest);
+    let (store1, parts1) = (store.clone(), parts.clone());
+    let queue_later = move || queue_later_tiers(&store1, &handle, &manifest, &parts1, order);
+    if crate::failpoint::armed_at("persist_late", order) {
+        // The test of save order: this save's persists reach the scheduler only after a
+        // later save's (as when two flushes on two workers finish in the other order).
+        store.held_persists.lock().push((order, Box::new(queue_later)));
+    } else {
+        queue_later();
+        store.release_held_persists(order);
+    }
+    let sizes: Vec<u64> = parts.iter().map(|p| p.len() as u64).collect();
+    drop(parts);
+    if let Err(e) = store.retain(mem) {
+        log::warn!("tier '{mem_name}': retention after step {step} failed: {e}");
+    }
+    if let Err(e) = store.memory.prefault(&sizes) {
+        log::warn!("tier '{mem_name}': pre-faulting for the next step failed: {e}");
+    }
+}
+
+/// Hands a step flushed to the memory tier to every later tier whose `every` selects it: one
+/// job per tier, which a later save's job for the tier replaces while it waits.
+fn queue_later_tiers(store: &Arc<Store>, handle: &Arc<SaveHandle>, manifest: &Arc<Manifest>, parts: &[Arc<Segment>], order: u64) {
+    let step = manifest.step;
     for (idx, slot) in store.later_slots() {
         if !step.is_multiple_of(slot.config.every) {
             handle.set(&slot.config.name, TierState::NotScheduled);
@@ -340,31 +377,47 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
                 handle.note(&slot.config.name, plan.effective_interval, note);
             }
         }
-        let (store2, handle2, manifest2, parts2) = (store.clone(), handle.clone(), manifest.clone(), parts.clone());
+        let (store2, handle2, manifest2, parts2) = (store.clone(), handle.clone(), manifest.clone(), parts.to_vec());
         let name = slot.config.name.clone();
         store.metrics.tier(idx).queue(1);
+        store.metrics.tier(idx).scheduled(step);
         store.scheduler.submit(Job {
             link: slot.link.clone(),
             priority: slot.tier.priority(),
             size: manifest.total_bytes(),
             label: format!("step {step}"),
-            supersede_key: Some(format!("persist:{name}")),
+            supersede: Some(Supersede { key: format!("persist:{name}"), order }),
             run: Box::new(move |start| {
                 let counters = store2.metrics.tier(idx);
                 counters.queue(-1);
-                if let Start::Superseded { by } = start {
-                    // One line per skip at the default level: a tier falling behind shows.
-                    let why = format!("a newer save ({by}) replaced it while it waited");
-                    log::warn!("tier '{name}': step {step} of rank {} skipped: {why}", store2.rank);
-                    counters.skipped();
-                    handle2.set(&name, TierState::Skipped(why));
-                    return;
+                match start {
+                    Start::Run => {}
+                    Start::Superseded { by } => {
+                        let why = format!("a newer save ({by}) replaced it while it waited");
+                        store2.skip_logged(idx, step, &why);
+                        handle2.set(&name, TierState::Skipped(why));
+                        return;
+                    }
+                    Start::Abandoned => {
+                        handle2.set(&name, TierState::Skipped("the store was closed before it ran".into()));
+                        return;
+                    }
                 }
                 handle2.set(&name, TierState::Running);
                 let slot = &store2.slots[idx];
                 let src = SegmentSource { manifest: &manifest2, segments: &parts2 };
                 let started = Instant::now();
-                let res = slot.tier.write_rank(&manifest2, &src, &slot.link).and_then(|_| slot.tier.try_commit(step, store2.world_size));
+                let write =
+                    || slot.tier.write_rank(&manifest2, &src, &slot.link).and_then(|_| slot.tier.try_commit(step, store2.world_size));
+                let res = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(write)) {
+                    Ok(res) => res,
+                    Err(p) if p.is::<LinkClosed>() => {
+                        // The store closed without waiting: cut off between two chunks.
+                        handle2.set(&name, TierState::Skipped("the store was closed before it finished".into()));
+                        return;
+                    }
+                    Err(p) => std::panic::resume_unwind(p),
+                };
                 drop(parts2);
                 match res {
                     Ok(committed) => {
@@ -377,6 +430,15 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
                             manifest2.total_bytes(),
                             took.as_secs_f64()
                         );
+                        if !committed {
+                            // The last rank to write commits it: `wait(commit)` looks for that.
+                            let (weak, rank, generation) = (Arc::downgrade(&store2), store2.rank, manifest2.generation.clone());
+                            let probe = move || {
+                                let store = weak.upgrade();
+                                probe_commit(store.as_ref().map(|s| &*s.slots[idx].tier), step, rank, &generation)
+                            };
+                            handle2.set_probe(&name, Box::new(probe), false);
+                        }
                         handle2.set(&name, if committed { TierState::Done } else { TierState::Written });
                         if let Err(e) = store2.retain(slot) {
                             log::warn!("tier '{name}': retention after step {step} failed: {e}");
@@ -394,14 +456,6 @@ fn flush_step(store: Arc<Store>, handle: Arc<SaveHandle>, mut manifest: Manifest
                 }
             }),
         });
-    }
-    let sizes: Vec<u64> = parts.iter().map(|p| p.len() as u64).collect();
-    drop(parts);
-    if let Err(e) = store.retain(mem) {
-        log::warn!("tier '{mem_name}': retention after step {step} failed: {e}");
-    }
-    if let Err(e) = store.memory.prefault(&sizes) {
-        log::warn!("tier '{mem_name}': pre-faulting for the next step failed: {e}");
     }
 }
 
@@ -443,7 +497,7 @@ impl Store {
             priority: Priority::Persist,
             size: sizes.iter().sum(),
             label,
-            supersede_key: None,
+            supersede: None,
             run: Box::new(move |_| {
                 if let Err(e) = memory.prefault(&sizes) {
                     log::warn!("tier '{}': pre-faulting for the first save failed: {e}", memory.name());

@@ -128,6 +128,8 @@ pub struct PeerTier {
     pushed: Mutex<std::collections::BTreeSet<u64>>,
     local_addr: SocketAddr,
     runtime: Mutex<Option<tokio::runtime::Runtime>>,
+    /// The replica store the server serves (what arrives from other hosts).
+    holding: Arc<ReplicaStore>,
 }
 
 pub struct PeerOptions {
@@ -163,7 +165,7 @@ impl PeerTier {
         {
             let _guard = runtime.enter();
             let listener = TcpListener::from_std(std_listener).map_err(|e| Error::unavailable(format!("tier '{name}': {e}")))?;
-            runtime.spawn(server::serve(listener, store, secret.clone(), opts.limits, stats.clone()));
+            runtime.spawn(server::serve(listener, store.clone(), secret.clone(), opts.limits, stats.clone()));
         }
         Ok(Arc::new(PeerTier {
             name: name.into(),
@@ -184,6 +186,7 @@ impl PeerTier {
             pushed: Mutex::new(Default::default()),
             local_addr,
             runtime: Mutex::new(Some(runtime)),
+            holding: store,
         }))
     }
 
@@ -408,14 +411,104 @@ impl PeerTier {
         Err(Error::new(combined_kind(&kinds), msg).with_tier(&self.name).at(step, rank))
     }
 
-    /// Stops serving (on store close).
+    /// Stops serving (on store close), once the replicas other hosts still push here have
+    /// arrived (`drain`).
     pub fn shutdown(&self) {
+        self.drain();
+        self.stop();
+    }
+
+    /// Stops serving now.
+    pub fn stop(&self) {
         if let Some(rt) = self.runtime.lock().take() {
             rt.shutdown_timeout(Duration::from_secs(1));
         }
         self.idle.lock().clear();
         self.replicas.release_pool();
     }
+
+    /// The longest a closing store waits for replicas still coming (`replicas_expected`).
+    pub fn drain_limit(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Waits (at most `drain_limit`) until `replicas_expected` is None; then says what did
+    /// not come.
+    pub fn drain(&self) {
+        let start = Instant::now();
+        let mut told = false;
+        while let Some(what) = self.replicas_expected() {
+            let waited = start.elapsed();
+            if waited >= self.timeout {
+                self.gave_up_on(&what, waited);
+                return;
+            }
+            if !told && waited >= DRAIN_NOTE_AFTER {
+                told = true;
+                log::warn!("rank {}: waiting (up to {:.0} s) before closing for {what}", self.rank, self.timeout.as_secs_f64());
+            }
+            std::thread::sleep(DRAIN_POLL);
+        }
+    }
+
+    /// Logs that the store closes without the replicas `what` names.
+    pub fn gave_up_on(&self, what: &str, waited: Duration) {
+        log::warn!("rank {}: closing after {:.0} s without {what}: they are not kept on this host", self.rank, waited.as_secs_f64());
+    }
+
+    /// What replication to this host is still to come before its server may stop, or None:
+    /// replicas on their way in now, and the newest step this rank pushed (the ranks of a
+    /// job save the same steps) from every rank that places its replicas on this host and
+    /// whose peer server still listens (one whose server is gone, closed or dead, has
+    /// nothing more to push). A rank that closes first must not stop the server a slower
+    /// rank still replicates to.
+    pub fn replicas_expected(&self) -> Option<String> {
+        let arriving = self.holding.receiving();
+        let step = self.pushed.lock().last().copied();
+        let missing: Vec<u32> = match step {
+            None => vec![],
+            Some(step) => {
+                let have = self.replicas.ranks_written(step).unwrap_or_default();
+                let c = self.cluster.read();
+                match c.as_ref() {
+                    None => vec![],
+                    Some(c) => {
+                        let mine = c.host_of[self.rank as usize];
+                        (0..c.host_of.len() as u32)
+                            .filter(|&r| {
+                                let theirs = c.host_of[r as usize];
+                                theirs != mine && c.placement.peers(theirs).contains(&mine) && !have.contains(&r)
+                            })
+                            .filter(|&r| serves(&c.addrs[r as usize]))
+                            .collect()
+                    }
+                }
+            }
+        };
+        if missing.is_empty() && arriving == 0 {
+            return None;
+        }
+        let mut parts = vec![];
+        if let (Some(step), false) = (step, missing.is_empty()) {
+            let ranks: Vec<String> = missing.iter().map(u32::to_string).collect();
+            parts.push(format!("the replicas of step {step} from rank(s) {}", ranks.join(", ")));
+        }
+        if arriving > 0 {
+            parts.push(format!("{arriving} replica(s) arriving"));
+        }
+        Some(format!("tier '{}': {}", self.name, parts.join(" and ")))
+    }
+}
+
+/// How often `drain` looks again, and when it says what it waits for.
+const DRAIN_POLL: Duration = Duration::from_millis(50);
+const DRAIN_NOTE_AFTER: Duration = Duration::from_secs(2);
+
+/// Whether a peer server still listens at `addr` (a TCP connect, nothing sent).
+fn serves(addr: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    let Some(a) = addr.to_socket_addrs().ok().and_then(|mut a| a.next()) else { return false };
+    std::net::TcpStream::connect_timeout(&a, Duration::from_millis(500)).is_ok()
 }
 
 impl Tier for PeerTier {

@@ -76,6 +76,11 @@ impl ReplicaStore {
         Ok(plan)
     }
 
+    /// Replicas on their way in now.
+    pub(super) fn receiving(&self) -> usize {
+        self.receiving.lock().values().sum()
+    }
+
     fn done_receiving(&self, step: u64) {
         let mut r = self.receiving.lock();
         if let Some(n) = r.get_mut(&step) {
