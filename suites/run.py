@@ -182,11 +182,13 @@ def run_suite(suite: Suite, backend: str, src: Path, deps: Path | None, out: Pat
 
 
 def headline(why: str) -> str:
-    """The line of a failure message that names the error (DCP wraps the rank's error in a
-    CheckpointException whose last line is the cause)."""
-    lines = [line.strip() for line in why.splitlines() if line.strip()]
-    named = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
-    return (named[-1] if named else lines[0] if lines else "")[:220]
+    """The line of a failure report that names the error: tiercel's own when there is one
+    (a spawned rank's, or the cause DCP wraps in a CheckpointException), else the last."""
+    lines = [re.sub(r"^E\s+", "", line.strip()) for line in why.splitlines()]
+    named = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b:", line)]
+    ours = [line for line in named if line.startswith("tiercel.") or "tiercel" in line.split(":", 1)[0]]
+    best = ours[-1] if ours else named[-1] if named else next((line for line in lines if line), "")
+    return best[:220]
 
 
 def table(rows: list[tuple[Suite, dict[str, Result]]]) -> str:
