@@ -48,8 +48,9 @@ def pytest_runtest_logreport(report: Any) -> None:
     # A test passed when its call passed and neither its setup nor its teardown failed.
     if report.failed:
         _outcomes[report.nodeid] = "failed"
-        crash = getattr(report.longrepr, "reprcrash", None)
-        _why.setdefault(report.nodeid, str(crash.message if crash is not None else report.longrepr)[:300])
+        # The whole report, with the captured output where a spawned rank printed its error.
+        text = str(report.longrepr) + "".join(f"\n{content}" for _name, content in report.sections)
+        _why.setdefault(report.nodeid, text[-20000:])
     elif report.skipped and report.nodeid not in _outcomes:
         _outcomes[report.nodeid] = "skipped"
     elif report.when == "call" and report.passed:
