@@ -22,6 +22,8 @@ hold, would replace the step's other items: it is refused at once, with what to 
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -50,13 +52,10 @@ def _job() -> tuple[int, int]:
 
 
 def policy_key(policy: PolicyLike | None) -> Key:
+    """The same key for the same policy (file, or equal dict) in the same job."""
     resolved = _policy_path(policy)
     if isinstance(resolved, Mapping):
-        import json
-
         return ("dict", json.dumps(resolved, sort_keys=True, default=str), *_job())
-    import os
-
     return ("path", os.path.realpath(os.fspath(resolved)), *_job())
 
 
