@@ -30,12 +30,17 @@ def test_the_one_machine_recipe_runs_as_written(tmp_path):
     # The docs' example path, mapped to a directory of this test (as tests/test_docs.py does).
     script.write_text(recipe().replace("/dev/shm/tiercel", str(root)))
     try:
-        p = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        logs = tmp_path / "logs"
+        p = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "--log-dir", str(logs), "--redirects", "3", str(script)],
                            capture_output=True, text=True, timeout=240, env=child_env({"OMP_NUM_THREADS": "1"}),
                            cwd=str(tmp_path))
-        assert p.returncode == 0, p.stdout + p.stderr
-        lines = sorted(l for l in p.stdout.splitlines() if l[:2] in ("0 ", "1 "))
-        assert lines == [f"{r} {{'ram': 'committed', 'peer': 'committed'}}" for r in (0, 0, 0, 1, 1, 1)], p.stdout + p.stderr
+        # Each rank's output in its own file (one pipe would interleave them).
+        out = {int(f.parent.name): f.read_text() for f in logs.glob("**/attempt_0/*/stdout.log")}
+        err = "".join(f.read_text() for f in logs.glob("**/attempt_0/*/stderr.log"))
+        assert p.returncode == 0, p.stdout + p.stderr + err
+        for rank in (0, 1):
+            assert out[rank].splitlines() == [f"{rank} {{'ram': 'committed', 'peer': 'committed'}}"] * 3, (out, err)
         # Each host keeps the other's replicas, in its own root.
         for host, other in (("host0", 1), ("host1", 0)):
             assert (root / "try-peer" / host / "peers" / "step-000000000003" / f"rank-{other:05d}.manifest.json").exists()

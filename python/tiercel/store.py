@@ -136,6 +136,8 @@ class Store:
                     "network, or give the peer tier's `listen` that address"
                 )
             self._core.connect_peers(job, hosts, [e[1] for e in everyone], shared.encode() if shared else None)
+            # No rank pushes a replica before every peer server knows the job's members.
+            self.coordinator.all_gather(None)
 
     @property
     def run_id(self) -> str | None:

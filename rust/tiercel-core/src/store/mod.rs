@@ -78,8 +78,11 @@ pub struct Store {
     save_order: std::sync::atomic::AtomicU64,
     /// Persists held back by the `persist_late` failpoint until a later save's are queued,
     /// with their save's order.
-    held_persists: parking_lot::Mutex<Vec<(u64, Box<dyn FnOnce() + Send>)>>,
+    held_persists: parking_lot::Mutex<Vec<(u64, HeldPersists)>>,
 }
+
+/// The persists of one save, handed to the scheduler when called (see `held_persists`).
+type HeldPersists = Box<dyn FnOnce() + Send>;
 
 /// How many steps' save counts a process remembers: a step saved again after this many other
 /// steps counts from 1 again (its generation then names the launch and 1).

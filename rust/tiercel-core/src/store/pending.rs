@@ -168,7 +168,7 @@ impl Store {
                 "tier '{name}': step {step} of rank {rank} skipped: {why}; the tier falls behind the saves (its bandwidth, \
                  or `every`): further skips are counted (metrics: skips) and summed up every {SKIP_SUMMARY_EVERY} and at close"
             );
-        } else if n % SKIP_SUMMARY_EVERY == 0 {
+        } else if n.is_multiple_of(SKIP_SUMMARY_EVERY) {
             log::warn!("tier '{name}': {n} saves of rank {rank} skipped so far (the latest, step {step}: {why})");
         } else {
             log::debug!("tier '{name}': step {step} of rank {rank} skipped: {why}");
