@@ -71,7 +71,9 @@ def _patch_deepspeed(deepspeed: Any) -> None:
 
     def initialize(*args: Any, **kwargs: Any) -> Any:
         out = stock(*args, **kwargs)
-        tiercel.deepspeed.attach(out[0], policy_for("deepspeed"))
+        # DeepSpeed's test ranks are forked from a server started with the first test's
+        # environment: the port its launcher picks for each test tells the tests apart.
+        tiercel.deepspeed.attach(out[0], policy_for("deepspeed", os.environ.get("MASTER_PORT")))
         return out
 
     deepspeed.initialize = initialize
