@@ -67,14 +67,22 @@ def _patch_deepspeed(deepspeed: Any) -> None:
     _bridge_deepspeed(deepspeed)
     import tiercel.deepspeed
 
-    stock = deepspeed.initialize
+    stock, stock_init_distributed = deepspeed.initialize, deepspeed.init_distributed
+    # DeepSpeed's test ranks are forked from a server that keeps the first test's environment
+    # (PYTEST_CURRENT_TEST is stale there): the file store its launcher creates for each test's
+    # process group tells the tests apart.
+    job: dict[str, Any] = {}
+
+    def init_distributed(*args: Any, **kwargs: Any) -> Any:
+        job["init_method"] = kwargs.get("init_method")
+        return stock_init_distributed(*args, **kwargs)
 
     def initialize(*args: Any, **kwargs: Any) -> Any:
         out = stock(*args, **kwargs)
-        tiercel.deepspeed.attach(out[0], policy_for("deepspeed"))
+        tiercel.deepspeed.attach(out[0], policy_for("deepspeed", job.get("init_method"), os.environ.get("MASTER_PORT")))
         return out
 
-    deepspeed.initialize = initialize
+    deepspeed.initialize, deepspeed.init_distributed = initialize, init_distributed
 
 
 # -- Orbax ------------------------------------------------------------------------------------------
