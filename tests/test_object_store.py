@@ -522,3 +522,36 @@ def test_gcs_tier_reads_lists_checks_and_deletes_on_fake_gcs_server(moto, gcs, s
         assert "tier 'bucket'" in msg and f"gs://{gbucket}/run/step-000000000004/" in msg, msg
         assert_same(store.restore(4), wants[1])  # from the memory tier
         assert store.steps()["bucket"] == [3]
+
+
+def test_a_missing_bucket_is_said_at_open(moto, gcs, shm):
+    """Repro (issue 28.11): a policy naming a bucket that does not exist opened fine, and the
+    first persist failed with "...rank-00000.data: not found", as if an object were missing.
+    Now opening the store says the bucket does not exist (a ConfigError naming the tier, the
+    url and the endpoint), on s3 and gcs; the CLI's tools too. A bucket that exists but cannot
+    be reached right now still opens (test_unreachable.py)."""
+    (server, _), (gserver, _) = moto, gcs
+    missing = f"no-such-bucket-{uuid.uuid4().hex[:8]}"
+    cases = [
+        ("s3", policy(shm(), f"s3://{missing}/run1", endpoint=server.endpoint, retries=0), server.endpoint),
+        ("gcs", policy(shm(), f"gs://{missing}/run1", kind="gcs", retries=0), gserver.endpoint),
+    ]
+    for kind, pol, endpoint in cases:
+        for tool in (False, True):
+            with pytest.raises(tiercel.ConfigError) as ei:
+                tiercel.Store(pol, rank=0, world_size=1, tool=tool)
+            msg = str(ei.value)
+            assert f"tier '{kind}'" in msg and f"bucket '{missing}' does not exist" in msg, msg
+            assert f"{'s3' if kind == 's3' else 'gs'}://{missing}/run1" in msg and endpoint in msg, msg
+            assert ei.value.tier == kind, ei.value.fields()
+    # A bucket removed while the job runs: the persist fails as a tier that cannot be written,
+    # saying why (not an object "not found"); the step stays in memory.
+    bucket = server.new_bucket()
+    with tiercel.Store(policy(shm(), f"s3://{bucket}/run1", endpoint=server.endpoint, retries=0), rank=0,
+                       world_size=1) as store:
+        server.client().delete_bucket(Bucket=bucket)
+        h = store.save(1, state(1, noise_bytes=1000, floats=1000))
+        with pytest.raises(tiercel.TierUnavailableError) as ei:
+            h.wait(60)
+        assert f"bucket '{bucket}' does not exist" in str(ei.value) and ei.value.tier == "s3", str(ei.value)
+        assert store.restore(1)["step"] == 1
