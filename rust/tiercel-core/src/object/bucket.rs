@@ -68,8 +68,15 @@ impl ObjectBlobs {
             Error::config(format!("tier '{name}': cannot set up a client for {url}: {}", sanitize(&e.to_string(), secrets)))
         };
         let context = |e: Error| e.context(format!("tier '{name}'"));
-        type Clients =
-            (Arc<dyn ObjectStore>, Arc<dyn MultipartStore>, Arc<dyn PaginatedListStore>, String, Secrets, Option<NoCredentials>, Option<S3Uploads>);
+        type Clients = (
+            Arc<dyn ObjectStore>,
+            Arc<dyn MultipartStore>,
+            Arc<dyn PaginatedListStore>,
+            String,
+            Secrets,
+            Option<NoCredentials>,
+            Option<S3Uploads>,
+        );
         let (store, multipart, lister, endpoint, secrets, no_credentials, server_uploads): Clients = match spec {
             TierSpec::Gcs(_) => {
                 let (b, secrets) = gcs_builder(&url, opts, env).map_err(context)?;
@@ -128,9 +135,7 @@ impl ObjectBlobs {
         let i = &self.inner;
         let prefix = i.root.as_ref().to_string();
         let opts = PaginatedListOptions { max_keys: Some(1), ..Default::default() };
-        let res = block_on(async {
-            tokio::time::timeout(BUCKET_CHECK, i.lister.list_paginated(Some(prefix.as_str()), opts)).await
-        });
+        let res = block_on(async { tokio::time::timeout(BUCKET_CHECK, i.lister.list_paginated(Some(prefix.as_str()), opts)).await });
         match res {
             Ok(Err(e)) => match i.missing_bucket(&e.to_string()) {
                 Some(err) => Err(err),
