@@ -555,3 +555,38 @@ def test_a_missing_bucket_is_said_at_open(moto, gcs, shm):
             h.wait(60)
         assert f"bucket '{bucket}' does not exist" in str(ei.value) and ei.value.tier == "s3", str(ei.value)
         assert store.restore(1)["step"] == 1
+
+
+TWIN = r"""
+import json, sys
+import numpy as np
+import tiercel
+pol, value = json.loads(sys.argv[1]), float(sys.argv[2])
+with tiercel.Store(pol, rank=0, world_size=1) as store:
+    for step in (1, 2, 3):
+        st = {"a": np.full(50_000, value, np.float32), "b": np.full(50_000, value, np.float64), "who": int(value)}
+        store.save(step, st).wait(120)
+"""
+
+
+def test_two_live_writers_of_one_rank_into_one_prefix_never_mix(moto, shm):
+    """Issue 28.4 on an object store, which has no writer lease: two live processes save rank 0
+    of the same steps into one bucket prefix at once. A restore from the bucket returns one
+    writer's state whole, or fails its checks; never a mix of the two (the generation rule)."""
+    server, bucket = moto
+    url = f"s3://{bucket}/run1"
+    procs = [subprocess.Popen([sys.executable, "-c", TWIN, json.dumps(policy(shm(), url, endpoint=server.endpoint)), str(v)],
+                              stderr=subprocess.PIPE, text=True, cwd=str(TESTS_DIR)) for v in (1, 2)]
+    for p in procs:
+        assert p.wait(180) == 0, p.stderr.read()
+    outcomes = []
+    for step in (1, 2, 3):
+        try:
+            got, _ = restore_from(policy(shm(), url, endpoint=server.endpoint, order=["s3"]), shm(), step)
+        except (tiercel.IntegrityError, tiercel.NotFoundError) as e:
+            outcomes.append(type(e).__name__)
+            continue
+        who = got["who"]
+        assert who in (1, 2) and np.all(got["a"] == who) and np.all(got["b"] == who), (step, who)
+        outcomes.append(who)
+    print("outcomes", outcomes)
