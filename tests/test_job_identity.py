@@ -316,3 +316,14 @@ def test_job_warnings_are_one_line_per_cause_not_one_per_rank_and_open(shm_root,
     assert err.count("holds committed steps of other jobs") == 1, err
     assert err.count("holds steps of a job without a run id") == 1, err
     assert "run 'old'" in err and "`[store] run` or $TIERCEL_RUN_ID" in err, err
+
+
+def test_a_persistent_tier_without_a_writer_lease_does_not_stop_saves(shm_root, disk_root, capfd):
+    """A writer lease that cannot be taken on a persistent tier (here: its place is taken by
+    a file) is said once; the save into memory, and the persist, go on as before."""
+    disk_root.mkdir(parents=True)
+    (disk_root / ".writers").write_text("not a directory")
+    with tiercel.Store(make_policy(shm_root, disk_root, every=1), rank=0, world_size=1) as s:
+        assert s.save(1, state(1)).wait(60) == {"ram": "committed", "disk": "committed"}
+    err = capfd.readouterr().err
+    assert err.count("saves go on without this rank's writer lease there") == 1 and "tier 'disk'" in err, err

@@ -167,7 +167,22 @@ impl Store {
             };
             let name = &slot.config.name;
             let at = crate::tier::lease::writer_path(root, self.rank);
-            match WriterLease::take(root, self.rank, &who).map_err(|e| Error::io(name, &at, e))? {
+            let taken = match WriterLease::take(root, self.rank, &who) {
+                Ok(t) => t,
+                // A persistent tier that cannot be written now (a full or read-only disk, an
+                // NFS server away) fails its persists in the background, as before; it must
+                // not fail the save into memory. The memory tier's own trouble does.
+                Err(e) if slot.config.kind() != TierKind::Memory => {
+                    let e = Error::io(name, &at, e);
+                    warn_once(&format!(
+                        "{}; saves go on without this rank's writer lease there (a second writer is not detected)",
+                        e.message
+                    ));
+                    continue;
+                }
+                Err(e) => return Err(Error::io(name, &at, e)),
+            };
+            match taken {
                 Ok(l) => leases.push(l),
                 Err(holder) => {
                     return Err(Error::config(format!(
