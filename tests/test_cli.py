@@ -421,7 +421,8 @@ def test_json_on_every_command_and_options_anywhere(env: Env, capsys):
     assert code == 3 and err.startswith("tiercel: error: step 99 is committed on no tier")
     none = dict.fromkeys(("tier", "step", "rank", "item", "chunk", "path"))
     assert json.loads(out) == {"ok": False, "exit_code": 3,
-                               "error": {"type": "NotFoundError", "message": err[len("tiercel: error: "):].strip(), **none}}
+                               "error": {"type": "NotFoundError", "message": err[len("tiercel: error: "):].strip(), **none,
+                                         "step": 99}}
     code, out, _ = main(capsys, "--json", "--policy", pol, "inspect", "4", "--rank", "5")
     assert code == 3 and {k: json.loads(out)["error"][k] for k in ("tier", "step", "rank")} == {"tier": "ram", "step": 4, "rank": 5}
     code, out, _ = main(capsys, "placement", "--hosts", "1", "--replicas", "2", "--json")
@@ -555,3 +556,27 @@ def test_the_version_line_is_the_one_docs_cli_shows(capsys):
     assert shown, "docs/cli.md shows no --version line"
     want = printed.replace(tiercel.__version__, "0.1.0")
     assert set(shown) == {want}, (shown, printed)
+
+
+def test_json_errors_carry_the_fields_their_message_names(env: Env, capsys):
+    """Repro (issue 28.18): with --json, an error's tier/step/rank were null although its
+    message named them ("step 99 is committed on no tier ...": step null)."""
+    def error(*args: str) -> dict:
+        code, out, _ = main(capsys, "--policy", str(env.policy), "--json", *args)
+        doc = json.loads(out)
+        assert doc["ok"] is False and doc["exit_code"] == code, doc
+        return doc["error"]
+
+    cases = [
+        (("inspect", "99"), {"step": 99, "tier": None}),
+        (("verify", "99"), {"step": 99}),
+        (("cp", "99", "--from", "ram", "--to", "disk"), {"step": 99}),
+        (("rm", "99", "--tier", "disk"), {"tier": "disk", "step": 99}),
+        (("inspect", "4", "--tier", "nope"), {"tier": "nope"}),
+        (("inspect", "4", "--rank", "7"), {"tier": "ram", "step": 4, "rank": 7}),
+        # An error the CLI does not raise itself: its fields as the message names them.
+        (("export", "4", str(env.tmp / "out"), "--format", "dcp"), {"step": 4}),
+    ]
+    for args, want in cases:
+        e = error(*args)
+        assert {k: e[k] for k in want} == want, (args, e)

@@ -300,3 +300,37 @@ def test_a_writer_that_closed_lets_the_next_one_save(shm_root):
     finally:
         a.close()
         b.close()
+
+
+def test_job_warnings_are_one_line_per_cause_not_one_per_rank_and_open(shm_root, disk_root, capfd):
+    """Repro (issue 28.15): every rank, at every open, logged the same "holds committed steps
+    of other jobs" line and the same run-id advice (a 3-rank job opened twice: 6 of each).
+    Now each cause is one line per job: rank 0 says it, once per process."""
+    base = make_policy(shm_root, disk_root, every=1)
+    with tiercel.Store(with_run(base, "old"), rank=0, world_size=1) as s:
+        s.save(1, state(1)).wait(60)
+    two = [tiercel.Store(base, rank=r, world_size=2) for r in range(2)]
+    for h in [s.save(5, state(5 + r)) for r, s in enumerate(two)]:
+        h.wait(60)
+    for s in two:
+        s.close()
+    capfd.readouterr()
+    for _ in range(2):  # a job that opens its stores twice (an adapter's store per save)
+        stores = [tiercel.Store(base, rank=r, world_size=3) for r in range(3)]
+        for s in stores:
+            s.close()
+    err = capfd.readouterr().err
+    assert err.count("holds committed steps of other jobs") == 1, err
+    assert err.count("holds steps of a job without a run id") == 1, err
+    assert "run 'old'" in err and "`[store] run` or $TIERCEL_RUN_ID" in err, err
+
+
+def test_a_persistent_tier_without_a_writer_lease_does_not_stop_saves(shm_root, disk_root, capfd):
+    """A writer lease that cannot be taken on a persistent tier (here: its place is taken by
+    a file) is said once; the save into memory, and the persist, go on as before."""
+    disk_root.mkdir(parents=True)
+    (disk_root / ".writers").write_text("not a directory")
+    with tiercel.Store(make_policy(shm_root, disk_root, every=1), rank=0, world_size=1) as s:
+        assert s.save(1, state(1)).wait(60) == {"ram": "committed", "disk": "committed"}
+    err = capfd.readouterr().err
+    assert err.count("saves go on without this rank's writer lease there") == 1 and "tier 'disk'" in err, err

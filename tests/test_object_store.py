@@ -522,3 +522,71 @@ def test_gcs_tier_reads_lists_checks_and_deletes_on_fake_gcs_server(moto, gcs, s
         assert "tier 'bucket'" in msg and f"gs://{gbucket}/run/step-000000000004/" in msg, msg
         assert_same(store.restore(4), wants[1])  # from the memory tier
         assert store.steps()["bucket"] == [3]
+
+
+def test_a_missing_bucket_is_said_at_open(moto, gcs, shm):
+    """Repro (issue 28.11): a policy naming a bucket that does not exist opened fine, and the
+    first persist failed with "...rank-00000.data: not found", as if an object were missing.
+    Now opening the store says the bucket does not exist (a ConfigError naming the tier, the
+    url and the endpoint), on s3 and gcs; the CLI's tools too. A bucket that exists but cannot
+    be reached right now still opens (test_unreachable.py)."""
+    (server, _), (gserver, _) = moto, gcs
+    missing = f"no-such-bucket-{uuid.uuid4().hex[:8]}"
+    cases = [
+        ("s3", policy(shm(), f"s3://{missing}/run1", endpoint=server.endpoint, retries=0), server.endpoint),
+        ("gcs", policy(shm(), f"gs://{missing}/run1", kind="gcs", retries=0), gserver.endpoint),
+    ]
+    for kind, pol, endpoint in cases:
+        for tool in (False, True):
+            with pytest.raises(tiercel.ConfigError) as ei:
+                tiercel.Store(pol, rank=0, world_size=1, tool=tool)
+            msg = str(ei.value)
+            assert f"tier '{kind}'" in msg and f"bucket '{missing}' does not exist" in msg, msg
+            assert f"{'s3' if kind == 's3' else 'gs'}://{missing}/run1" in msg and endpoint in msg, msg
+            assert ei.value.tier == kind, ei.value.fields()
+    # A bucket removed while the job runs: the persist fails as a tier that cannot be written,
+    # saying why (not an object "not found"); the step stays in memory.
+    bucket = server.new_bucket()
+    with tiercel.Store(policy(shm(), f"s3://{bucket}/run1", endpoint=server.endpoint, retries=0), rank=0,
+                       world_size=1) as store:
+        server.client().delete_bucket(Bucket=bucket)
+        h = store.save(1, state(1, noise_bytes=1000, floats=1000))
+        with pytest.raises(tiercel.TierUnavailableError) as ei:
+            h.wait(60)
+        assert f"bucket '{bucket}' does not exist" in str(ei.value) and ei.value.tier == "s3", str(ei.value)
+        assert store.restore(1)["step"] == 1
+
+
+TWIN = r"""
+import json, sys
+import numpy as np
+import tiercel
+pol, value = json.loads(sys.argv[1]), float(sys.argv[2])
+with tiercel.Store(pol, rank=0, world_size=1) as store:
+    for step in (1, 2, 3):
+        st = {"a": np.full(50_000, value, np.float32), "b": np.full(50_000, value, np.float64), "who": int(value)}
+        store.save(step, st).wait(120)
+"""
+
+
+def test_two_live_writers_of_one_rank_into_one_prefix_never_mix(moto, shm):
+    """Issue 28.4 on an object store, which has no writer lease: two live processes save rank 0
+    of the same steps into one bucket prefix at once. A restore from the bucket returns one
+    writer's state whole, or fails its checks; never a mix of the two (the generation rule)."""
+    server, bucket = moto
+    url = f"s3://{bucket}/run1"
+    procs = [subprocess.Popen([sys.executable, "-c", TWIN, json.dumps(policy(shm(), url, endpoint=server.endpoint)), str(v)],
+                              stderr=subprocess.PIPE, text=True, cwd=str(TESTS_DIR)) for v in (1, 2)]
+    for p in procs:
+        assert p.wait(180) == 0, p.stderr.read()
+    outcomes = []
+    for step in (1, 2, 3):
+        try:
+            got, _ = restore_from(policy(shm(), url, endpoint=server.endpoint, order=["s3"]), shm(), step)
+        except (tiercel.IntegrityError, tiercel.NotFoundError) as e:
+            outcomes.append(type(e).__name__)
+            continue
+        who = got["who"]
+        assert who in (1, 2) and np.all(got["a"] == who) and np.all(got["b"] == who), (step, who)
+        outcomes.append(who)
+    print("outcomes", outcomes)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import Any, Sequence
 
@@ -200,8 +201,26 @@ def _fail(e: BaseException, code: int, as_json: bool) -> int:
     print(f"tiercel: error: {message}", file=sys.stderr)
     if as_json:
         fields = {f: getattr(e, f, None) for f in FIELDS}
+        fields.update({f: v for f, v in _named_in(message).items() if fields.get(f) is None})
         json_out({"ok": False, "exit_code": code, "error": {"type": type(e).__name__, "message": message, **fields}})
     return code
+
+
+#: How messages name a tier, step and rank ("tier 'disk'", "step 12", "rank 3").
+_NAMED = {"tier": re.compile(r"\btier '([^']+)'"), "step": re.compile(r"\bstep (\d+)\b"), "rank": re.compile(r"\brank (\d+)\b")}
+
+
+def _named_in(message: str) -> dict[str, Any]:
+    """The tier, step and rank an error's message names, for an error raised without its
+    fields (by an adapter, say): each only when the message names exactly one, so a message
+    about two steps ("step 8 ... replaced by step 9") fills in neither."""
+    out: dict[str, Any] = {}
+    for field, pattern in _NAMED.items():
+        found = set(pattern.findall(message))
+        if len(found) == 1:
+            value = found.pop()
+            out[field] = value if field == "tier" else int(value)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,7 +18,12 @@ EXIT_NOT_FOUND = 3
 EXIT_ERROR = 4
 
 class UsageError(Exception):
-    """A mistake on the command line (exit code 2)."""
+    """A mistake on the command line (exit code 2). `tier=`, `step=`: what it names, for the
+    --json error document."""
+
+    def __init__(self, message: str, *, tier: str | None = None, step: int | None = None):
+        super().__init__(message)
+        self.tier, self.step = tier, step
 
 
 class CommandError(Exception):
@@ -65,12 +70,12 @@ class Ctx:
         for t in self.tiers:
             if t["name"] == name:
                 return t
-        raise UsageError(f"no tier named '{name}' in {self.core.policy_source} (tiers: {', '.join(self.names)})")
+        raise UsageError(f"no tier named '{name}' in {self.core.policy_source} (tiers: {', '.join(self.names)})", tier=name)
 
     def reachable(self, name: str) -> str:
         """A tier named on the command line that the command can work on: not a peer tier."""
         if self.tier(name)["kind"] == "peer":
-            raise UsageError(f"tier '{name}' is a peer tier: {PEER_SKIPPED}")
+            raise UsageError(f"tier '{name}' is a peer tier: {PEER_SKIPPED}", tier=name)
         return name
 
     def selected_tiers(self, name: str | None) -> list[str]:
@@ -125,7 +130,8 @@ class Ctx:
         have = [t for t in tiers if self.has(t, step)]
         if not have:
             raise _core.NotFoundError(f"step {step} is committed on no tier in {tiers} "
-                                      f"(committed steps: {'; '.join(self._committed_or_why(t) for t in tiers)})")
+                                      f"(committed steps: {'; '.join(self._committed_or_why(t) for t in tiers)})",
+                                      step=step, tier=tiers[0] if len(tiers) == 1 else None)
         return have
 
     def _committed_or_why(self, tier: str) -> str:

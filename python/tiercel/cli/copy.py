@@ -56,7 +56,7 @@ def cmd_rm(ctx: Ctx) -> int:
     tier = ctx.reachable(a.tier)
     steps = ctx.core.all_steps(tier)
     if a.step not in steps:
-        raise _core.NotFoundError(f"tier '{tier}' has no step {a.step} (steps: {steps or 'none'})")
+        raise _core.NotFoundError(f"tier '{tier}' has no step {a.step} (steps: {steps or 'none'})", tier=tier, step=a.step)
     ctx.core.delete_step(tier, a.step)
     if a.json:
         json_out({"tier": tier, "step": a.step, "removed": True})

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::{StreamExt, TryStreamExt};
+use object_store::list::{PaginatedListOptions, PaginatedListStore};
 use object_store::multipart::MultipartStore;
 use object_store::path::Path as ObjPath;
 use object_store::{GetOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
@@ -29,6 +30,11 @@ pub(super) struct Inner {
     pub(super) root: ObjPath,
     pub(super) store: Arc<dyn ObjectStore>,
     pub(super) multipart: Arc<dyn MultipartStore>,
+    /// One page of a listing, as small as asked: how `check_bucket` asks whether the bucket
+    /// exists.
+    lister: Arc<dyn PaginatedListStore>,
+    /// Where requests go ("http://127.0.0.1:9000", "AWS (region eu-central-1)"), for messages.
+    endpoint: String,
     pub(super) part_size: usize,
     pub(super) concurrency: usize,
     pub(super) secrets: Secrets,
@@ -62,19 +68,34 @@ impl ObjectBlobs {
             Error::config(format!("tier '{name}': cannot set up a client for {url}: {}", sanitize(&e.to_string(), secrets)))
         };
         let context = |e: Error| e.context(format!("tier '{name}'"));
-        type Clients = (Arc<dyn ObjectStore>, Arc<dyn MultipartStore>, Secrets, Option<NoCredentials>, Option<S3Uploads>);
-        let (store, multipart, secrets, no_credentials, server_uploads): Clients = match spec {
+        type Clients = (
+            Arc<dyn ObjectStore>,
+            Arc<dyn MultipartStore>,
+            Arc<dyn PaginatedListStore>,
+            String,
+            Secrets,
+            Option<NoCredentials>,
+            Option<S3Uploads>,
+        );
+        let (store, multipart, lister, endpoint, secrets, no_credentials, server_uploads): Clients = match spec {
             TierSpec::Gcs(_) => {
                 let (b, secrets) = gcs_builder(&url, opts, env).map_err(context)?;
+                let endpoint = b
+                    .get_config_value(&object_store::gcp::GoogleConfigKey::BaseUrl)
+                    .unwrap_or_else(|| "https://storage.googleapis.com".into());
                 let s = Arc::new(b.build().map_err(|e| fail(e, &secrets))?);
-                (s.clone(), s, secrets, None, None)
+                (s.clone(), s.clone(), s, endpoint, secrets, None, None)
             }
             _ => {
+                use object_store::aws::AmazonS3ConfigKey;
                 let (b, secrets, no_credentials) = s3_builder(&url, opts, env).map_err(context)?;
+                let endpoint = b.get_config_value(&AmazonS3ConfigKey::Endpoint).unwrap_or_else(|| {
+                    format!("AWS (region {})", b.get_config_value(&AmazonS3ConfigKey::Region).unwrap_or_else(|| "us-east-1".into()))
+                });
                 let s = Arc::new(b.clone().build().map_err(|e| fail(e, &secrets))?);
                 let bucket = url.split('/').nth(2).unwrap_or("");
-                let lister = S3Uploads::new(&b, s.clone(), bucket).map_err(context)?;
-                (s.clone(), s, secrets, no_credentials, Some(lister))
+                let uploads = S3Uploads::new(&b, s.clone(), bucket).map_err(context)?;
+                (s.clone(), s.clone(), s, endpoint, secrets, no_credentials, Some(uploads))
             }
         };
         let prefix = url.splitn(4, '/').nth(3).unwrap_or("").to_string();
@@ -85,6 +106,8 @@ impl ObjectBlobs {
                 root: ObjPath::from(prefix),
                 store,
                 multipart,
+                lister,
+                endpoint,
                 part_size: opts.part_size as usize,
                 concurrency: opts.concurrency.max(1),
                 secrets,
@@ -97,7 +120,64 @@ impl ObjectBlobs {
     }
 }
 
+/// How long opening a tier waits for its bucket check: a server that does not answer by
+/// then is left to the requests that follow (the tier runs degraded, as when it goes away).
+const BUCKET_CHECK: Duration = Duration::from_secs(10);
+
+impl ObjectBlobs {
+    /// At open: whether the bucket exists, by one LIST of at most one key under the prefix.
+    /// A bucket that does not exist is a `ConfigError` naming the tier, the url and the
+    /// endpoint (otherwise the first persist would fail with an object "not found"). Any
+    /// other answer (a server down or slow, credentials refused) is left to the requests
+    /// that follow: a tier that cannot be reached now runs degraded, as it does when it goes
+    /// away later.
+    pub fn check_bucket(&self) -> Result<()> {
+        let i = &self.inner;
+        let prefix = i.root.as_ref().to_string();
+        let opts = PaginatedListOptions { max_keys: Some(1), ..Default::default() };
+        let res = block_on(async { tokio::time::timeout(BUCKET_CHECK, i.lister.list_paginated(Some(prefix.as_str()), opts)).await });
+        match res {
+            Ok(Err(e)) => match i.missing_bucket(&e.to_string()) {
+                Some(err) => Err(err),
+                None => {
+                    log::debug!("tier '{}': checking the bucket of {}: {}", i.tier, i.url, sanitize(&e.to_string(), &i.secrets));
+                    Ok(())
+                }
+            },
+            _ => Ok(()),
+        }
+    }
+}
+
 impl Inner {
+    /// The bucket of this tier's url.
+    fn bucket(&self) -> &str {
+        self.url.split('/').nth(2).unwrap_or("")
+    }
+
+    /// When a request's error `text` says the bucket does not exist, the error that says so:
+    /// the `NoSuchBucket` code (S3, and GCS's XML API that object_store lists through), a
+    /// 404 answer to a listing (which only a missing bucket gets), or fake-gcs-server's
+    /// "no bucket named" (the emulator Google's SDKs test against, which answers 500).
+    fn missing_bucket(&self, text: &str) -> Option<Error> {
+        let listing = text.contains("list request") || text.contains("List request");
+        if !(text.contains("NoSuchBucket") || text.contains("no bucket named") || listing && text.contains(" 404 ")) {
+            return None;
+        }
+        Some(
+            Error::config(format!(
+                "tier '{}': bucket '{}' does not exist ({} at {}): create it, or correct the tier's `url` (or \
+                 `endpoint`)",
+                self.tier,
+                self.bucket(),
+                self.url,
+                self.endpoint
+            ))
+            .with_tier(&self.tier)
+            .with_path(self.url.clone()),
+        )
+    }
+
     pub(super) fn path(&self, key: &str) -> ObjPath {
         let key = key.trim_matches('/');
         if key.is_empty() {
@@ -117,6 +197,11 @@ impl Inner {
     pub(super) fn err(&self, op: &str, key: &str, e: object_store::Error) -> Error {
         let what = self.describe(key);
         let text = sanitize(&e.to_string(), &self.secrets);
+        if let Some(missing) = self.missing_bucket(&text) {
+            // The bucket went away after open: the tier cannot be written (nor read), which
+            // is no missing object.
+            return Error::unavailable(missing.message).with_tier(&self.tier).with_path(what);
+        }
         let e = match e {
             object_store::Error::NotFound { .. } => Error::not_found(format!("tier '{}': {what}: not found", self.tier)),
             object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. } => Error::unavailable(format!(

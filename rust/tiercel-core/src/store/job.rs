@@ -3,7 +3,7 @@
 //! this job's steps (and those of the run named by `[restore] resume_from`), so a root that
 //! holds an older or another job's steps never wins silently.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -38,20 +38,72 @@ fn fingerprint(policy: &Policy) -> String {
     format!("{:08x}", crate::checksum::crc32c(text.as_bytes()))
 }
 
+/// The warnings this process has logged (`warn_once`), so that a cause is said once, not
+/// at every open (adapters open a store per save) or every restore of one step.
+static SAID: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
+/// How many distinct warnings a process remembers; beyond, it starts afresh.
+const SAID_MAX: usize = 4096;
+
+/// Logs `line` as a warning unless this process already has.
+pub(crate) fn warn_once(line: &str) {
+    let mut said = SAID.lock();
+    let said = said.get_or_insert_with(HashSet::new);
+    if said.contains(line) {
+        log::debug!("{line}");
+        return;
+    }
+    if said.len() >= SAID_MAX {
+        said.clear();
+    }
+    said.insert(line.to_string());
+    log::warn!("{line}");
+}
+
+/// Logs `warnings` one line per cause: lines that differ only in the tier they start with
+/// ("tier 'ram': X", "tier 'disk': X") become one ("tiers 'ram', 'disk': X"), and each
+/// line once per process (`warn_once`). Callers keep the full list for their results.
+pub(crate) fn warn_per_cause(warnings: &[String]) {
+    let mut causes: BTreeMap<&str, (usize, Vec<&str>)> = BTreeMap::new();
+    for (i, w) in warnings.iter().enumerate() {
+        let (tier, rest) = split_tier(w);
+        let e = causes.entry(rest).or_insert((i, vec![]));
+        if let Some(t) = tier.filter(|t| !e.1.contains(t)) {
+            e.1.push(t);
+        }
+    }
+    let mut lines: Vec<(usize, String)> = causes
+        .into_iter()
+        .map(|(rest, (i, tiers))| {
+            let line = match tiers.as_slice() {
+                [] => rest.to_string(),
+                [t] => format!("tier '{t}': {rest}"),
+                ts => format!("tiers {}: {rest}", ts.iter().map(|t| format!("'{t}'")).collect::<Vec<_>>().join(", ")),
+            };
+            (i, line)
+        })
+        .collect();
+    lines.sort();
+    for (_, line) in lines {
+        warn_once(&line);
+    }
+}
+
+/// "tier 'ram': rest" -> (Some("ram"), "rest"); any other line -> (None, line).
+fn split_tier(w: &str) -> (Option<&str>, &str) {
+    let Some(tail) = w.strip_prefix("tier '") else { return (None, w) };
+    match tail.split_once("': ") {
+        Some((t, rest)) if !t.contains('\'') => (Some(t), rest),
+        _ => (None, w),
+    }
+}
+
 /// Now as UTC "YYYY-MM-DD HH:MM:SS", for the writer lease's file.
 fn humantime_now() -> String {
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0) as i64;
     let mut tm: libc::tm = unsafe { std::mem::zeroed() };
     unsafe { libc::gmtime_r(&t, &mut tm) };
-    format!(
-        "{:04}-{:02}-{:02} {:02}:{:02}:{:02} UTC",
-        tm.tm_year + 1900,
-        tm.tm_mon + 1,
-        tm.tm_mday,
-        tm.tm_hour,
-        tm.tm_min,
-        tm.tm_sec
-    )
+    format!("{:04}-{:02}-{:02} {:02}:{:02}:{:02} UTC", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec)
 }
 
 /// Whose steps a read may return.
@@ -115,7 +167,22 @@ impl Store {
             };
             let name = &slot.config.name;
             let at = crate::tier::lease::writer_path(root, self.rank);
-            match WriterLease::take(root, self.rank, &who).map_err(|e| Error::io(name, &at, e))? {
+            let taken = match WriterLease::take(root, self.rank, &who) {
+                Ok(t) => t,
+                // A persistent tier that cannot be written now (a full or read-only disk, an
+                // NFS server away) fails its persists in the background, as before; it must
+                // not fail the save into memory. The memory tier's own trouble does.
+                Err(e) if slot.config.kind() != TierKind::Memory => {
+                    let e = Error::io(name, &at, e);
+                    warn_once(&format!(
+                        "{}; saves go on without this rank's writer lease there (a second writer is not detected)",
+                        e.message
+                    ));
+                    continue;
+                }
+                Err(e) => return Err(Error::io(name, &at, e)),
+            };
+            match taken {
                 Ok(l) => leases.push(l),
                 Err(holder) => {
                     return Err(Error::config(format!(
@@ -207,14 +274,14 @@ impl Store {
             }
         }
         if !seen.is_empty() {
-            log::warn!(
+            self.warn_for_job(&format!(
                 "{} holds steps of a job without a run id that differs from this one ({}): {}. Without run ids they \
                  count as this job's (a resharded resume); if they belong to another job, give each job a run id \
                  (`[store] run` or $TIERCEL_RUN_ID) or its own tiers",
                 self.policy.source,
                 self.job.describe(),
                 seen.join("; ")
-            );
+            ));
         }
     }
 
@@ -246,7 +313,29 @@ impl Store {
                 format!("{msg}. `[store] other_jobs = \"refuse\"`: give this job tiers of its own, remove those steps, or set `[restore] resume_from` to the run to continue"),
             ));
         }
-        log::warn!("{msg}. They are ignored: never restored, never removed by retention, not counted towards `keep` (set `[restore] resume_from = \"<run id>\"` to continue from them)");
+        self.warn_for_job(&format!("{msg}. They are ignored: never restored, never removed by retention, not counted towards `keep` (set `[restore] resume_from = \"<run id>\"` to continue from them)"));
         Ok(())
+    }
+
+    /// A warning about the job as a whole (what its tiers hold): said once per job, by rank
+    /// 0, once per process; the other ranks log it at debug level.
+    fn warn_for_job(&self, line: &str) {
+        if self.rank == 0 {
+            warn_once(line);
+        } else {
+            log::debug!("{line}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_line_per_cause() {
+        assert_eq!(split_tier("tier 'ram': step 5 was saved by 2 ranks"), (Some("ram"), "step 5 was saved by 2 ranks"));
+        assert_eq!(split_tier("step 5 rank 0: x"), (None, "step 5 rank 0: x"));
+        assert_eq!(split_tier("tier 'a b': x"), (Some("a b"), "x"));
     }
 }

@@ -170,9 +170,7 @@ impl StepReader {
             )
             .at(step, rank));
         }
-        for w in &warnings {
-            log::warn!("{w}");
-        }
+        super::job::warn_per_cause(&warnings);
         // Queued when the reader is done (dropped), not now: the pre-fault would take cores
         // from the restore it follows, which a restarted job waits for.
         let memory_layout = |i: usize| matches!(store.slots[i].config.spec, TierSpec::Memory { .. } | TierSpec::Peer(_));

@@ -284,7 +284,10 @@ mod tests {
         drop(writer);
         let opts = GcOptions { temp_age: Some(Duration::from_secs(600)), ..Default::default() };
         let plan = ram.gc_plan(&opts).unwrap();
-        assert_eq!(plan.iter().map(|r| (r.step(), r.reason.as_str())).collect::<Vec<_>>(), vec![(Some(5), ABANDONED), (Some(6), ABANDONED)]);
+        assert_eq!(
+            plan.iter().map(|r| (r.step(), r.reason.as_str())).collect::<Vec<_>>(),
+            vec![(Some(5), ABANDONED), (Some(6), ABANDONED)]
+        );
         assert!(ram.gc_plan(&GcOptions::default()).unwrap().is_empty(), "only a run for dead writers' leftovers");
         assert_eq!(steps_of(&run_gc(&*ram, &opts).unwrap()), vec![5, 6]);
         assert_eq!(ram.all_steps().unwrap(), vec![3, 4]);

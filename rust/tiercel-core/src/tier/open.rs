@@ -61,6 +61,7 @@ pub fn open_tier(cfg: &TierConfig) -> Result<Arc<dyn Tier>> {
         }
         spec @ (TierSpec::S3(_) | TierSpec::Gcs(_)) => {
             let blobs = ObjectBlobs::open(&cfg.name, spec).map_err(at)?;
+            blobs.check_bucket()?;
             Arc::new(BlobTier::new(&cfg.name, Arc::new(blobs), cfg.compression))
         }
         TierSpec::Peer(_) => {
