@@ -310,8 +310,9 @@ pub struct JobId {
 impl JobId {
     /// Whether a step saved by `other` belongs to this job: the same run id, or neither has
     /// one. Without run ids, world size and policy are recorded but not compared: a job may
-    /// resume resharded on another number of ranks (DCP does; readers say so in their
-    /// warnings), or from a checkpoint copied to another directory or bucket.
+    /// resume resharded on another number of ranks (the DCP and Orbax adapters do; a plain
+    /// restore of a rank's own part refuses another world size, `WorldSizeError` in Python),
+    /// or from a checkpoint copied to another directory or bucket.
     pub fn same_job(&self, other: &JobId) -> bool {
         self.run == other.run
     }

@@ -127,7 +127,9 @@ impl Default for ReplicatedRestore {
 /// itself is applied in Python, where pickles are made and loaded).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PickleMode {
-    /// Pickle with a warning naming the value; refuse to unpickle on restore.
+    /// Refuse to unpickle on restore, and so refuse at save a value only pickle stores (a
+    /// step that could not be restored); only an adapter whose reader trusts its own pickles
+    /// (DeepSpeed's objects) pickles, with a warning naming the value.
     #[default]
     Warn,
     /// Refuse to pickle (the save fails naming the value) and to unpickle.

@@ -258,7 +258,8 @@ impl Store {
     /// world size or into other persistent tiers count as this job's (a resharded resume, a
     /// copied checkpoint: nothing tells them from another job), and the log says so once,
     /// with the setting that keeps jobs apart. Refusing them would break resharded resumes;
-    /// the restore's warnings name both world sizes too.
+    /// a plain restore at another world size is refused by the step choice itself (Python's
+    /// `WorldSizeError`, naming both world sizes).
     fn warn_unnamed_jobs(&self) {
         if self.job.run.is_some() {
             return;
