@@ -392,32 +392,12 @@ mod tests {
         let link = Link::new("l", None);
         let log = Arc::new(Mutex::new(vec![]));
         // Block the single worker so that the next submissions queue up.
-        let gate = Arc::new((Mutex::new(false), Condvar::new()));
-        let g = gate.clone();
-        // The worker says when it holds the gate job (an event, not a guess at how long
-        // starting it takes on a busy machine).
-        let (started_tx, started) = std::sync::mpsc::channel();
-        s.submit(Job {
-            link: link.clone(),
-            priority: Priority::Persist,
-            size: 0,
-            label: "gate".into(),
-            supersede: None,
-            run: Box::new(move |_| {
-                started_tx.send(()).unwrap();
-                let mut open = g.0.lock();
-                while !*open {
-                    g.1.wait(&mut open);
-                }
-            }),
-        });
-        started.recv().unwrap();
+        let gate = block_worker(&s, &link);
         s.submit(ordered(&link, Priority::Persist, Some("p"), 1, &log, "persist-1"));
         s.submit(job(&link, Priority::Replicate, None, &log, "replicate"));
         s.submit(ordered(&link, Priority::Persist, Some("p"), 2, &log, "persist-2"));
         s.submit(job(&link, Priority::Restore, None, &log, "restore"));
-        *gate.0.lock() = true;
-        gate.1.notify_all();
+        open(&gate);
         s.wait_idle();
         let got = log.lock().clone();
         assert_eq!(got, vec!["persist-1 skipped for persist-2", "restore", "replicate", "persist-2"]);
