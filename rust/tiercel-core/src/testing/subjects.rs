@@ -12,6 +12,7 @@ use crate::object::{Env, ObjectBlobs};
 use crate::placement::Strategy;
 use crate::policy::{Codec, Compression, Policy, TierKind, TierSpec};
 use crate::tier::blob::BlobTier;
+use crate::tier::lease::WriterLease;
 use crate::tier::memory::MemoryTier;
 use crate::tier::peer::{PeerOptions, PeerTier, REPLICA_DIR};
 use crate::tier::Tier;
@@ -50,11 +51,15 @@ fn temp_base() -> String {
     std::env::temp_dir().display().to_string()
 }
 
+/// A memory tier with a live writer, as a running job's: the subject holds rank 0's writer
+/// lease on its root (a Store takes it at its first save), so an uncommitted step newer than
+/// every committed one is a save in progress, not a dead writer's leftover (`tier::gc`).
 pub fn memory_tier() -> TierSubject {
     let dir = tempdir_in("/dev/shm");
     let tier: Arc<dyn Tier> = MemoryTier::open("ram", dir.path(), None).expect("open memory tier");
     let storage = Arc::new(FsBlobs::new("ram", dir.path()).expect("open fs blobs"));
-    TierSubject { tier, storage, rules: Rules::default(), rank1: None, guard: Box::new(dir) }
+    let writer = WriterLease::take(dir.path(), 0, "the conformance suite").expect("writer lease").expect("no other writer");
+    TierSubject { tier, storage, rules: Rules::default(), rank1: None, guard: Box::new((writer, dir)) }
 }
 
 pub fn fs_tier(compression: Compression) -> TierSubject {
