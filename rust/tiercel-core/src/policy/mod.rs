@@ -20,7 +20,7 @@ pub use tier::{
     ObjectOptions, ObjectSpec, PeerConfig, TierConfig, TierKind, TierSpec, DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, DEFAULT_PEER_LISTEN,
     DEFAULT_REPLICAS,
 };
-pub use units::{parse_bandwidth, parse_size, Codec, Compression, DEFAULT_ZSTD_LEVEL};
+pub use units::{format_size, parse_bandwidth, parse_size, Codec, Compression, DEFAULT_ZSTD_LEVEL};
 
 use crate::error::{Error, Result};
 use check::Checker;

@@ -69,6 +69,22 @@ impl fmt::Display for Compression {
     }
 }
 
+/// A byte count for messages, in binary units: "512 B", "6.0 MiB".
+pub fn format_size(n: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut x = n as f64;
+    let mut i = 0;
+    while x >= 1024.0 && i < U.len() - 1 {
+        x /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{n} B")
+    } else {
+        format!("{x:.1} {}", U[i])
+    }
+}
+
 /// Parses a byte size: `"8GiB"`, `"512 MiB"`, `"1.5GB"`, `"4096"`. KB/MB/GB/TB are decimal
 /// (1000^n), KiB/MiB/GiB/TiB binary (1024^n).
 pub fn parse_size(s: &str) -> std::result::Result<u64, String> {

@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use super::Store;
+use crate::policy::format_size;
 use crate::scheduler::PendingJob;
 
 /// How often a bounded wait wakes up to run its caller's check (Python looks for Ctrl-C).
@@ -52,25 +53,10 @@ impl PendingWork {
             .map(|w| {
                 let jobs: Vec<String> =
                     w.jobs.iter().enumerate().map(|(i, j)| if i < w.running { format!("{j} (running)") } else { j.clone() }).collect();
-                format!("tier '{}': {} ({} in all)", w.tier, jobs.join(", "), human_bytes(w.bytes))
+                format!("tier '{}': {} ({} in all)", w.tier, jobs.join(", "), format_size(w.bytes))
             })
             .collect::<Vec<_>>()
             .join("; ")
-    }
-}
-
-fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["bytes", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{n} bytes")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
     }
 }
 

@@ -20,6 +20,7 @@ use parking_lot::Mutex;
 use crate::blobs::FsBlobs;
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkMeta, CommitRecord, Manifest, ObjectMeta};
+use crate::policy::format_size;
 use crate::scheduler::Link;
 use crate::tier::gc::{self, GcOptions, Removal, Target};
 use crate::tier::layout::StepLayout;
@@ -105,21 +106,6 @@ pub struct MemoryTier {
 /// Pool file names are `<pid>-<n>.seg`; `n` is process-wide because several stores (ranks)
 /// in one process may share a root.
 static POOL_SEQ: AtomicU64 = AtomicU64::new(0);
-
-fn size_str(n: u64) -> String {
-    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut x = n as f64;
-    let mut i = 0;
-    while x >= 1024.0 && i < U.len() - 1 {
-        x /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{n} B")
-    } else {
-        format!("{x:.1} {}", U[i])
-    }
-}
 
 /// Room kept for a part's manifest and commit record beside its data, so that they too stay
 /// within capacity.
@@ -215,7 +201,7 @@ impl MemoryTier {
             let _ = fs::remove_file(&path);
             return Err(Error::io(&self.name, &path, e).context(format!(
                 "cannot allocate {} of shared memory (is {} full? see `df -h {}`)",
-                size_str(size),
+                format_size(size),
                 self.root.display(),
                 self.root.display()
             )));
@@ -305,10 +291,10 @@ impl MemoryTier {
                      could be freed without evicting the newest committed step: raise `capacity` or save less per step",
                     self.name,
                     self.root.display(),
-                    size_str(need),
-                    size_str(used),
-                    size_str(cap),
-                    size_str(freeable),
+                    format_size(need),
+                    format_size(used),
+                    format_size(cap),
+                    format_size(freeable),
                 ))
                 .with_tier(&self.name)
                 .at(step, rank)
