@@ -47,11 +47,11 @@ def newest_step(store: Store, need: Need, below: int | None, skipped: list[str])
     Raises WorldSizeError when the newest such step of this job was saved by another
     number of ranks and `need` reads each rank's own part."""
     mine = [s for s in store._core.restorable_steps() if below is None or s < below]
-    everyone = _gather(store, mine)
+    everyone = gather(store, mine)
     common = sorted(set(everyone[0]).intersection(*map(set, everyone[1:])), reverse=True)
     chosen = None
     for step in common:
-        reports: list[Report] = _gather(store, _report(store, step, need, skipped))
+        reports: list[Report] = gather(store, _report(store, step, need, skipped))
         worlds = sorted({w for w, _ in reports if w is not None})
         if not need.reshard and need.rank is None and any(w != store.world_size for w in worlds):
             raise world_size_error(store, step, worlds[0], common)
@@ -133,7 +133,8 @@ def _report(store: Store, step: int, need: Need, skipped: list[str]) -> Report:
     return world, sorted(set(saves), key=str)
 
 
-def _gather(store: Store, value: Any) -> list[Any]:
+def gather(store: Store, value: Any) -> list[Any]:
+    """Every rank's `value`, by rank (one all-gather; none for a job of one process)."""
     if store.world_size == 1:
         return [value]
     if store.coordinator is None:

@@ -17,7 +17,7 @@ from . import _core
 from .advertise import advertised_address, is_loopback
 from .coordinator import Coordinator, default_coordinator
 from .errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
-from .newest import Need, check_world_size, newest_step, world_size_error
+from .newest import Need, check_world_size, gather, newest_step, world_size_error
 from .replicas import replica_group_of, share_replicated
 from .step import Reader, RestoreInfo, SaveHandle, Writer
 from .traffic import Traffic
@@ -316,8 +316,7 @@ class Store:
         """{rank: (error class, message)} of the ranks whose read of the chosen step failed
         (one all-gather when the job has several ranks)."""
         mine = None if error is None else (type(error).__name__, str(error))
-        everyone = [mine] if self.world_size == 1 or self.coordinator is None else self.coordinator.all_gather(mine)
-        return {r: f for r, f in enumerate(everyone) if f is not None}
+        return {r: f for r, f in enumerate(gather(self, mine)) if f is not None}
 
     def _require_latest(self, need: Need, below: int | None = None, skipped: list[str] | None = None) -> int:
         step = self._newest(need, below)
