@@ -193,7 +193,7 @@ mod tests {
         ]);
         assert_eq!(
             PendingWork::describe(&work),
-            "tier 'disk': step 7 (running), step 8 (2.0 MiB in all); tier 'peer': step 8 (10 bytes in all)"
+            "tier 'disk': step 7 (running), step 8 (2.0 MiB in all); tier 'peer': step 8 (10 B in all)"
         );
     }
 }
