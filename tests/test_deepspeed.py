@@ -246,11 +246,12 @@ def test_export_loads_in_stock_deepspeed_and_zero_to_fp32_converts_it(stage, tmp
            "model_file": True}
     run_job(tmp_path, cfg, "trained")
     export = tmp_path / "export"
-    if stage == 3:  # the CLI, as a user without Python would
+    if stage == 3:  # the CLI, as a user without Python would; the format read from the step
         r = subprocess.run([PYTHON, "-m", "tiercel", "--policy", str(toml_policy(policy, tmp_path / "tiercel.toml")),
-                            "export", str(STEPS), str(export), "--format", "deepspeed"],
+                            "--json", "export", str(STEPS), str(export)],
                            capture_output=True, text=True, env=child_env(ds_env(0)), timeout=300)
         assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["format"] == "deepspeed", r.stdout
     else:
         assert tiercel.deepspeed.export(policy, f"global_step{STEPS}", export) == str(export)
     # What DeepSpeed's own engine writes: `latest`, the tag folder, the recovery scripts; and

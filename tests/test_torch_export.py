@@ -19,9 +19,10 @@ import torch
 
 import tiercel
 import tiercel.torch
+import tiercel.exports
 import tiercel.torch_export
 
-from conftest import PYTHON, error_of, make_policy
+from conftest import PYTHON, error_of, make_policy, raw_bytes
 
 #: Run as `python -I -S`: no PYTHONPATH, no site (so no tiercel.pth); only torch's own
 #: site-packages directory on the path. Compares each exported file with the state the test
@@ -107,12 +108,15 @@ def test_a_plain_step_of_two_ranks_exports_as_torch_save_files_that_load_without
         cli_dir = tmp_path / "cli"
         toml = tmp_path / "tiercel.toml"
         toml.write_text(_toml(policy))
-        p = subprocess.run([sys.executable, "-m", "tiercel", "--policy", str(toml), "export", "4", str(cli_dir), "--format",
-                            "torch", "--json"], capture_output=True, text=True, timeout=120)
+        # No --format: a step no adapter marked is a plain save.
+        p = subprocess.run([sys.executable, "-m", "tiercel", "--policy", str(toml), "export", "4", str(cli_dir), "--json"],
+                           capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stdout + p.stderr
         assert json.loads(p.stdout) == {"step": 4, "format": "torch", "dir": str(cli_dir)}
         seen: list[tuple[int, int]] = []
         py_dir = tiercel.torch_export.export(policy, 3, tmp_path / "py", progress=lambda d, t: seen.append((d, t)))
+        # safetensors of the two ranks' tensors: each rank's names behind "rank<R>/".
+        st_dir = tiercel.exports.export(ranks[0], 4, tmp_path / "st", format="safetensors")
         assert seen and seen[-1][0] == seen[-1][1] and [d for d, _ in seen] == sorted(d for d, _ in seen), seen
     finally:
         for store in ranks:
@@ -129,6 +133,15 @@ def test_a_plain_step_of_two_ranks_exports_as_torch_save_files_that_load_without
             # numpy's generator state, which needs weights_only=False.
             specs.append((out / f"rank-{r:05d}.pt", tmp_path / f"want-{step}-{r}.pt", step == 4))
     assert load_without_tiercel(specs).count("same") == 4
+    from safetensors.torch import load_file
+
+    tensors = load_file(st_dir / "model.safetensors")
+    assert sorted(tensors) == sorted(f"rank{r}/weights.{k}" for r in range(2) for k in "whi"), sorted(tensors)
+    for r in range(2):
+        for k, t in want[4][r]["weights"].items():
+            got = tensors[f"rank{r}/weights.{k}"]
+            assert got.dtype == t.dtype and got.shape == t.shape and raw_bytes(got) == raw_bytes(t), (r, k)
+    assert json.loads((st_dir / "skipped.json").read_text()) == {f"rank{r}/step.n": {"type": "int", "value": 4} for r in range(2)}
     # weights_only=True refuses numpy values: the documented reason to load such a file with False.
     with pytest.raises(Exception, match="numpy"):
         torch.load(py_dir / "rank-00000.pt", weights_only=True)

@@ -5,7 +5,7 @@
     state = store.restore()
 """
 
-from . import metrics
+from . import exports, metrics
 from ._core import FORMAT_VERSION
 from .coordinator import Coordinator, JaxCoordinator, KVStoreCoordinator, LocalCoordinator, TorchCoordinator
 from .errors import (

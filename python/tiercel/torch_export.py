@@ -23,10 +23,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from .coordinator import LocalCoordinator
-from .errors import InvalidArgumentError
+from . import exports
+from .exports import Progress
 from .step import Reader
 from .store import PolicyLike, Store
 
@@ -43,7 +43,7 @@ def export(
     step: int,
     out_dir: str | os.PathLike,
     *,
-    progress: Callable[[int, int], Any] | None = None,
+    progress: Progress | None = None,
 ) -> Path:
     """Writes step `step` to `out_dir` (created; it must not hold files yet) as one
     `torch.save` file per saving rank; returns the directory. `policy`: a Store, or a policy
@@ -51,21 +51,15 @@ def export(
     tier that has it, one rank at a time (that rank's state is held in memory while it is
     written). Pickled values are read as the policy's `[store] pickle` allows.
     `progress(done_bytes, total_bytes)` is called after each put."""
-    if isinstance(policy, Store):
-        return _export(policy, step, Path(out_dir), progress)
-    with Store(policy, coordinator=LocalCoordinator()) as store:
-        return _export(store, step, Path(out_dir), progress)
+    return exports.export(policy, step, out_dir, format="torch", progress=progress)
 
 
-def _export(store: Store, step: int, out: Path, progress: Callable[[int, int], Any] | None) -> Path:
+def write(store: Store, step: int | str, out: Path, *, progress: Progress | None = None) -> Path:
+    """The registry's exporter (tiercel.exports): `out` is new or empty."""
     import torch
 
-    out = out.absolute()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise InvalidArgumentError(f"{out} exists and is not an empty directory; export writes a new one")
-    rank0 = Reader(store, step, rank=0)
-    world = rank0.manifest.world_size
-    readers = [rank0, *(Reader(store, step, rank=r) for r in range(1, world))]
+    readers = rank_readers(store, int(step))
+    world = len(readers)
     total = sum(it.nbytes for r in readers for it in r.items())
     done = 0
     out.mkdir(parents=True, exist_ok=True)
@@ -87,9 +81,15 @@ def _export(store: Store, step: int, out: Path, progress: Callable[[int, int], A
         files.append(name)
         del state
     tmp = out / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"format": "torch", "step": step, "world_size": world, "files": files}, indent=1) + "\n")
+    tmp.write_text(json.dumps({"format": "torch", "step": int(step), "world_size": world, "files": files}, indent=1) + "\n")
     tmp.rename(out / MANIFEST)
     return out
+
+
+def rank_readers(store: Store, step: int) -> list[Reader]:
+    """A reader of every rank that saved `step`, in rank order (rank 0's manifest says how many)."""
+    rank0 = Reader(store, step, rank=0)
+    return [rank0, *(Reader(store, step, rank=r) for r in range(1, rank0.manifest.world_size))]
 
 
 def _own(value: Any, torch: Any) -> Any:

@@ -6,7 +6,7 @@
     tiercel cp STEP --from TIER --to TIER [--json]
     tiercel gc [--dry-run] [--tmp-age SECONDS] [--json]
     tiercel rm STEP --tier T [--json]
-    tiercel export STEP DIR --format deepspeed|orbax|dcp|torch [--json]
+    tiercel export STEP DIR [--format deepspeed|orbax|dcp|torch|safetensors] [--max-shard-size SIZE] [--json]
     tiercel placement --hosts N --replicas M [--failures K] [--json]
     tiercel stats --url HOST:PORT [--url ...] [--json]
     tiercel --version
@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 from .. import _core
 from ..errors import FIELDS
+from ..exports import formats as export_formats
 from .context import (
     EXIT_CORRUPT,
     EXIT_ERROR,
@@ -38,7 +39,7 @@ from .context import (
     UsageError,
 )
 from .copy import cmd_cp, cmd_rm
-from .export import FORMATS, cmd_export
+from .export import cmd_export
 from .gc import DEFAULT_TMP_AGE, cmd_gc
 from .inspect import cmd_inspect
 from .ls import cmd_ls
@@ -138,13 +139,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tier", required=True, metavar="T")
     s.set_defaults(func=cmd_rm)
 
-    s = sub.add_parser("export", help="write a step in a framework's own format (DeepSpeed, Orbax, torch DCP, torch.save)",
+    s = sub.add_parser("export", help="write a step in a framework's own format (DeepSpeed, Orbax, torch DCP, torch.save) "
+                                      "or as safetensors",
                        description="Writes a committed step as a plain checkpoint of the framework that saved it, "
                                    "loadable without tiercel: a DeepSpeed checkpoint directory, an Orbax checkpoint, "
-                                   "a torch.distributed.checkpoint directory, or (a plain save) one torch.save file per rank.")
+                                   "a torch.distributed.checkpoint directory, or (a plain save) one torch.save file per "
+                                   "rank; the format is read from the step unless --format names it. --format "
+                                   "safetensors writes the step's tensors as Hugging Face safetensors files.")
     s.add_argument("step", type=_step, metavar="STEP")
-    s.add_argument("dir", metavar="DIR", help="the directory to write (created)")
-    s.add_argument("--format", required=True, choices=sorted(FORMATS))
+    s.add_argument("dir", metavar="DIR", help="the directory to write (created; if it exists, it must be empty)")
+    s.add_argument("--format", choices=sorted(export_formats()),
+                   help="the format to write (default: the one the step was saved in)")
+    s.add_argument("--max-shard-size", metavar="SIZE",
+                   help="safetensors: the most bytes per file (default 5GB; 500MB, 2GiB, or bytes); "
+                        "above it the files are sharded with model.safetensors.index.json")
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("placement", help="GEMINI replica placement and the chance of surviving k host failures",

@@ -1,43 +1,28 @@
-"""`tiercel export STEP DIR --format F`: write a committed step in a framework's own format,
-loadable without tiercel (no lock-in). Each adapter owns its format (plain saves:
-tiercel.torch_export); this only dispatches."""
+"""`tiercel export STEP DIR [--format F]`: write a committed step in a framework's own format,
+loadable without tiercel (no lock-in), or as safetensors. The formats, their exporters and the
+detection of the format a step was saved in are tiercel.exports'; this only parses and reports."""
 
 from __future__ import annotations
 
-import importlib
+from pathlib import Path
+from typing import Any
 
+from .. import exports
 from .context import EXIT_OK, Ctx, UsageError
 from .output import Progress, json_out
 
-#: --format -> the adapter module whose `export(store, step, out_dir)` writes it.
-FORMATS = {
-    "deepspeed": "tiercel.deepspeed",
-    "orbax": "tiercel.orbax",
-    "dcp": "tiercel.dcp",
-    # Plain saves (Store.save, tiercel.torch.save_state): one torch.save file per rank.
-    "torch": "tiercel.torch_export",
-}
-
 
 class _Bar:
-    """The exporters' `progress` callbacks as one progress bar (on a terminal): DeepSpeed's
-    (files done, files, bytes done, bytes), Orbax's (leaves done, leaves), DCP's and torch's
-    (bytes done, bytes)."""
+    """The exporters' progress(done_bytes, total_bytes) as one progress bar (on a terminal)."""
 
-    def __init__(self, label: str, fmt: str):
-        self.label, self.fmt = label, fmt
+    def __init__(self, label: str):
+        self.label = label
         self.bar: Progress | None = None
 
-    def __call__(self, *args: int) -> None:
-        if self.fmt == "deepspeed":
-            done, total, nbytes, total_bytes, unit = *args, "file"
-        elif self.fmt == "orbax":
-            (done, total), nbytes, total_bytes, unit = args, None, None, "leaf"
-        else:
-            done, total, nbytes, total_bytes, unit = args[0], args[1], args[0], args[1], "byte"
+    def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
-            self.bar = Progress(self.label, total, total_bytes, unit=unit)
-        self.bar.update(done, nbytes)
+            self.bar = Progress(self.label, total, total, unit="byte")
+        self.bar.update(done, done)
 
     def finish(self) -> None:
         if self.bar is not None:
@@ -46,18 +31,29 @@ class _Bar:
 
 def cmd_export(ctx: Ctx) -> int:
     a = ctx.args
-    module_name = FORMATS[a.format]
+    options: dict[str, Any] = {}
+    if a.max_shard_size is not None:
+        if a.format != "safetensors":
+            raise UsageError("--max-shard-size goes with --format safetensors")
+        options["max_shard_size"] = a.max_shard_size
+    fmt = exports.resolve(ctx.store, a.step, a.format)
+    bar = _Bar(f"export step {a.step} as {fmt}")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UsageError(f"--format {a.format} needs {module_name}, which cannot be imported here: {e}") from None
-    bar = _Bar(f"export step {a.step} as {a.format}", a.format)
-    try:
-        out = str(module.export(ctx.store, a.step, a.dir, progress=bar) or a.dir)
+        out = exports.export(ctx.store, a.step, a.dir, format=fmt, progress=bar, **options)
     finally:
         bar.finish()
+    skipped = _skipped(out) if fmt == "safetensors" else {}
     if a.json:
-        json_out({"step": a.step, "format": a.format, "dir": out})
+        json_out({"step": a.step, "format": fmt, "dir": str(out), **({"skipped": len(skipped)} if skipped else {})})
     else:
-        print(f"exported step {a.step} as {a.format} to {out}")
+        print(f"exported step {a.step} as {fmt} to {out}")
+        if skipped:
+            print(f"skipped {len(skipped)} value(s) that are not tensors safetensors can hold: "
+                  f"listed in {out / 'skipped.json'}")
     return EXIT_OK
+
+
+def _skipped(out: Path) -> dict[str, Any]:
+    from ..safetensors_export import skipped
+
+    return skipped(out)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -23,9 +22,9 @@ import torch
 from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .. import _dtypes
-from ..coordinator import LocalCoordinator
-from ..errors import InvalidArgumentError, TiercelError
+from .. import _dtypes, exports
+from ..errors import TiercelError
+from ..exports import Progress
 from ..manifest import Item
 from ..step import Reader as StepReader
 from ..store import PolicyLike, Store
@@ -41,20 +40,17 @@ def export(
     step: int,
     out_dir: str | os.PathLike,
     *,
-    progress: Callable[[int, int], Any] | None = None,
+    progress: Progress | None = None,
 ) -> Path:
-    """Writes tiercel step `step` (saved with tiercel.dcp.Writer) to `out_dir` as a DCP
-    checkpoint directory; returns its path. `policy`: a Store, or a policy opened here as a
-    single process. `progress(done_bytes, total_bytes)` is called after each item."""
-    if isinstance(policy, Store):
-        return _export(policy, step, Path(out_dir), progress)
-    with Store(policy, coordinator=LocalCoordinator()) as store:
-        return _export(store, step, Path(out_dir), progress)
+    """Writes tiercel step `step` (saved with tiercel.dcp.Writer) to `out_dir` (new or empty)
+    as a DCP checkpoint directory; returns its path. `policy`: a Store, or a policy opened
+    here as a single process. `progress(done_bytes, total_bytes)` is called after each item."""
+    return exports.export(policy, step, out_dir, format="dcp", progress=progress)
 
 
-def _export(store: Store, step: int, out: Path, progress: Callable[[int, int], Any] | None) -> Path:
-    if (out / METADATA_FILE).exists():
-        raise InvalidArgumentError(f"{out} already holds a DCP checkpoint ({METADATA_FILE}); export into a new directory")
+def write(store: Store, step: int | str, out: Path, *, progress: Progress | None = None) -> Path:
+    """The registry's exporter (tiercel.exports): `out` is new or empty."""
+    step = int(step)
     out.mkdir(parents=True, exist_ok=True)
 
     rank0 = StepReader(store, step, rank=0)

@@ -13,16 +13,14 @@ import os
 import shutil
 import stat
 from pathlib import Path
-from typing import Callable
 
+from .. import exports
 from ..errors import InvalidArgumentError
+from ..exports import Progress
 from ..step import Reader
 from ..store import PolicyLike, Store
 from .layout import Layout, Save
 from .resolve import find_local, merged_layout
-
-#: progress(files done, files, bytes done, bytes): called after each file.
-Progress = Callable[[int, int, int, int], None]
 
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
@@ -30,24 +28,20 @@ RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 def export(store: Store | PolicyLike, step_or_tag: int | str, out_dir: str | os.PathLike, *,
            progress: Progress | None = None) -> str:
     """Writes step `step_or_tag` (a step number, or a DeepSpeed tag such as "global_step40"
-    or "best") as a plain DeepSpeed checkpoint directory under `out_dir`; returns its path.
+    or "best") as a plain DeepSpeed checkpoint directory under `out_dir` (new or empty);
+    returns its path.
 
     `store` is an open tiercel.Store, or a policy (opened here as a single process, as the
     CLI does). Each file is written to a temporary name and renamed, and `latest` last: an
-    interrupted export never looks complete."""
-    if isinstance(store, Store):
-        return _export(store, step_or_tag, Path(out_dir), progress)
-    with Store(store, rank=0, world_size=1) as opened:
-        return _export(opened, step_or_tag, Path(out_dir), progress)
+    interrupted export never looks complete. `progress(done_bytes, total_bytes)` is called
+    after each file."""
+    return str(exports.export(store, step_or_tag, out_dir, format="deepspeed", progress=progress))
 
 
-def _export(store: Store, step_or_tag: int | str, out: Path, progress: Progress | None) -> str:
-    layout, saves = _select(store, step_or_tag)
-    # Later saves win where two wrote the same path (as they would have on disk).
-    files: dict[str, tuple[int, str]] = {}
-    for s in saves:
-        for rel, (rank, put) in s.files.items():
-            files[rel] = (rank, put)
+def write(store: Store, step_or_tag: int | str, out: Path, *, progress: Progress | None = None) -> Path:
+    """The registry's exporter (tiercel.exports): `out` is new or empty."""
+    layout, saves = select(store, step_or_tag)
+    files = step_files(saves)
     readers: dict[int, Reader] = {}
 
     def reader(rank: int) -> Reader:
@@ -61,7 +55,7 @@ def _export(store: Store, step_or_tag: int | str, out: Path, progress: Progress 
 
     out.mkdir(parents=True, exist_ok=True)
     done = 0
-    for i, rel in enumerate(sorted(files)):
+    for rel in sorted(files):
         rank, put = files[rel]
         dest = out / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -70,17 +64,27 @@ def _export(store: Store, step_or_tag: int | str, out: Path, progress: Progress 
         os.replace(tmp, dest)
         done += sizes[rel]
         if progress is not None:
-            progress(i + 1, len(files), done, total)
+            progress(done, total)
     checkpoints = [s for s in saves if s.is_checkpoint()]
     if any("optim_states" in rel for s in checkpoints for rel in s.files):
         _copy_recovery_scripts(out)
     latest = [s for s in checkpoints if s.latest] or checkpoints
     if latest:
         _write(out / "latest", latest[-1].tag)
-    return str(out)
+    return out
 
 
-def _select(store: Store, step_or_tag: int | str) -> tuple[Layout, list[Save]]:
+def step_files(saves: list[Save]) -> dict[str, tuple[int, str]]:
+    """The files of the saves, by path under the save directory: (rank, put). Later saves win
+    where two wrote the same path (as they would have on disk)."""
+    files: dict[str, tuple[int, str]] = {}
+    for s in saves:
+        for rel, (rank, put) in s.files.items():
+            files[rel] = (rank, put)
+    return files
+
+
+def select(store: Store, step_or_tag: int | str) -> tuple[Layout, list[Save]]:
     """The layout and the saves to export: every save of a step, or the newest of a tag."""
     if isinstance(step_or_tag, bool) or not isinstance(step_or_tag, (int, str)):
         raise InvalidArgumentError(f"export takes a step number or a DeepSpeed tag, got {step_or_tag!r}")
