@@ -22,9 +22,11 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import tiercel
 import tiercel.dcp
+import tiercel.exports
 from tiercel.dcp.reader import metadata_bytes, unpickle_metadata
 
-from conftest import assert_same, chunk_location, error_of, flip_byte, make_policy, manifest_path, read_manifest, step_dir
+from conftest import (assert_same, chunk_location, error_of, flip_byte, make_policy, manifest_path, raw_bytes, read_manifest,
+                      step_dir)
 from dcp_worker import build_model
 from test_multirank import run_ranks
 
@@ -128,6 +130,34 @@ def test_fsdp2_save_kill_resume_reshard_export(tmp_path, out, shm_root, disk_roo
     dcp_to_torch_save(exported, tmp_path / "full.pt")
     assert_same(key_sorted(load(tmp_path / "full.pt")), key_sorted(full))  # DCP orders keys its own way
     assert error_of(lambda: tiercel.dcp.export(policy, 4, exported), tiercel.InvalidArgumentError).startswith(str(exported))
+
+    # safetensors through the registry: every tensor whole (both ranks' shards put together),
+    # under DCP's own names, bit for bit the full state; the optimizer's plain values skipped.
+    from safetensors.torch import load_file
+
+    st_dir = tiercel.exports.export(policy, 4, tmp_path / "st", format="safetensors", max_shard_size="4KB")
+    index = json.loads((st_dir / "model.safetensors.index.json").read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(st_dir / f))
+    want = dict(flat_tensors(full))
+    assert sorted(tensors) == sorted(want) and len(want) > 4, (sorted(tensors), sorted(want))
+    for name, t in want.items():
+        assert tensors[name].dtype == t.dtype and tensors[name].shape == t.shape, name
+        assert raw_bytes(tensors[name]) == raw_bytes(t), name
+    assert "optim.param_groups.0.lr" in json.loads((st_dir / "skipped.json").read_text())
+
+
+def flat_tensors(tree: Any, prefix: str = "") -> Any:
+    """(name, tensor) of every tensor in a nested state, keys joined with "." as DCP names them."""
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from flat_tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from flat_tensors(v, f"{prefix}.{i}" if prefix else str(i))
 
 
 def test_async_save_races_training_and_a_kill_mid_save_leaves_the_previous_step(tmp_path, out, shm_root, disk_root,

@@ -298,7 +298,7 @@ def _write_file(path: Path, tensors: list[Tensor], metadata: dict[str, str], pro
     with open(tmp, "wb") as f:
         f.write(head)
         for t in ordered:
-            data = memoryview(t.read()).cast("B")
+            data = _raw(t.read())
             if data.nbytes != t.nbytes:
                 raise InvalidArgumentError(f"tensor '{t.name}': read {data.nbytes} bytes, its dtype and shape make "
                                            f"{t.nbytes}; the step's manifest and data disagree (run tiercel verify)")
@@ -307,6 +307,13 @@ def _write_file(path: Path, tensors: list[Tensor], metadata: dict[str, str], pro
         f.flush()
         os.fsync(f.fileno())
     tmp.rename(path)
+
+
+def _raw(value: Any) -> memoryview:
+    """A tensor's bytes, C order (numpy's bfloat16 and float8 export no buffer format: as bytes)."""
+    if isinstance(value, np.ndarray):
+        value = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+    return memoryview(value).cast("B")
 
 
 def _write_json(path: Path, value: Any) -> None:
