@@ -25,8 +25,17 @@ import tiercel.dcp
 import tiercel.exports
 from tiercel.dcp.reader import metadata_bytes, unpickle_metadata
 
-from conftest import (assert_same, chunk_location, error_of, flip_byte, make_policy, manifest_path, raw_bytes, read_manifest,
-                      step_dir)
+from conftest import (
+    assert_same,
+    chunk_location,
+    error_of,
+    flip_byte,
+    make_policy,
+    manifest_path,
+    raw_bytes,
+    read_manifest,
+    step_dir,
+)
 from dcp_worker import build_model
 from test_multirank import run_ranks
 

@@ -175,6 +175,15 @@ def test_detection_and_its_errors(tmp_path, shm_root, disk_root, make_store):
     assert "'onnx'" in msg and "dcp, deepspeed, orbax, safetensors, torch" in msg, msg
     p = cli(policy, tmp_path, "export", "1", str(tmp_path / "y"), "--max-shard-size", "1GB")
     assert p.returncode == 2 and "--format safetensors" in p.stderr, p.stderr
+    # Two values that flatten to one name; a dtype safetensors has no name for.
+    store.save(3, {"a": {"b.c": torch.ones(1), "b": {"c": torch.zeros(1)}}}).wait()
+    msg = error_of(lambda: tiercel.exports.export(store, 3, tmp_path / "clash", format="safetensors"),
+                   tiercel.InvalidArgumentError)
+    assert msg.startswith("step 3: ") and "'a.b.c'" in msg and "--format" in msg, msg
+    store.save(4, {"w": torch.ones(2), "z": torch.zeros(2, dtype=torch.complex128)}).wait()
+    out = tiercel.exports.export(store, 4, tmp_path / "complex", format="safetensors")
+    assert json.loads((out / st.SKIPPED_FILE).read_text()) == {
+        "z": {"type": "tensor of dtype complex128, which safetensors has no name for"}}
     msg = error_of(lambda: st.parse_size("5 parsecs"), tiercel.InvalidArgumentError)
     assert "5GB" in msg, msg
     assert st.parse_size("5GB") == 5 * 10**9 and st.parse_size("2GiB") == 2 * 2**30 and st.parse_size(123) == 123

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import tiercel
-import tiercel.torch
 import tiercel.exports
+import tiercel.torch
 import tiercel.torch_export
 
 from conftest import PYTHON, error_of, make_policy, raw_bytes

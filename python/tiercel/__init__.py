@@ -48,6 +48,7 @@ __all__ = [
     "TorchCoordinator",
     "WorldSizeError",
     "Writer",
+    "exports",
     "metrics",
     "register_leaf_handler",
 ]

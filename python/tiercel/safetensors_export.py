@@ -79,8 +79,10 @@ class Tensor:
 
 @dataclass
 class Collected:
-    """What a step holds: the tensors to write, and what is skipped (name -> type, value)."""
+    """What a step holds: the tensors to write, and what is skipped (name -> type, value).
+    `where` ("step 40") begins its errors."""
 
+    where: str
     tensors: list[Tensor] = field(default_factory=list)
     skipped: dict[str, dict[str, Any]] = field(default_factory=dict)
     _names: set[str] = field(default_factory=set)
@@ -101,7 +103,7 @@ class Collected:
 
     def _new(self, name: str) -> None:
         if name in self._names:
-            raise InvalidArgumentError(f"two values of the step have the name '{name}' in safetensors' flat namespace "
+            raise InvalidArgumentError(f"{self.where}: two values have the name '{name}' in safetensors' flat namespace "
                                        "(a key with a '.' in it beside a nested one?); export another format (--format)")
         self._names.add(name)
 
@@ -155,7 +157,7 @@ def _put(out: Collected, reader: Reader, put: str, prefix: str, path: list[str])
 def _plain(store: Store, step: int | str) -> Collected:
     from .torch_export import rank_readers
 
-    out = Collected()
+    out = Collected(f"step {step}")
     readers = rank_readers(store, int(step))
     for reader in readers:
         prefix = f"rank{reader.rank}/" if len(readers) > 1 else ""
@@ -168,7 +170,7 @@ def _deepspeed(store: Store, step: int | str) -> Collected:
     from .deepspeed.exporter import select, step_files
 
     layout, saves = select(store, step)
-    out = Collected()
+    out = Collected(f"step {step}")
     readers: dict[int, Reader] = {}
     for rel, (rank, put) in sorted(step_files(saves).items()):
         if rank not in readers:
@@ -190,7 +192,7 @@ def _dcp(store: Store, step: int | str) -> Collected:
     for items in _plan(store, step, metadata).values():
         for index, reader, it in items:
             pieces.setdefault(index.fqn, []).append((index, reader, it))
-    out = Collected()
+    out = Collected(f"step {step}")
     for fqn, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
             out.skip(fqn, "a DCP-serialized object")
@@ -218,7 +220,7 @@ def _orbax(store: Store, step: int | str) -> Collected:
 
     step = int(step)
     puts = exports.orbax_items(store.reader(step, rank=0).manifest)
-    out = Collected()
+    out = Collected(f"step {step}")
     for put in puts:
         saved = SavedStep(store, step, put)
         prefix = f"{put}/" if len(puts) > 1 else ""
@@ -300,7 +302,7 @@ def _write_file(path: Path, tensors: list[Tensor], metadata: dict[str, str], pro
         for t in ordered:
             data = _raw(t.read())
             if data.nbytes != t.nbytes:
-                raise InvalidArgumentError(f"tensor '{t.name}': read {data.nbytes} bytes, its dtype and shape make "
+                raise InvalidArgumentError(f"step {metadata['tiercel_step']} tensor '{t.name}': read {data.nbytes} bytes, its dtype and shape make "
                                            f"{t.nbytes}; the step's manifest and data disagree (run tiercel verify)")
             f.write(data)
             progressed(t.nbytes)
