@@ -42,7 +42,7 @@ import numpy as np
 from . import exports
 from ._dtypes import ITEMSIZE
 from ._tree import unflatten
-from .errors import InvalidArgumentError, TiercelError
+from .errors import IntegrityError, InvalidArgumentError, TiercelError
 from .exports import Progress
 from .manifest import Item
 from .step import Reader
@@ -183,13 +183,13 @@ def _dcp(store: Store, step: int | str) -> Collected:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from . import _dtypes
-    from .dcp.export import _plan
+    from .dcp.export import items_by_rank
     from .dcp.reader import metadata_bytes, unpickle_metadata
 
     step = int(step)
     metadata = unpickle_metadata(metadata_bytes(Reader(store, step, rank=0)), step)
     pieces: dict[str, list[tuple[Any, Reader, Item]]] = {}
-    for items in _plan(store, step, metadata).values():
+    for items in items_by_rank(store, step, metadata).values():
         for index, reader, it in items:
             pieces.setdefault(index.fqn, []).append((index, reader, it))
     out = Collected(f"step {step}")
@@ -198,12 +198,17 @@ def _dcp(store: Store, step: int | str) -> Collected:
             out.skip(fqn, "a DCP-serialized object")
             continue
         dtype, shape = _dtypes.torch_name(md.properties.dtype), tuple(int(n) for n in md.size)
-        out.tensor(fqn, dtype, shape, partial(_assemble, pieces.get(fqn, []), dtype, shape))
+        out.tensor(fqn, dtype, shape, partial(_assemble, f"step {step} tensor '{fqn}'", pieces.get(fqn, []), dtype, shape))
     return out
 
 
-def _assemble(pieces: list[tuple[Any, Reader, Item]], dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    """A DCP tensor whole: each saved chunk's bytes at its offsets (bytes as uint8, so any dtype)."""
+def _assemble(what: str, pieces: list[tuple[Any, Reader, Item]], dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A DCP tensor whole: each saved chunk's bytes at its offsets (bytes as uint8, so any dtype).
+    DCP's chunks of a tensor do not overlap, so they cover it when their sizes add up."""
+    covered = sum(math.prod(it.shape) for _, _, it in pieces)
+    if covered != math.prod(shape):
+        raise IntegrityError(f"{what}: DCP's metadata names chunks of {covered} of its {math.prod(shape)} elements "
+                             f"(shape {shape}); the step is incomplete: export it as dcp, or restore an older step")
     size = ITEMSIZE[dtype]
     whole = np.zeros((*shape, size), dtype=np.uint8)
     for index, reader, it in pieces:

@@ -55,7 +55,7 @@ def write(store: Store, step: int | str, out: Path, *, progress: Progress | None
 
     rank0 = StepReader(store, step, rank=0)
     metadata = unpickle_metadata(metadata_bytes(rank0), step)
-    plan = _plan(store, step, metadata)
+    plan = items_by_rank(store, step, metadata)
     total = sum(it.nbytes for items in plan.values() for _, _, it in items)
     done = 0
     storage: dict[Any, Any] = {}
@@ -81,7 +81,7 @@ def write(store: Store, step: int | str, out: Path, *, progress: Progress | None
     return out
 
 
-def _plan(store: Store, step: int, metadata: Metadata) -> dict[int, list[tuple[Any, StepReader, Item]]]:
+def items_by_rank(store: Store, step: int, metadata: Metadata) -> dict[int, list[tuple[Any, StepReader, Item]]]:
     """Per saving rank, in rank order: (DCP index, that rank's reader, the stored item). An
     item kept on several hosts is exported once, from its first copy this process can read."""
     locate = _layout.Locator(store, step)
