@@ -1,0 +1,147 @@
+"""The key-value coordinator at 48 ranks: O(N) store operations per collective in total and
+O(1) per rank, on one real torch TCPStore, with every operation counted by a proxy that
+forwards to the real store (counting, not mocking).
+
+The 48 ranks are processes forked from one parent that imported torch once (an import per
+rank would cost minutes of CPU on a small machine); the TCPStore server runs in pytest's
+process, so the test can see that nothing exchanged is left in it. The costs asserted here
+are the formulas of docs/scale.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import PYTHON, child_env
+
+td = pytest.importorskip("torch.distributed")
+
+WORLD = 48
+PREFIX = "scale"
+
+WORKER = r"""
+import datetime, json, os, sys, traceback
+import torch.distributed as td  # once, before the fork
+from tiercel import coordinator as tc
+
+port, world, mode, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+
+
+class Counting:
+    # Forwards every call to the real store; counts calls by name and the bytes `get` returns.
+    def __init__(self, store):
+        self._store, self.calls, self.got = store, 0, 0
+        self.names = []
+
+    def __getattr__(self, name):
+        real = getattr(self._store, name)
+
+        def call(*args, **kwargs):
+            self.calls += 1
+            self.names.append(name)
+            result = real(*args, **kwargs)
+            if name == "get":
+                self.got += len(result)
+            return result
+
+        return call
+
+
+def collective(c, i, rank):
+    # (name, what this rank gets, what it must get)
+    if mode == "gather":
+        value = {"rank": rank, "round": i, "pad": "x" * (rank % 7)}
+        return "all_gather", c.all_gather(value), [{"rank": r, "round": i, "pad": "x" * (r % 7)} for r in range(world)]
+    name, run, want = [
+        ("all_true", lambda: tc.all_true(c, rank != 17), False),
+        ("all_true", lambda: tc.all_true(c, True), True),
+        ("agree_min", lambda: tc.agree_min(c, (rank + 5) % world), 0),
+        ("agree_max", lambda: tc.agree_max(c, (i, rank)), (i, world - 1)),
+        ("broadcast", lambda: tc.broadcast(c, ("secret", i) if rank == 3 else None, 3), ("secret", i)),
+        ("barrier", lambda: tc.barrier(c), None),
+    ][i]
+    return name, run(), want
+
+
+def rank_main(rank):
+    real = td.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=60))
+    store = Counting(real)
+    c = tc.KVStoreCoordinator(store, rank, world, prefix=tc_prefix)
+    log = []
+    for i in range(3 if mode == "gather" else 6):
+        calls, got, n = store.calls, store.got, len(store.names)
+        name, have, want = collective(c, i, rank)
+        log.append({"name": name, "ok": have == want, "have": repr(have)[:200], "calls": store.calls - calls,
+                    "got": store.got - got, "combined": "set" in store.names[n:]})
+    with open(f"{out}/{mode}-{rank}.json", "w") as f:
+        json.dump(log, f)
+
+
+tc_prefix = "PREFIX"
+pids = []
+for rank in range(world):
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            rank_main(rank)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    pids.append(pid)
+failed = [r for r, pid in enumerate(pids) if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
+sys.exit(f"ranks {failed} failed" if failed else 0)
+""".replace("PREFIX", PREFIX)
+
+
+def run_world(tmp_path, mode: str) -> list[list[dict]]:
+    """Runs the 48 ranks once through `mode`'s collectives; per rank, per collective: its
+    calls to the store, the bytes its `get`s returned, whether it combined, and whether its
+    result was right. Asserts afterwards that the store holds no key of the coordinator."""
+    master = td.TCPStore("127.0.0.1", 0, WORLD + 1, True, wait_for_workers=False)
+    proc = subprocess.run([PYTHON, "-c", WORKER, str(master.port), str(WORLD), mode, str(tmp_path)],
+                          env=child_env({"OMP_NUM_THREADS": "1"}), capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    left = [k for k in master.list_keys() if k.startswith(PREFIX)]
+    assert left == [], f"the coordinator left {len(left)} keys in the store, e.g. {left[:5]}"
+    return [json.loads((tmp_path / f"{mode}-{r}.json").read_text()) for r in range(WORLD)]
+
+
+def check_costs(logs: list[list[dict]], got_by_others: int) -> list[tuple[str, int, int]]:
+    """Per collective: its total store calls (<= 4N + 5), every rank's (<= 9, whatever N), and
+    the bytes read by every rank but the one that combined (<= `got_by_others`)."""
+    costs = []
+    for i in range(len(logs[0])):
+        entries = [log[i] for log in logs]
+        name = entries[0]["name"]
+        wrong = [r for r, e in enumerate(entries) if not e["ok"]]
+        assert not wrong, f"{name} #{i}: wrong result on ranks {wrong}, e.g. {entries[wrong[0]]['have']}"
+        total = sum(e["calls"] for e in entries)
+        busiest = max(e["calls"] for e in entries)
+        costs.append((name, total, busiest))
+        assert total <= 4 * WORLD + 5, f"{name} #{i}: {total} store calls for {WORLD} ranks; O(N) is 4N + 5 = {4 * WORLD + 5}"
+        assert busiest <= 9, f"{name} #{i}: a rank made {busiest} store calls; O(1) per rank is at most 9"
+        combiners = [r for r, e in enumerate(entries) if e["combined"]]
+        assert len(combiners) == 1, f"{name} #{i}: ranks {combiners} combined; one must"
+        read = max(e["got"] for r, e in enumerate(entries) if r not in combiners)
+        assert read <= got_by_others, f"{name} #{i}: a rank that did not combine read {read} bytes (> {got_by_others})"
+    return costs
+
+
+def test_all_gather_costs_o_of_n_store_calls_at_48_ranks(tmp_path):
+    logs = run_world(tmp_path, "gather")
+    # An all-gather's result is O(N) bytes for every rank; only the calls stay O(1) per rank.
+    costs = check_costs(logs, got_by_others=4000)
+    print(costs)
+
+
+def test_reductions_hand_each_rank_o_of_1_bytes(tmp_path):
+    logs = run_world(tmp_path, "reduce")
+    # The combining rank reads every value (O(N) bytes); every other rank reads one result.
+    costs = check_costs(logs, got_by_others=100)
+    assert [c[0] for c in costs] == ["all_true", "all_true", "agree_min", "agree_max", "broadcast", "barrier"]
+    print(costs)
