@@ -1,6 +1,7 @@
-"""The key-value coordinator at 48 ranks: O(N) store operations per collective in total and
-O(1) per rank, on one real torch TCPStore, with every operation counted by a proxy that
-forwards to the real store (counting, not mocking).
+"""The key-value coordinators at scale: O(N) store operations per collective in total and
+O(1) per rank, every operation counted by a proxy that forwards to the real store (counting,
+not mocking). KVStoreCoordinator at 48 ranks on one real torch TCPStore; JaxCoordinator with
+three real JAX processes.
 
 The 48 ranks are processes forked from one parent that imported torch once (an import per
 rank would cost minutes of CPU on a small machine); the TCPStore server runs in pytest's
@@ -145,3 +146,87 @@ def test_reductions_hand_each_rank_o_of_1_bytes(tmp_path):
     costs = check_costs(logs, got_by_others=100)
     assert [c[0] for c in costs] == ["all_true", "all_true", "agree_min", "agree_max", "broadcast", "barrier"]
     print(costs)
+
+
+JAX_WORLD = 3
+
+JAX_WORKER = r"""
+import json, sys
+import jax
+pid, port, world, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=world, process_id=pid)
+from jax._src import distributed
+from tiercel import coordinator as tc
+
+
+class Counting:
+    # Forwards every call to JAX's real distributed client and counts it.
+    def __init__(self, client):
+        self._client, self.calls = client, 0
+
+    def __getattr__(self, name):
+        real = getattr(self._client, name)
+
+        def call(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        return call
+
+
+real = distributed.global_state.client
+client = Counting(real)
+c = tc.JaxCoordinator(timeout_s=60, client=client)
+cases = [
+    ("all_gather", lambda: c.all_gather({"pid": pid}), [{"pid": p} for p in range(world)]),
+    ("all_gather", lambda: c.all_gather(b"x" * pid), [b"x" * p for p in range(world)]),
+    ("all_true", lambda: tc.all_true(c, pid != 1), False),
+    ("agree_min", lambda: tc.agree_min(c, (pid + 1) % world), 0),
+    ("agree_max", lambda: tc.agree_max(c, pid), world - 1),
+    ("broadcast", lambda: tc.broadcast(c, "secret" if pid == 2 else None, 2), "secret"),
+    ("barrier", lambda: tc.barrier(c), None),
+]
+log = []
+for name, run, want in cases:
+    before = client.calls
+    have = run()
+    log.append({"name": name, "ok": have == want, "have": repr(have), "calls": client.calls - before})
+# Process 0 deletes a round after its last barrier: by now nothing exchanged may be left.
+left = real.key_value_dir_get_bytes("tiercel-jax") if pid == 0 else []
+json.dump({"log": log, "left": [k for k, _ in left]}, open(f"{out}/jax-{pid}.json", "w"))
+jax.distributed.shutdown()
+"""
+
+
+def test_jax_coordinator_collectives_in_o_of_n_calls(tmp_path):
+    """Three real JAX processes (jax.distributed on 127.0.0.1): every collective right, O(1)
+    calls to JAX's client per process, nothing left in its key-value store."""
+    pytest.importorskip("jax")
+    from test_multirank import free_port
+
+    port = free_port()
+    env = child_env({"JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1"})
+    procs = [
+        subprocess.Popen([PYTHON, "-c", JAX_WORKER, str(p), str(port), str(JAX_WORLD), str(tmp_path)], env=env,
+                         stdout=open(tmp_path / f"jax-{p}.log", "w"), stderr=subprocess.STDOUT)
+        for p in range(JAX_WORLD)
+    ]
+    try:
+        for p in procs:
+            p.wait(120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = "\n".join((tmp_path / f"jax-{p}.log").read_text()[-3000:] for p in range(JAX_WORLD))
+    assert all(p.returncode == 0 for p in procs), logs
+    results = [json.loads((tmp_path / f"jax-{p}.json").read_text()) for p in range(JAX_WORLD)]
+    assert results[0]["left"] == [], f"keys left in JAX's store: {results[0]['left']}"
+    for i in range(len(results[0]["log"])):
+        entries = [r["log"][i] for r in results]
+        name = entries[0]["name"]
+        assert all(e["ok"] for e in entries), f"{name}: wrong results {[e['have'] for e in entries]}"
+        calls = [e["calls"] for e in entries]
+        # Process 0: set, barrier, one directory read, set, barrier, one directory delete; the
+        # others: set, barrier, get, barrier. 4N + 2 in total.
+        assert calls == [6] + [4] * (JAX_WORLD - 1), f"{name}: store calls per process {calls}"
