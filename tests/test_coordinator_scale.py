@@ -62,8 +62,23 @@ def collective(c, i, rank):
         ("agree_max", lambda: tc.agree_max(c, (i, rank)), (i, world - 1)),
         ("broadcast", lambda: tc.broadcast(c, ("secret", i) if rank == 3 else None, 3), ("secret", i)),
         ("barrier", lambda: tc.barrier(c), None),
+        ("agree", lambda: tc.agree(c, set(range(rank % 4, 40)), newest_common), 39),
+        # A combine that fails on the combining rank raises on every rank, none waits forever.
+        ("raises", lambda: raised(lambda: tc.agree_min(c, None if rank == 5 else rank)), True),
     ][i]
     return name, run(), want
+
+
+def raised(run):
+    try:
+        run()
+    except RuntimeError as e:
+        return "TypeError" in str(e) and "coordinator round 'scale/" in str(e)
+    return False
+
+
+def newest_common(sets):
+    return max(set.intersection(*sets))
 
 
 def rank_main(rank):
@@ -71,7 +86,7 @@ def rank_main(rank):
     store = Counting(real)
     c = tc.KVStoreCoordinator(store, rank, world, prefix=tc_prefix)
     log = []
-    for i in range(3 if mode == "gather" else 6):
+    for i in range(3 if mode == "gather" else 8):
         calls, got, n = store.calls, store.got, len(store.names)
         name, have, want = collective(c, i, rank)
         log.append({"name": name, "ok": have == want, "have": repr(have)[:200], "calls": store.calls - calls,
@@ -144,7 +159,7 @@ def test_reductions_hand_each_rank_o_of_1_bytes(tmp_path):
     logs = run_world(tmp_path, "reduce")
     # The combining rank reads every value (O(N) bytes); every other rank reads one result.
     costs = check_costs(logs, got_by_others=100)
-    assert [c[0] for c in costs] == ["all_true", "all_true", "agree_min", "agree_max", "broadcast", "barrier"]
+    assert [c[0] for c in costs] == ["all_true", "all_true", "agree_min", "agree_max", "broadcast", "barrier", "agree", "raises"]
     print(costs)
 
 
@@ -185,6 +200,7 @@ cases = [
     ("agree_max", lambda: tc.agree_max(c, pid), world - 1),
     ("broadcast", lambda: tc.broadcast(c, "secret" if pid == 2 else None, 2), "secret"),
     ("barrier", lambda: tc.barrier(c), None),
+    ("agree", lambda: tc.agree(c, {pid, 7, 9 - pid}, lambda sets: sorted(set.intersection(*sets))), [7]),
 ]
 log = []
 for name, run, want in cases:

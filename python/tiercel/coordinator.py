@@ -4,7 +4,7 @@ tiercel never runs a membership service of its own. A restore asks every rank wh
 can restore and takes the newest step all of them can; that takes one all-gather.
 
 Every coordinator has `all_gather`. Where a caller needs only the combined answer, the
-functions `all_true`, `agree_min`, `agree_max`, `broadcast` and `barrier` cost less: they use
+functions `all_true`, `agree`, `agree_min`, `agree_max`, `broadcast` and `barrier` cost less: they use
 the coordinator's own method of that name where it has one (the coordinators here do) and fall
 back to `all_gather`, so a coordinator of the user's own needs only the protocol. Costs per
 rank and in total, as formulas in the number of ranks: docs/scale.md.
@@ -103,6 +103,15 @@ def all_true(coordinator: Coordinator, flag: bool) -> bool:
     return bool(fast(flag)) if fast is not None else all(bool(v) for v in coordinator.all_gather(flag))
 
 
+def agree(coordinator: Coordinator, value: Any, combine: Callable[[list[Any]], Any]) -> Any:
+    """`combine(every rank's value, by rank)`, computed once on one rank and handed to all: a
+    reduction of the caller's own (the newest step in every rank's set, say) that costs every
+    other rank O(1) bytes when the result is small. `combine` must be the same function on
+    every rank. Collective."""
+    fast = _cheap(coordinator, "agree")
+    return fast(value, combine) if fast is not None else combine(coordinator.all_gather(value))
+
+
 def agree_min(coordinator: Coordinator, value: Any) -> Any:
     """The least of every rank's `value` (comparable values: ints, tuples, ...). Collective."""
     fast = _cheap(coordinator, "agree_min")
@@ -186,6 +195,9 @@ class _Combining:
 
     def all_true(self, flag: bool) -> bool:
         return self._exchange(bool(flag), all)
+
+    def agree(self, value: Any, combine: Callable[[list[Any]], Any]) -> Any:
+        return self._exchange(value, combine)
 
     def agree_min(self, value: Any) -> Any:
         return self._exchange(value, min)
