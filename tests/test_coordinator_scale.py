@@ -246,3 +246,45 @@ def test_jax_coordinator_collectives_in_o_of_n_calls(tmp_path):
         # Process 0: set, barrier, one directory read, set, barrier, one directory delete; the
         # others: set, barrier, get, barrier. 4N + 2 in total.
         assert calls == [6] + [4] * (JAX_WORLD - 1), f"{name}: store calls per process {calls}"
+
+
+TORCH_WORKER = r"""
+import json, sys
+import torch.distributed as dist
+from tiercel import coordinator as tc
+rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+c = tc.TorchCoordinator()
+got = {
+    "all_true": [tc.all_true(c, rank != 1), tc.all_true(c, True)],
+    "agree_min": tc.agree_min(c, 5 - rank),
+    "agree_max": tc.agree_max(c, 5 - rank),
+    "broadcast": tc.broadcast(c, "from 1" if rank == 1 else None, 1),
+    "barrier": tc.barrier(c),
+    "agree": tc.agree(c, {rank, 3}, lambda sets: sorted(set.intersection(*sets))),
+}
+json.dump(got, open(f"{out}/torch-{rank}.json", "w"))
+dist.destroy_process_group()
+"""
+
+
+def test_torch_coordinator_reductions_on_gloo(tmp_path):
+    """TorchCoordinator's one-byte all-reduce for `all_true`, and the reductions it computes
+    from `all_gather`, on a real gloo group of two processes."""
+    from test_multirank import free_port
+
+    port = free_port()
+    procs = [subprocess.Popen([PYTHON, "-c", TORCH_WORKER, str(r), str(port), str(tmp_path)],
+                              env=child_env({"OMP_NUM_THREADS": "1"}), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    want = {"all_true": [False, True], "agree_min": 4, "agree_max": 5, "broadcast": "from 1", "barrier": None,
+            "agree": [3]}
+    for r in range(2):
+        assert json.loads((tmp_path / f"torch-{r}.json").read_text()) == want
