@@ -237,6 +237,12 @@ class KVStoreCoordinator(_Combining):
     reaches the TCPStore could read it."""
 
     def __init__(self, store: Any, rank: int, world_size: int, prefix: str = "tiercel"):
+        missing = [m for m in ("append", "add", "set", "get", "delete_key") if not hasattr(store, m)]
+        if missing:
+            raise TypeError(
+                f"KVStoreCoordinator (rank {rank}): the store {type(store).__name__} has no {', '.join(missing)}; "
+                "pass a torch.distributed Store (TCPStore, FileStore, HashStore, PrefixStore) of a torch whose Store has append"
+            )
         self._store = store
         self.rank = rank
         self.world_size = world_size
