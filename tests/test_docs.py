@@ -54,6 +54,7 @@ DOCS = [
     "docs/pytorch.md",
     "docs/reliability.md",
     "docs/restore.md",
+    "docs/scale.md",
     "docs/traffic.md",
     "docs/troubleshooting.md",
 ]

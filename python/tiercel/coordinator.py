@@ -2,14 +2,22 @@
 
 tiercel never runs a membership service of its own. A restore asks every rank which steps it
 can restore and takes the newest step all of them can; that takes one all-gather.
+
+Every coordinator has `all_gather`. Where a caller needs only the combined answer, the
+functions `all_true`, `agree`, `agree_min`, `agree_max`, `broadcast` and `barrier` cost less: they use
+the coordinator's own method of that name where it has one (the coordinators here do) and fall
+back to `all_gather`, so a coordinator of the user's own needs only the protocol. Costs per
+rank and in total, as formulas in the number of ranks: docs/scale.md.
 """
 
 from __future__ import annotations
 
-import base64
+import operator
 import os
 import pickle
+import struct
 import sys
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 
@@ -49,11 +57,14 @@ class TorchCoordinator:
         self._dist.all_gather_object(out, value)
         return out
 
+    def _gloo(self) -> bool:
+        return "gloo" in str(self._dist.get_backend())
+
     def all_gather_flags(self, flag: bool) -> list[bool]:
         """Every rank's `flag`: on a gloo group one all-gather of one byte per rank, where
         all_gather_object pickles and makes two (the sizes, then the bytes). Other backends
         (NCCL takes device tensors only) go through all_gather."""
-        if "gloo" not in str(self._dist.get_backend()):
+        if not self._gloo():
             return [bool(v) for v in self.all_gather(flag)]
         import torch
 
@@ -62,14 +73,73 @@ class TorchCoordinator:
         self._dist.all_gather(out, mine)
         return [bool(t.item()) for t in out]
 
+    def all_true(self, flag: bool) -> bool:
+        """Whether every rank's `flag` is true: on a gloo group one all-reduce of one byte."""
+        if not self._gloo():
+            return all(bool(v) for v in self.all_gather(flag))
+        import torch
+
+        t = torch.tensor([int(bool(flag))], dtype=torch.uint8)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN)
+        return bool(t.item())
+
+
+def _cheap(coordinator: Coordinator, name: str) -> Any:
+    """The coordinator's own way to do collective `name`, if it has one; a coordinator of the
+    user's own needs only `all_gather`, which the functions below fall back to."""
+    return getattr(coordinator, name, None)
+
 
 def all_gather_flags(coordinator: Coordinator, flag: bool) -> list[bool]:
     """Every rank's `flag`, by the cheapest way the coordinator has. Collective."""
-    fast = getattr(coordinator, "all_gather_flags", None)
+    fast = _cheap(coordinator, "all_gather_flags")
     return fast(flag) if fast is not None else [bool(v) for v in coordinator.all_gather(flag)]
 
 
-# Rounds of all-gathers over a key-value store, counted per process rather than per
+def all_true(coordinator: Coordinator, flag: bool) -> bool:
+    """Whether every rank's `flag` is true. Collective; use it rather than `all_gather_flags`
+    where only the combined answer is needed (O(1) bytes per rank on a key-value store)."""
+    fast = _cheap(coordinator, "all_true")
+    return bool(fast(flag)) if fast is not None else all(bool(v) for v in coordinator.all_gather(flag))
+
+
+def agree(coordinator: Coordinator, value: Any, combine: Callable[[list[Any]], Any]) -> Any:
+    """`combine(every rank's value, by rank)`, computed once on one rank and handed to all: a
+    reduction of the caller's own (the newest step in every rank's set, say) that costs every
+    other rank O(1) bytes when the result is small. `combine` must be the same function on
+    every rank. Collective."""
+    fast = _cheap(coordinator, "agree")
+    return fast(value, combine) if fast is not None else combine(coordinator.all_gather(value))
+
+
+def agree_min(coordinator: Coordinator, value: Any) -> Any:
+    """The least of every rank's `value` (comparable values: ints, tuples, ...). Collective."""
+    fast = _cheap(coordinator, "agree_min")
+    return fast(value) if fast is not None else min(coordinator.all_gather(value))
+
+
+def agree_max(coordinator: Coordinator, value: Any) -> Any:
+    """The greatest of every rank's `value`. Collective."""
+    fast = _cheap(coordinator, "agree_max")
+    return fast(value) if fast is not None else max(coordinator.all_gather(value))
+
+
+def broadcast(coordinator: Coordinator, value: Any, root: int = 0) -> Any:
+    """Rank `root`'s `value`, on every rank (the other ranks' `value` is ignored). Collective."""
+    fast = _cheap(coordinator, "broadcast")
+    return fast(value, root) if fast is not None else coordinator.all_gather(value)[root]
+
+
+def barrier(coordinator: Coordinator) -> None:
+    """Returns once every rank has called it. Collective."""
+    fast = _cheap(coordinator, "barrier")
+    if fast is not None:
+        fast()
+    else:
+        coordinator.all_gather(None)
+
+
+# Rounds of collectives over a key-value store, counted per process rather than per
 # coordinator: a job that opens a second Store (after a restart of its loop, say) must not
 # collide with the keys of the first. Every rank opens its stores in the same order, so the
 # counts agree.
@@ -81,39 +151,136 @@ def _next_round(prefix: str) -> str:
     return f"{prefix}/{_rounds[prefix]}"
 
 
-class KVStoreCoordinator:
-    """Any torch.distributed Store (TCPStore, FileStore): set/get by key, usable without a
-    process group, as tools and tests do. `get` blocks until the key exists.
+def _combined(values: Iterable[tuple[int, bytes]], world_size: int, combine: Callable[[list[Any]], Any]) -> bytes:
+    """What the combining rank hands back to all: (True, combine(values by rank)), or (False,
+    why) so that every rank raises rather than some waiting on a result that never comes."""
+    by_rank: dict[int, Any] = {}
+    try:
+        for rank, data in values:
+            if rank in by_rank or not 0 <= rank < world_size:
+                raise ValueError(f"a value from rank {rank} twice or outside the world of {world_size}")
+            by_rank[rank] = pickle.loads(data)
+        missing = [r for r in range(world_size) if r not in by_rank]
+        if missing:
+            raise ValueError(f"no value from ranks {missing[:8]}")
+        return pickle.dumps((True, combine([by_rank[r] for r in range(world_size)])))
+    except Exception as e:  # noqa: BLE001 -- any failure must reach every rank, not hang them
+        return pickle.dumps((False, f"{type(e).__name__}: {e}"))
 
-    Nothing exchanged stays in the store: the last rank to read a round deletes its keys, so
-    the peer secret handed out in one (when the policy sets none) is not left where anyone
-    who reaches the TCPStore could read it."""
+
+def _outcome(blob: bytes, round_key: str, rank: int) -> Any:
+    ok, result = pickle.loads(blob)
+    if not ok:
+        raise RuntimeError(
+            f"coordinator round {round_key!r} (rank {rank}): {result}; every rank must make the same "
+            "collective calls in the same order, and two jobs must not share a store under one prefix"
+        )
+    return result
+
+
+class _Combining:
+    """The collectives of a coordinator over a key-value store, all one `_exchange(value,
+    combine)`: every rank hands in its value, one rank reads them all and applies `combine`,
+    every rank reads that one result. Each rank makes O(1) store operations and one rank O(N)
+    bytes more; a reduction hands the others O(1) bytes. Costs as formulas: docs/scale.md."""
+
+    rank: int
+    world_size: int
+
+    def _exchange(self, value: Any, combine: Callable[[list[Any]], Any]) -> Any:
+        raise NotImplementedError
+
+    def all_gather(self, value: Any) -> list[Any]:
+        return self._exchange(value, list)
+
+    def all_true(self, flag: bool) -> bool:
+        return self._exchange(bool(flag), all)
+
+    def agree(self, value: Any, combine: Callable[[list[Any]], Any]) -> Any:
+        return self._exchange(value, combine)
+
+    def agree_min(self, value: Any) -> Any:
+        return self._exchange(value, min)
+
+    def agree_max(self, value: Any) -> Any:
+        return self._exchange(value, max)
+
+    def broadcast(self, value: Any, root: int = 0) -> Any:
+        return self._exchange(value if self.rank == root else None, operator.itemgetter(root))
+
+    def barrier(self) -> None:
+        self._exchange(None, lambda _: None)
+
+
+# One rank's value in the appended key of a round: its rank and the length of what follows.
+_FRAME = struct.Struct("<IQ")
+
+
+def _frames(blob: bytes) -> Iterator[tuple[int, bytes]]:
+    at = 0
+    while at < len(blob):
+        rank, size = _FRAME.unpack_from(blob, at)
+        at += _FRAME.size
+        yield rank, blob[at : at + size]
+        at += size
+
+
+class KVStoreCoordinator(_Combining):
+    """Any torch.distributed Store (TCPStore, FileStore, HashStore, PrefixStore): append, add,
+    set, get by key (`get` blocks until the key exists), usable without a process group, as
+    tools and tests do.
+
+    A round: each rank appends its value to one key and counts itself in; the rank whose count
+    is the last combines the values into one key, which every other rank reads; the last to
+    count itself out deletes the round's four keys. Nothing exchanged stays in the store, so
+    the peer secret handed out in one (when the policy sets none) is not left where anyone who
+    reaches the TCPStore could read it."""
 
     def __init__(self, store: Any, rank: int, world_size: int, prefix: str = "tiercel"):
+        missing = [m for m in ("append", "add", "set", "get", "delete_key") if not hasattr(store, m)]
+        if missing:
+            raise TypeError(
+                f"KVStoreCoordinator (rank {rank}): the store {type(store).__name__} has no {', '.join(missing)}; "
+                "pass a torch.distributed Store (TCPStore, FileStore, HashStore, PrefixStore) of a torch whose Store has append"
+            )
         self._store = store
         self.rank = rank
         self.world_size = world_size
         self._prefix = prefix
 
-    def all_gather(self, value: Any) -> list[Any]:
+    def _exchange(self, value: Any, combine: Callable[[list[Any]], Any]) -> Any:
         key = _next_round(self._prefix)
-        self._store.set(f"{key}/{self.rank}", pickle.dumps(value))
-        out = [pickle.loads(self._store.get(f"{key}/{r}")) for r in range(self.world_size)]
-        # A counter, not a second all-gather: only the last reader knows every rank has read.
+        data = pickle.dumps(value)
+        self._store.append(f"{key}/in", _FRAME.pack(self.rank, len(data)) + data)
+        # Each rank appends before it counts itself in, in order on its connection: the one
+        # that counts last finds every value in the key.
+        if self._store.add(f"{key}/arrived", 1) == self.world_size:
+            result = _combined(_frames(self._store.get(f"{key}/in")), self.world_size, combine)
+            self._store.set(f"{key}/out", result)
+        else:
+            result = self._store.get(f"{key}/out")
+        # A counter, not a second round: only the last reader knows every rank has read.
         if self._store.add(f"{key}/read", 1) == self.world_size:
-            for k in [f"{key}/{r}" for r in range(self.world_size)] + [f"{key}/read"]:
-                self._store.delete_key(k)
-        return out
+            for k in ("in", "arrived", "out", "read"):
+                self._store.delete_key(f"{key}/{k}")
+        return _outcome(result, key, self.rank)
 
 
-class JaxCoordinator:
-    """JAX's distributed client (after `jax.distributed.initialize`): its key-value store."""
+class JaxCoordinator(_Combining):
+    """JAX's distributed client (after `jax.distributed.initialize`): its key-value store.
 
-    def __init__(self, timeout_s: float = 300.0) -> None:
+    A round: each rank sets its value under the round's directory and meets the others at a
+    barrier; process 0 reads the directory (one call) and sets the combined result, which every
+    other rank reads; after a second barrier process 0 deletes the round's directory (one call),
+    so nothing exchanged stays in the store. `client` is the distributed client to use (default
+    JAX's own), e.g. a wrapper that counts its calls."""
+
+    def __init__(self, timeout_s: float = 300.0, client: Any = None) -> None:
         import jax
         from jax._src import distributed
 
-        client = distributed.global_state.client
+        if client is None:
+            client = distributed.global_state.client
         if client is None:
             raise RuntimeError("jax.distributed is not initialized; call jax.distributed.initialize first")
         self._client = client
@@ -121,18 +288,21 @@ class JaxCoordinator:
         self.world_size = jax.process_count()
         self._timeout_ms = int(timeout_s * 1000)
 
-    def all_gather(self, value: Any) -> list[Any]:
+    def _exchange(self, value: Any, combine: Callable[[list[Any]], Any]) -> Any:
         key = _next_round("tiercel-jax")
-        self._client.key_value_set(f"{key}/{self.rank}", base64.b64encode(pickle.dumps(value)).decode())
-        out = [
-            pickle.loads(base64.b64decode(self._client.blocking_key_value_get(f"{key}/{r}", self._timeout_ms)))
-            for r in range(self.world_size)
-        ]
-        # As KVStoreCoordinator: nothing exchanged (the peer secret) stays in the store. The
-        # client has no counter: a barrier, then each rank deletes its own key.
-        self._client.wait_at_barrier(f"{key}/read", self._timeout_ms)
-        self._client.key_value_delete(f"{key}/{self.rank}")
-        return out
+        client, ms = self._client, self._timeout_ms
+        client.key_value_set_bytes(f"{key}/in/{self.rank}", pickle.dumps(value))
+        client.wait_at_barrier(f"{key}/arrived", ms)
+        if self.rank == 0:
+            entries = client.key_value_dir_get_bytes(f"{key}/in")
+            result = _combined(((int(k.rsplit("/", 1)[1]), v) for k, v in entries), self.world_size, combine)
+            client.key_value_set_bytes(f"{key}/out", result)
+        else:
+            result = client.blocking_key_value_get_bytes(f"{key}/out", ms)
+        client.wait_at_barrier(f"{key}/read", ms)
+        if self.rank == 0:
+            client.key_value_delete(key)  # a directory: every key of the round
+        return _outcome(result, key, self.rank)
 
 
 def _jax_initialized() -> bool:
