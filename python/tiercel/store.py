@@ -18,7 +18,7 @@ from .advertise import advertised_address, is_loopback
 from .coordinator import Coordinator, default_coordinator
 from .errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
 from .newest import Need, check_world_size, gather, newest_step, world_size_error
-from .replicas import replica_group_of, share_replicated
+from .replicas import Sharing, replica_group_of, share_replicated
 from .step import Reader, RestoreInfo, SaveHandle, Writer
 from .traffic import Traffic
 
@@ -85,6 +85,8 @@ class Store:
         #: Every rank's host, by rank (learned when the store joins its cluster).
         self.hosts: list[str] = [self.host] * world_size
         self.last_restore: RestoreInfo | None = None
+        #: What a restore shared with the replica group leaves for the next (tiercel.replicas).
+        self._sharing = Sharing()
         self._skipped: list[str] = []
         self._closed = False
         self._join_cluster()
