@@ -17,6 +17,7 @@ from . import _core
 from .advertise import advertised_address, is_loopback
 from .coordinator import Coordinator, default_coordinator
 from .errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
+from .metrics import Metrics
 from .newest import Need, check_world_size, gather, newest_step, world_size_error
 from .replicas import Sharing, replica_group_of, share_replicated
 from .step import Reader, RestoreInfo, SaveHandle, Writer
@@ -190,13 +191,15 @@ class Store:
                 out.errors[name] = error
         return out
 
-    def metrics(self) -> dict[str, dict[str, Any]]:
+    def metrics(self) -> Metrics:
         """What this process has done per tier: {"disk": {"steps_written": 12, "bytes_written":
         ..., "write_seconds": ..., "write_bytes_per_second": ..., "steps_read": ...,
         "bytes_read": ..., "last_step": 40, "lag_steps": 3, "lag_seconds": 9.5, "queue_depth":
-        1, "skips": 2, "failures": 0}, ...}; `None` where nothing is known yet.
+        1, "skips": 2, "failures": 0, "effective_interval": None}, ...}; `None` where nothing
+        is known yet. `.timings`: what the framework adapters timed where training waits on
+        them, {"deepspeed_stall": {"count": 40, "seconds": 1.2, "last_seconds": 0.01}, ...}.
         tiercel.metrics has them as Prometheus text and serves them."""
-        return {m.pop("tier"): m for m in self._core.metrics()}
+        return Metrics(self._core.metrics(), self._core.timings())
 
     def latest_step(self, *, reshard: bool = False) -> int | None:
         """The newest step of this job that every rank can restore at this world size
