@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from .errors import InvalidArgumentError, TiercelError, WorldSizeError
 
 if TYPE_CHECKING:
+    from . import _core
     from .store import Store
 
 #: What a rank reports about a candidate step: the world size that saved it (None when no
@@ -42,7 +43,7 @@ class Need:
 
 
 def newest_step(store: Store, need: Need, below: int | None, skipped: list[str],
-                opened: dict[int, Any] | None = None) -> int | None:
+                opened: dict[int, _core.StepReader] | None = None) -> int | None:
     """The newest step (below `below`, if given) that every rank can read what `need` says;
     None when there is none. Appends to `skipped` each newer step passed over and why.
     Raises WorldSizeError when the newest such step of this job was saved by another
@@ -54,7 +55,7 @@ def newest_step(store: Store, need: Need, below: int | None, skipped: list[str],
     common = sorted(set(everyone[0]).intersection(*map(set, everyone[1:])), reverse=True)
     chosen = None
     for step in common:
-        readers: dict[int, Any] = {}
+        readers: dict[int, _core.StepReader] = {}
         reports: list[Report] = gather(store, _report(store, step, need, skipped, readers))
         worlds = sorted({w for w, _ in reports if w is not None})
         if not need.reshard and need.rank is None and any(w != store.world_size for w in worlds):
@@ -119,7 +120,7 @@ def world_size_error(store: Store, step: int, world: int, steps: list[int]) -> W
     )
 
 
-def _report(store: Store, step: int, need: Need, skipped: list[str], opened: dict[int, Any]) -> Report:
+def _report(store: Store, step: int, need: Need, skipped: list[str], opened: dict[int, _core.StepReader]) -> Report:
     """This rank's `Report` on `step`; the readers it opened go into `opened` (by saved
     rank), for the restore to read through rather than open the step again."""
     plain = not need.reshard and need.rank is None  # this rank's own part, at this world size

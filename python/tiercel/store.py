@@ -217,7 +217,7 @@ class Store:
         saved it, of which every saved rank's part opens."""
         return self._newest(Need(reshard=reshard))
 
-    def _newest(self, need: Need, below: int | None = None, opened: dict[int, Any] | None = None) -> int | None:
+    def _newest(self, need: Need, below: int | None = None, opened: dict[int, _core.StepReader] | None = None) -> int | None:
         self._skipped = []
         return newest_step(self, need, below, self._skipped, opened)
 
@@ -226,7 +226,7 @@ class Store:
         """A reader of `step` (default: the newest step restorable by every rank, as
         `restore`). `rank`: read saved rank `rank`'s part (default: this rank's, which needs
         the step saved at this world size: else WorldSizeError). `job`: see `restore`."""
-        opened: dict[int, Any] = {}
+        opened: dict[int, _core.StepReader] = {}
         if step is None:
             _no_job_without_step(job)
             step = self._require_latest(Need(rank=rank), opened=opened)
@@ -279,7 +279,7 @@ class Store:
         skipped: list[str] = []
         below = None
         while True:
-            opened: dict[int, Any] = {}
+            opened: dict[int, _core.StepReader] = {}
             step = self._require_latest(need, below, skipped, opened)
             skipped += self._skipped
             error: Exception | None = None
@@ -333,7 +333,7 @@ class Store:
         return self.rank if rank is None else rank
 
     def _require_latest(self, need: Need, below: int | None = None, skipped: list[str] | None = None,
-                        opened: dict[int, Any] | None = None) -> int:
+                        opened: dict[int, _core.StepReader] | None = None) -> int:
         step = self._newest(need, below, opened)
         if step is None:
             listed = self.steps()
