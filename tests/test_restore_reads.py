@@ -22,12 +22,13 @@ from faultproxy import FaultProxy
 from servers import moto_server, s3_env  # noqa: F401 (fixtures)
 
 
-def policy(shm_root, bucket: str, endpoint: str) -> dict:
+def policy(shm_root, bucket: str, endpoint: str, order: list[str] | None = None) -> dict:
     return {
         "tier": [
             {"name": "ram", "kind": "memory", "root": str(shm_root)},
             {"name": "s3", "kind": "s3", "url": f"s3://{bucket}/job", "endpoint": endpoint, "allow_http": True},
         ],
+        "restore": {"order": order or ["ram", "s3"]},
         "store": {"chunk_size": "64KiB", "threads": 2, "io_threads": 2, "run": "reads"},
     }
 
@@ -58,16 +59,21 @@ def test_a_restore_reads_each_commit_record_and_manifest_once(moto_server, s3_en
         with tiercel.Store(pol, rank=0, world_size=1) as saver:
             for step in (1, 2):
                 assert saver.save(step, state(step)).wait(120)["s3"] == "committed"
-        # A restarted job: a fresh store, its own restore picks the step.
-        for how in ("restore()", "reader()", "restore(step=2)"):
-            with tiercel.Store(pol, rank=0, world_size=1) as store:
+        # A restarted job: a fresh store, its own restore picks the step. (With the bucket
+        # first in restore order, the saved world size is read there too.)
+        for how in ("restore()", "reader()", "restore(step=2)", "latest_step(reshard=True)"):
+            order = ["s3", "ram"] if how.startswith(("latest", "reader")) else None
+            with tiercel.Store(policy(shm_root, bucket, proxy.endpoint, order), rank=0, world_size=1) as store:
                 before = proxy.reads.copy()
                 if how == "restore()":
                     got = store.restore()
                 elif how == "reader()":
                     got = store.reader().get_all()
-                else:
+                elif how == "restore(step=2)":
                     got = store.restore(step=2)
+                else:
+                    assert store.latest_step(reshard=True) == 2
+                    got = state(2)
                 reads = metadata_reads(proxy, before)
             assert_same(got, state(2))
             # Step 2's commit record and manifest on the s3 tier: one GET each, nothing else.

@@ -122,27 +122,32 @@ def world_size_error(store: Store, step: int, world: int, steps: list[int]) -> W
 
 def _report(store: Store, step: int, need: Need, skipped: list[str], opened: dict[int, _core.StepReader]) -> Report:
     """This rank's `Report` on `step`; the readers it opened go into `opened` (by saved
-    rank), for the restore to read through rather than open the step again."""
+    rank), for the restore to read through rather than open the step again. The saved world
+    size comes from the first reader's commit record (a resharding process p checks saved
+    ranks p, p + n, ...: p first), so nothing is read twice."""
     plain = not need.reshard and need.rank is None  # this rank's own part, at this world size
-    world = saved_world_size(store, step) if need.reshard else None
-    if need.reshard:
-        ranks = list(range(store.rank, world, store.world_size)) if world is not None else [store.rank]
-    else:
-        ranks = [store.rank if need.rank is None else need.rank]
-    saves: list[str | None] = []
-    for r in ranks:
+    first = store.rank if need.rank is None else need.rank
+    try:
+        reader = store._core.reader(step, first, None)
+    except TiercelError as e:
+        world = saved_world_size(store, step)
+        if world is not None and ((plain and world != store.world_size) or (need.reshard and first >= world)):
+            # A plain restore: every rank raises WorldSizeError on the gathered world sizes.
+            # Resharding: fewer saved ranks than processes, none of them this one's to check.
+            return world, []
+        skipped.append(f"step {step} skipped on rank {store.rank}: {e}")
+        return world, False
+    world = reader.world_size
+    if plain and world != store.world_size:
+        return world, []
+    opened[first] = reader
+    saves: list[str | None] = [reader.generation]
+    for r in range(first + store.world_size, world, store.world_size) if need.reshard else ():
         try:
-            reader = store._core.reader(step, r, None)
+            opened[r] = reader = store._core.reader(step, r, None)
         except TiercelError as e:
-            world = saved_world_size(store, step) if world is None else world
-            if plain and world is not None and world != store.world_size:
-                return world, []  # every rank raises WorldSizeError on the gathered world sizes
             skipped.append(f"step {step} skipped on rank {store.rank}: {e}")
             return world, False
-        world = reader.world_size if world is None else world
-        if plain and world != store.world_size:
-            return world, []
-        opened[r] = reader
         saves.append(reader.generation)
     return world, sorted(set(saves), key=str)
 
