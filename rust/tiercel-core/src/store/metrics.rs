@@ -4,8 +4,8 @@
 //! framework adapters measure where training waits on a checkpoint (`TIMINGS`).
 //!
 //! Every field is listed once, in a `snapshot!` below: the struct, its field list (name,
-//! Prometheus type, help) and its values come from that list, and the bindings, the
-//! Prometheus text and the docs' table iterate it.
+//! Prometheus type, help) and its values come from that list; the bindings and the
+//! Prometheus text iterate it, and tests/test_metrics.py holds docs/api.md's tables to it.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
