@@ -131,6 +131,7 @@ def main() -> None:
         report["states"] = engine.checkpoint_engine.wait(60)
         gate = engine.checkpoint_engine.gate
         report["stalls"] = {"count": gate.stalls, "seconds": gate.stall_seconds}
+        report["stall_timing"] = engine.checkpoint_engine.store.metrics().timings["deepspeed_stall"]
     torch.save(live_state(engine), os.path.join(out, f"final-{rank}.pt"))
     with open(os.path.join(out, f"report-{rank}.json"), "w") as f:
         json.dump(report, f)

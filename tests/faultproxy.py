@@ -49,6 +49,8 @@ def _rst(sock: socket.socket) -> None:
 
 
 RANGE_HEADER = re.compile(rb"\r\nrange: *bytes=", re.IGNORECASE)
+#: A request line of the methods an object store is read with (the requests a test counts).
+READ_REQUEST = re.compile(rb"(GET|HEAD) (/[^ \r\n]*) HTTP/1\.1\r\n")
 
 
 class FaultProxy:
@@ -80,6 +82,8 @@ class FaultProxy:
         #: Ranged GETs clients sent (a `Range: bytes=` header in a request head): how many
         #: requests a read of parts of objects took.
         self.ranged_gets = 0
+        #: GET and HEAD requests clients sent, by "METHOD /path" (the query left off).
+        self.reads: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._listener = socket.socket()
@@ -191,6 +195,7 @@ class FaultProxy:
 
     def _pump(self, client: socket.socket, server: socket.socket, fate: str, at: int | None) -> None:
         moved = 0
+        tail = b""  # the end of what the client sent before: a request line may span two reads
         socks = [client, server]
         for s in socks:
             s.setblocking(True)
@@ -211,6 +216,11 @@ class FaultProxy:
                             self.downloaded += len(data)
                         else:
                             self.ranged_gets += len(RANGE_HEADER.findall(data))
+                            seen = tail + data
+                            for m in READ_REQUEST.finditer(seen):
+                                if m.end() > len(tail):
+                                    self.reads[f"{m[1].decode()} {m[2].decode().split('?')[0]}"] += 1
+                            tail = seen[-2048:]
                     if not data:
                         client.close()
                         server.close()

@@ -166,6 +166,9 @@ def test_a_snapshot_racing_the_next_update_and_a_kill_during_it_resume_bit_ident
         # Every save but the last was followed by an update that waited for its snapshot.
         assert r["stalls"]["count"] == STEPS - step - 1, r["stalls"]
         assert r["stalls"]["seconds"] > 0.1 * r["stalls"]["count"], r["stalls"]
+        # ... and the store's metrics say the same (store.metrics().timings, Prometheus).
+        timing = r["stall_timing"]
+        assert (timing["count"], timing["seconds"]) == (r["stalls"]["count"], pytest.approx(r["stalls"]["seconds"])), r
 
 
 def test_bf16_zero2_resumes_bit_identical(tmp_path, shm_root, disk_root, reference):

@@ -17,12 +17,13 @@ import re
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import tiercel
-from tiercel import cli, metrics
+from tiercel import _core, cli, metrics
 
 from conftest import make_policy, run_python
 from faultproxy import FaultProxy
@@ -205,3 +206,26 @@ def test_tiercel_log_levels(level, shown, shm_root, disk_root):
     assert (line in p.stderr) is shown, p.stderr
     if level == "off":
         assert p.stderr == ""
+
+
+def test_every_field_is_defined_once_in_the_core_and_documented(store):
+    """The core's field lists are what `metrics()`, the Prometheus text and docs/api.md show:
+    a new metric is one line in tiercel-core's store/metrics.rs (and its line in the docs,
+    which this test asks for)."""
+    m = store.metrics()
+    assert [f for f, _, _ in metrics.FIELDS] == [f for f, _, _ in _core.TIER_FIELDS]
+    assert all(list(tier) == [f for f, _, _ in metrics.FIELDS] for tier in m.values()), m
+    assert list(m.timings) == list(metrics.TIMINGS) == ["deepspeed_stall", "orbax_blocking", "dcp_staging"]
+    assert all(list(t) == [f for f, _, _ in metrics.TIMING_FIELDS] for t in m.timings.values()), m.timings
+    text = metrics.prometheus_text(store)
+    for fields, prefix in ((metrics.FIELDS, "tiercel_"), (metrics.TIMING_FIELDS, "tiercel_timing_")):
+        for field, kind, help_text in fields:
+            name = prefix + field + ("_total" if kind == "counter" else "")
+            assert f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n" in text, name
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    section = doc[doc.index("## Metrics"):doc.index("## Exceptions")]
+    documented = set(re.findall(r"^\| (`[^|]+) \|", section, re.M))
+    names = {n.strip("` ") for row in documented for n in row.split(",")}
+    missing = [f for f, _, _ in metrics.FIELDS + metrics.TIMING_FIELDS if f not in names]
+    missing += [t for t in metrics.TIMINGS if t not in names]
+    assert not missing, f"docs/api.md's Metrics tables do not name {missing}"

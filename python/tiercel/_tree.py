@@ -17,59 +17,15 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from . import _plain
+from ._nodes import FIELD_TYPES, MAX_DEPTH, SCALAR_TYPES, scalar, unscalar
+from ._nodes import check_tree as check_tree  # the names other modules know them by
+from ._nodes import tree_items as tree_items
+from ._nodes import unscalar as _unscalar  # noqa: F401  (dcp/_layout.py's name, until it reads trees through the kit)
 from ._plain import Unbuildable
 
 if TYPE_CHECKING:
     from .leaves import Leaf
 
-
-def _scalar(v: Any) -> dict | None:
-    # bool before int: bool is an int subclass.
-    if v is None:
-        return {"t": "none"}
-    if isinstance(v, bool):
-        return {"t": "bool", "v": v}
-    if isinstance(v, int):
-        return {"t": "int", "v": str(v)}  # as text: JSON loses ints beyond 2**53
-    if isinstance(v, float):
-        return {"t": "float", "v": v.hex()}  # exact, and NaN/inf survive
-    if isinstance(v, str):
-        return {"t": "str", "v": v}
-    return None
-
-
-#: Node types a tree holds, and the scalar ones among them (dict keys are scalar nodes).
-_SCALAR_TYPES = ("none", "bool", "int", "float", "str")
-_NODE_TYPES = (*_SCALAR_TYPES, "item", "dict", "list", "tuple",
-               # Added after format version 1 shipped: a reader from before refuses them by
-               # name ("not a tree node"), never misreads them (docs/format.md, Trees).
-               "set", "frozenset", "enum", "dataclass", "namedtuple", *_plain.NODE_TYPES)
-#: Nodes that record their fields as [name, node] pairs.
-_FIELD_TYPES = ("dataclass", "namedtuple")
-
-#: Python refuses to parse an int of more digits than this (sys.int_info's default limit).
-_INT_DIGITS = 4300
-
-
-def _unscalar(node: dict) -> Any:
-    t = node["t"]
-    if t == "none":
-        return None
-    if t == "bool":
-        return node["v"]
-    if t == "int":
-        return int(node["v"])
-    if t == "float":
-        return float.fromhex(node["v"])
-    if t == "str":
-        return node["v"]
-    raise ValueError(f"not a scalar node: {t}")
-
-
-#: How deep a value may nest (dicts, lists, tuples), so that flattening never meets Python's
-#: recursion limit. The core's own limit is on the tree's JSON (format::MAX_TREE_DEPTH, 100
-#: levels; a list is two of them, a dict three) and is checked at save as at read.
-MAX_DEPTH = 48
 
 #: Exact types that are tree scalars. Subclasses (IntEnum, np.float64) are leaves: a handler
 #: (numpy) or the pickle fallback keeps their type.
@@ -102,7 +58,7 @@ class Flattener:
             raise TypeError(f"'{self._display(path[:4])}/...' is nested more than {MAX_DEPTH} levels deep; "
                             "flatten it (the manifest's JSON reader has a depth limit)")
         if type(v) in _SCALARS:
-            s = _scalar(v)
+            s = scalar(v)
             assert s is not None
             return s
         hint = None
@@ -158,7 +114,7 @@ class Flattener:
         if isinstance(v, dict):
             keys = []
             for k, x in v.items():
-                ks = _scalar(k) if type(k) in _SCALARS else None
+                ks = scalar(k) if type(k) in _SCALARS else None
                 if ks is None:
                     raise TypeError(f"'{self._display(path)}' has a key of type {type(k).__name__}; keys must be str, int, float, bool or None")
                 keys.append([ks, self.node(x, [*path, str(k)])])
@@ -248,12 +204,12 @@ def _build(node: dict, items: Mapping[int, Any] | Sequence[Any]) -> Any:
     t = node["t"]
     if t == "item":
         return items[node["i"]]
-    if t in _SCALAR_TYPES:
-        return _unscalar(node)
+    if t in SCALAR_TYPES:
+        return unscalar(node)
     if t == "dict":
         d = {}
         for k, v in node["v"]:
-            key = _unscalar(k)
+            key = unscalar(k)
             d[key] = _inside(v, items, str(key))
         if node.get("c") != "OrderedDict":
             return d
@@ -273,7 +229,7 @@ def _build(node: dict, items: Mapping[int, Any] | Sequence[Any]) -> Any:
             raise Unbuildable(f"is a {t} of a value that cannot be in one ({e})", integrity=True) from None
     if t == "enum":
         return _enum(node["c"], _build(node["v"], items))
-    if t in _FIELD_TYPES:
+    if t in FIELD_TYPES:
         values = {name: _inside(v, items, name) for name, v in node["v"]}
         return _dataclass(node["c"], values) if t == "dataclass" else _namedtuple(node["c"], values)
     return _plain.decode(node)
@@ -348,107 +304,3 @@ def _namedtuple(path: str, values: dict[str, Any]) -> Any:
         raise Unbuildable(f"named tuple {path.replace(':', '.')} cannot be rebuilt here: {type(e).__name__}: {e}") from None
 
 
-def check_tree(tree: Any, where: str) -> list[int]:
-    """Checks a tree read from a manifest before anything uses it, and returns its item
-    references in order (as `tree_items`). A tree that this module would not have written
-    (a damaged or hand-edited manifest) is an IntegrityError naming `where` (step, rank,
-    put) and the path in the tree, never a KeyError or TypeError later. The references must
-    number the put's items 0..n-1, each once."""
-    from .errors import IntegrityError
-
-    refs: list[int] = []
-
-    def bad(path: str, why: str) -> IntegrityError:
-        return IntegrityError(f"{where}: the tree at '{path or '$'}' {why}; the manifest is damaged")
-
-    def scalar(node: dict, path: str) -> None:
-        t, v = node["t"], node.get("v")
-        ok = (t == "none" or (t == "bool" and isinstance(v, bool)) or (t == "str" and isinstance(v, str))
-              or (t in ("int", "float") and isinstance(v, str) and len(v) <= _INT_DIGITS))
-        if ok and t in ("int", "float"):
-            try:
-                int(str(v)) if t == "int" else float.fromhex(str(v))
-            except (ValueError, OverflowError):  # "0x1p+9999" overflows a float
-                ok = False
-        if not ok:
-            raise bad(path, f"is a '{t}' node with the value {v!r:.60}")
-
-    def walk(node: Any, path: str, depth: int) -> None:
-        if depth > 2 * MAX_DEPTH + 8:
-            raise bad(path, "nests deeper than any tree tiercel writes")
-        if isinstance(node, dict) and isinstance(node.get("t"), str) and node["t"] not in _NODE_TYPES:
-            raise IntegrityError(f"{where}: the tree at '{path or '$'}' is a '{node['t']:.40}' node, which this tiercel "
-                                 "does not know: the step was written by a newer tiercel (upgrade this one), or the "
-                                 "manifest is damaged")
-        if not isinstance(node, dict) or node.get("t") not in _NODE_TYPES:
-            raise bad(path, f"is not a tree node: {node!r:.80}")
-        t = node["t"]
-        if t in _SCALAR_TYPES:
-            scalar(node, path)
-        elif t in _plain.NODE_TYPES:
-            why = _plain.check(node)
-            if why:
-                raise bad(path, why)
-        elif t == "item":
-            i = node.get("i")
-            if type(i) is not int:
-                raise bad(path, f"refers to item {i!r:.40}, not an item number")
-            refs.append(i)
-        elif t == "enum":
-            if not isinstance(node.get("c"), str):
-                raise bad(path, f"is an enum of no class: {node.get('c')!r:.60}")
-            walk(node.get("v"), path, depth + 1)
-        elif not isinstance(node.get("v"), list):
-            raise bad(path, f"is a '{t}' without a list of entries")
-        elif t in _FIELD_TYPES:
-            if not isinstance(node.get("c"), str):
-                raise bad(path, f"is a {t} of no class: {node.get('c')!r:.60}")
-            names: set[str] = set()
-            for n, pair in enumerate(node["v"]):
-                if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)
-                        and pair[0].isidentifier() and pair[0] not in names):
-                    raise bad(f"{path}/{n}", f"is not a [field name, value] pair: {pair!r:.80}")
-                names.add(pair[0])
-                walk(pair[1], f"{path}/{pair[0]}", depth + 1)
-        elif t == "dict":
-            if node.get("c", "OrderedDict") != "OrderedDict" or ("a" in node and node.get("c") != "OrderedDict"):
-                raise bad(path, f"is a dict of an unknown class {node.get('c')!r:.60}")
-            for n, pair in enumerate(node["v"]):
-                if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], dict)
-                        and pair[0].get("t") in _SCALAR_TYPES):
-                    raise bad(f"{path}/{n}", f"is not a [scalar key, value] pair: {pair!r:.80}")
-                scalar(pair[0], f"{path}/{n}")
-                walk(pair[1], f"{path}/{_unscalar(pair[0])}", depth + 1)
-            if "a" in node:
-                attrs = node["a"]
-                walk(attrs, f"{path}/@attrs", depth + 1)
-                keys = [k.get("v") if k["t"] == "str" else None for k, _ in attrs["v"]] if attrs["t"] == "dict" else [None]
-                if not all(isinstance(k, str) and k.isidentifier() and not k.startswith("__") for k in keys):
-                    raise bad(f"{path}/@attrs", "is not a dict of attribute names")
-        else:  # list, tuple, set, frozenset
-            if "c" in node and (t != "tuple" or not isinstance(node["c"], str)):
-                raise bad(path, f"names a class {node['c']!r:.60} a '{t}' cannot have")
-            for n, x in enumerate(node["v"]):
-                walk(x, f"{path}/{n}", depth + 1)
-
-    walk(tree, "", 0)
-    if sorted(refs) != list(range(len(refs))):
-        raise bad("", f"refers to items {refs[:20]}, not to each of its {len(refs)} items once")
-    return refs
-
-
-def tree_items(node: dict) -> list[int]:
-    """The item references in a tree, in order (the order `flatten` made the leaves in)."""
-    t = node["t"]
-    if t == "item":
-        return [node["i"]]
-    if t == "dict":
-        # An OrderedDict's attributes ("a") are flattened after its entries.
-        return [i for _, v in node["v"] for i in tree_items(v)] + (tree_items(node["a"]) if "a" in node else [])
-    if t in ("list", "tuple", "set", "frozenset"):
-        return [i for v in node["v"] for i in tree_items(v)]
-    if t in _FIELD_TYPES:
-        return [i for _, v in node["v"] for i in tree_items(v)]
-    if t == "enum":
-        return tree_items(node["v"])
-    return []

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ._tree import check_tree
+from ._nodes import check_tree
 from .errors import IntegrityError
 
 
@@ -95,7 +95,7 @@ class Manifest:
     chunk_size: int
     #: (name, length) of each stored data object.
     objects: tuple[tuple[str, int], ...]
-    #: The tree of each put, in put order (opaque structure; see tiercel._tree).
+    #: The tree of each put, in put order (opaque structure; see tiercel._nodes).
     trees: dict[str, dict]
     items: tuple[Item, ...]
 

@@ -1,11 +1,15 @@
 """What a Store has done per tier, for people and for Prometheus.
 
     store.metrics()                          # {"disk": {"steps_written": 12, "lag_steps": 3, ...}, ...}
+    store.metrics().timings                  # {"deepspeed_stall": {"count": 40, "seconds": 1.2, ...}, ...}
     tiercel.metrics.prometheus_text(store)   # the same as Prometheus text: tiercel_* samples
     server = tiercel.metrics.serve(store, 9400)   # GET /metrics, for scraping (and `tiercel stats`)
 
 The counters live in the core and count this process's work (one Store per rank): every
-sample carries `tier` and `rank` labels.
+sample carries a `tier` (or `timing`) and a `rank` label. Their fields are listed once, in
+the core (tiercel-core's store/metrics.rs); this module iterates that list, so a new metric
+needs no edit here. The framework adapters add the times training waits on them
+(`record`).
 """
 
 from __future__ import annotations
@@ -16,27 +20,35 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
+from . import _core
+
 if TYPE_CHECKING:
     from .store import Store
 
-__all__ = ["FIELDS", "MetricsServer", "parse_prometheus", "prometheus_text", "serve"]
+__all__ = ["FIELDS", "TIMINGS", "TIMING_FIELDS", "Metrics", "MetricsServer", "parse_prometheus", "prometheus_text",
+           "record", "serve"]
 
-#: Each field of `Store.metrics()`: (name, Prometheus type, help). Counters get `_total`.
-FIELDS: list[tuple[str, str, str]] = [
-    ("steps_written", "counter", "steps (this rank's part of each) written to the tier"),
-    ("bytes_written", "counter", "raw bytes of the steps written to the tier"),
-    ("write_seconds", "counter", "seconds spent writing to the tier, in the background"),
-    ("write_bytes_per_second", "gauge", "bytes_written / write_seconds"),
-    ("steps_read", "counter", "steps opened for reading with the tier first in restore order"),
-    ("bytes_read", "counter", "bytes read from the tier"),
-    ("last_step", "gauge", "the newest step this rank finished writing to the tier"),
-    ("lag_steps", "gauge", "steps the tier is behind the newest save (before its first write: from its oldest save)"),
-    ("lag_seconds", "gauge", "seconds since the oldest save the tier has not written was made (0: caught up)"),
-    ("queue_depth", "gauge", "background jobs for the tier waiting in the queue"),
-    ("skips", "counter", "saves the tier did not get (replaced by a newer save while queued, not enough hosts)"),
-    ("failures", "counter", "writes to the tier that failed"),
-    ("effective_interval", "gauge", "iterations between checkpoints that reach the tier (learned traffic schedule)"),
-]
+#: Each field of a tier's `Store.metrics()`: (name, Prometheus type, help). Counters get `_total`.
+FIELDS: list[tuple[str, str, str]] = list(_core.TIER_FIELDS)
+#: Each field of a timing in `Store.metrics().timings`, as `FIELDS`; samples `tiercel_timing_<name>`.
+TIMING_FIELDS: list[tuple[str, str, str]] = list(_core.TIMING_FIELDS)
+#: The timings the framework adapters record: name -> what is timed.
+TIMINGS: dict[str, str] = dict(_core.TIMINGS)
+
+
+class Metrics(dict[str, dict[str, Any]]):
+    """`Store.metrics()`: per tier, the fields of `FIELDS`; `timings`: per timing of
+    `TIMINGS` (taken or not), the fields of `TIMING_FIELDS`."""
+
+    def __init__(self, tiers: list[dict[str, Any]], timings: list[dict[str, Any]]) -> None:
+        super().__init__((m.pop("tier"), m) for m in tiers)
+        self.timings: dict[str, dict[str, Any]] = {t.pop("timing"): t for t in timings}
+
+
+def record(store: Store, timing: str, seconds: float) -> None:
+    """An adapter measured `seconds` of the timing `timing` (one of `TIMINGS`): counted in
+    `store.metrics().timings` and the Prometheus text."""
+    store._core.timed(timing, seconds)
 
 
 def _sample_name(field: str, kind: str) -> str:
@@ -49,12 +61,14 @@ def prometheus_text(store: Store) -> str:
     finished writing has its lag, growing, so an alert on lag fires for a hung tier."""
     metrics = store.metrics()
     lines: list[str] = []
-    for field, kind, help_text in FIELDS:
-        name = _sample_name(field, kind)
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-        for tier, m in metrics.items():
-            if m[field] is not None:
-                lines.append(f'{name}{{tier="{tier}",rank="{store.rank}"}} {float(m[field])!r}')
+    families = [(FIELDS, "", "tier", metrics), (TIMING_FIELDS, "timing_", "timing", metrics.timings)]
+    for fields, prefix, label, samples in families:
+        for field, kind, help_text in fields:
+            name = _sample_name(prefix + field, kind)
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            for key, m in samples.items():
+                if m[field] is not None:
+                    lines.append(f'{name}{{{label}="{key}",rank="{store.rank}"}} {float(m[field])!r}')
     return "\n".join(lines) + "\n"
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from .errors import InvalidArgumentError, TiercelError, WorldSizeError
 
 if TYPE_CHECKING:
+    from . import _core
     from .store import Store
 
 #: What a rank reports about a candidate step: the world size that saved it (None when no
@@ -41,17 +42,21 @@ class Need:
     reshard: bool = False
 
 
-def newest_step(store: Store, need: Need, below: int | None, skipped: list[str]) -> int | None:
+def newest_step(store: Store, need: Need, below: int | None, skipped: list[str],
+                opened: dict[int, _core.StepReader] | None = None) -> int | None:
     """The newest step (below `below`, if given) that every rank can read what `need` says;
     None when there is none. Appends to `skipped` each newer step passed over and why.
     Raises WorldSizeError when the newest such step of this job was saved by another
-    number of ranks and `need` reads each rank's own part."""
+    number of ranks and `need` reads each rank's own part. `opened` receives the core's
+    readers of the chosen step that deciding opened, by saved rank: a restore reads through
+    them, so it reads each commit record and manifest once."""
     mine = [s for s in store._core.restorable_steps() if below is None or s < below]
     everyone = gather(store, mine)
     common = sorted(set(everyone[0]).intersection(*map(set, everyone[1:])), reverse=True)
     chosen = None
     for step in common:
-        reports: list[Report] = gather(store, _report(store, step, need, skipped))
+        readers: dict[int, _core.StepReader] = {}
+        reports: list[Report] = gather(store, _report(store, step, need, skipped, readers))
         worlds = sorted({w for w, _ in reports if w is not None})
         if not need.reshard and need.rank is None and any(w != store.world_size for w in worlds):
             raise world_size_error(store, step, worlds[0], common)
@@ -59,6 +64,8 @@ def newest_step(store: Store, need: Need, below: int | None, skipped: list[str])
         saves = {g for _, o in reports if o is not False for g in o}
         if not bad and len(saves) <= 1:
             chosen = step
+            if opened is not None:
+                opened.update(readers)
             break
         if bad:
             skipped.append(f"step {step} passed over: rank(s) {bad} cannot restore it")
@@ -113,23 +120,35 @@ def world_size_error(store: Store, step: int, world: int, steps: list[int]) -> W
     )
 
 
-def _report(store: Store, step: int, need: Need, skipped: list[str]) -> Report:
-    world = saved_world_size(store, step)
-    if need.reshard:
-        ranks = list(range(store.rank, world, store.world_size)) if world is not None else [store.rank]
-    elif need.rank is not None:
-        ranks = [need.rank]
-    elif world is not None and world != store.world_size:
-        return world, []  # every rank raises WorldSizeError on the gathered world sizes
-    else:
-        ranks = [store.rank]
-    saves: list[str | None] = []
-    for r in ranks:
+def _report(store: Store, step: int, need: Need, skipped: list[str], opened: dict[int, _core.StepReader]) -> Report:
+    """This rank's `Report` on `step`; the readers it opened go into `opened` (by saved
+    rank), for the restore to read through rather than open the step again. The saved world
+    size comes from the first reader's commit record (a resharding process p checks saved
+    ranks p, p + n, ...: p first), so nothing is read twice."""
+    plain = not need.reshard and need.rank is None  # this rank's own part, at this world size
+    first = store.rank if need.rank is None else need.rank
+    try:
+        reader = store._core.reader(step, first, None)
+    except TiercelError as e:
+        world = saved_world_size(store, step)
+        if world is not None and ((plain and world != store.world_size) or (need.reshard and first >= world)):
+            # A plain restore: every rank raises WorldSizeError on the gathered world sizes.
+            # Resharding: fewer saved ranks than processes, none of them this one's to check.
+            return world, []
+        skipped.append(f"step {step} skipped on rank {store.rank}: {e}")
+        return world, False
+    world = reader.world_size
+    if plain and world != store.world_size:
+        return world, []
+    opened[first] = reader
+    saves: list[str | None] = [reader.generation]
+    for r in range(first + store.world_size, world, store.world_size) if need.reshard else ():
         try:
-            saves.append(store._core.reader(step, r, None).generation)
+            opened[r] = reader = store._core.reader(step, r, None)
         except TiercelError as e:
             skipped.append(f"step {step} skipped on rank {store.rank}: {e}")
             return world, False
+        saves.append(reader.generation)
     return world, sorted(set(saves), key=str)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .advertise import advertised_address
@@ -21,6 +22,18 @@ if TYPE_CHECKING:
 
 #: Tier kinds a broadcast is not worth it for: each rank reads its own host's memory.
 FAST_KINDS = ("memory", "peer")
+
+
+@dataclass
+class Sharing:
+    """What one Store keeps from one shared restore for the next (`Store._sharing`)."""
+
+    #: Rank 0's relay secret and job name, agreed on at the first shared restore and kept:
+    #: the relay is started once per store.
+    relay: tuple[str, str] | None = None
+    #: Bytes per second of one stream from the tier ("tier") and from another rank ("relay")
+    #: in the last broadcast: what `auto_mode` decides on.
+    rates: dict[str, float] = field(default_factory=dict)
 
 
 def replica_group_of(spec: Sequence[int] | Sequence[Sequence[int]] | None, rank: int, world_size: int) -> list[int]:
@@ -115,12 +128,12 @@ def _meet(store: Store, wants: bool, step: int | None, *extra: Any) -> list[tupl
     (agreed on at the first restore and kept: the relay is started once per store), then
     every rank's (wants, host, relay address, step, its `auto` choice, *extra); this rank's
     relay is started first if it `wants`."""
-    mine: tuple[str, str] | None = getattr(store, "_relay_shared", None)
+    mine = store._sharing.relay
     if mine is None and store.rank == 0:
         mine = (secrets.token_hex(32), store.run_id or secrets.token_hex(8))
     assert store.coordinator is not None
-    shared = store.coordinator.all_gather(mine)[0]
-    setattr(store, "_relay_shared", shared)
+    secret, job = store.coordinator.all_gather(mine)[0]
+    shared = store._sharing.relay = (secret, job)
     addr = None
     if wants:
         listen = os.environ.get("TIERCEL_RELAY_LISTEN", "0.0.0.0:0")
@@ -144,7 +157,7 @@ def auto_mode(store: Store) -> str:
     A chunk received waited for its sender's read of it and then crossed the network, so its
     time is about a tier read plus a transfer: the relay's per-stream rate falls below half
     the tier's exactly when a transfer takes longer than a read."""
-    rates: dict[str, float] = getattr(store, "_replica_rates", {})
+    rates = store._sharing.rates
     if rates.get("relay", float("inf")) < 0.5 * rates.get("tier", 0.0):
         return "all"
     return "striped"
@@ -158,4 +171,4 @@ def _remember_rates(store: Store, stats: dict[str, Any]) -> None:
         rates["tier"] = stats["bytes_read"] / stats["read_seconds"]
     if stats["bytes_received"] and stats["receive_seconds"] > 0:
         rates["relay"] = stats["bytes_received"] / stats["receive_seconds"]
-    setattr(store, "_replica_rates", rates)
+    store._sharing.rates = rates

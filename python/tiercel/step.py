@@ -233,8 +233,10 @@ class Reader:
     """One rank's view of a committed step; reads only the items (or byte ranges) asked for."""
 
     def __init__(self, store: Store, step: int, rank: int | None = None, tiers: list[str] | None = None,
-                 job: str | None = None, *, trust_pickles: bool = False):
-        self._core = store._core.reader(step, rank, tiers, job)
+                 job: str | None = None, *, trust_pickles: bool = False, opened: _core.StepReader | None = None):
+        # `opened`: the core's reader of this step and rank with these tiers and job, opened
+        # already (choosing the step opens it): its commit records and manifests are not read again.
+        self._core = store._core.reader(step, rank, tiers, job) if opened is None else opened
         self.step = step
         self.rank: int = self._core.rank
         #: The manifest of the first tier in restore order that has the step.

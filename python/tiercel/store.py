@@ -17,8 +17,9 @@ from . import _core
 from .advertise import advertised_address, is_loopback
 from .coordinator import Coordinator, default_coordinator
 from .errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
+from .metrics import Metrics
 from .newest import Need, check_world_size, gather, newest_step, world_size_error
-from .replicas import replica_group_of, share_replicated
+from .replicas import Sharing, replica_group_of, share_replicated
 from .step import Reader, RestoreInfo, SaveHandle, Writer
 from .traffic import Traffic
 
@@ -85,6 +86,8 @@ class Store:
         #: Every rank's host, by rank (learned when the store joins its cluster).
         self.hosts: list[str] = [self.host] * world_size
         self.last_restore: RestoreInfo | None = None
+        #: What a restore shared with the replica group leaves for the next (tiercel.replicas).
+        self._sharing = Sharing()
         self._skipped: list[str] = []
         self._closed = False
         self._join_cluster()
@@ -188,13 +191,15 @@ class Store:
                 out.errors[name] = error
         return out
 
-    def metrics(self) -> dict[str, dict[str, Any]]:
+    def metrics(self) -> Metrics:
         """What this process has done per tier: {"disk": {"steps_written": 12, "bytes_written":
         ..., "write_seconds": ..., "write_bytes_per_second": ..., "steps_read": ...,
         "bytes_read": ..., "last_step": 40, "lag_steps": 3, "lag_seconds": 9.5, "queue_depth":
-        1, "skips": 2, "failures": 0}, ...}; `None` where nothing is known yet.
+        1, "skips": 2, "failures": 0, "effective_interval": None}, ...}; `None` where nothing
+        is known yet. `.timings`: what the framework adapters timed where training waits on
+        them, {"deepspeed_stall": {"count": 40, "seconds": 1.2, "last_seconds": 0.01}, ...}.
         tiercel.metrics has them as Prometheus text and serves them."""
-        return {m.pop("tier"): m for m in self._core.metrics()}
+        return Metrics(self._core.metrics(), self._core.timings())
 
     def latest_step(self, *, reshard: bool = False) -> int | None:
         """The newest step of this job that every rank can restore at this world size
@@ -212,25 +217,28 @@ class Store:
         saved it, of which every saved rank's part opens."""
         return self._newest(Need(reshard=reshard))
 
-    def _newest(self, need: Need, below: int | None = None) -> int | None:
+    def _newest(self, need: Need, below: int | None = None, opened: dict[int, _core.StepReader] | None = None) -> int | None:
         self._skipped = []
-        return newest_step(self, need, below, self._skipped)
+        return newest_step(self, need, below, self._skipped, opened)
 
     def reader(self, step: int | None = None, *, rank: int | None = None, tiers: list[str] | None = None,
                job: str | None = None) -> Reader:
         """A reader of `step` (default: the newest step restorable by every rank, as
         `restore`). `rank`: read saved rank `rank`'s part (default: this rank's, which needs
         the step saved at this world size: else WorldSizeError). `job`: see `restore`."""
+        opened: dict[int, _core.StepReader] = {}
         if step is None:
             _no_job_without_step(job)
-            step = self._require_latest(Need(rank=rank))
-        return self._open(_check_step(step), rank, tiers, job)
+            step = self._require_latest(Need(rank=rank), opened=opened)
+        return self._open(_check_step(step), rank, tiers, job, None if tiers else opened.get(self._rank(rank)))
 
-    def _open(self, step: int, rank: int | None, tiers: list[str] | None, job: str | None) -> Reader:
+    def _open(self, step: int, rank: int | None, tiers: list[str] | None, job: str | None,
+              opened: _core.StepReader | None = None) -> Reader:
         """A reader of `step`: saved rank `rank`'s part, or this rank's own part of a step
-        saved at this world size (else WorldSizeError)."""
+        saved at this world size (else WorldSizeError). `opened`: the core's reader of it that
+        choosing the step opened (so the step's metadata is read once)."""
         try:
-            r = Reader(self, step, rank, tiers, job)
+            r = Reader(self, step, rank, tiers, job, opened=opened)
         except InvalidArgumentError:
             if rank is None:  # the step has no rank of this number: say why
                 check_world_size(self, step)
@@ -271,12 +279,13 @@ class Store:
         skipped: list[str] = []
         below = None
         while True:
-            step = self._require_latest(need, below, skipped)
+            opened: dict[int, _core.StepReader] = {}
+            step = self._require_latest(need, below, skipped, opened)
             skipped += self._skipped
             error: Exception | None = None
             result = None
             try:
-                result = self._read_step(step, None, rank)
+                result = self._read_step(step, None, rank, opened.get(self._rank(rank)))
             except Exception as e:  # every rank takes part in the all-gather below first
                 error = e
             failed = self._failures(error)
@@ -297,12 +306,13 @@ class Store:
         self.last_restore = info
         return state
 
-    def _read_step(self, step: int, job: str | None, rank: int | None) -> tuple[dict[str, Any], RestoreInfo]:
+    def _read_step(self, step: int, job: str | None, rank: int | None,
+                   opened: _core.StepReader | None = None) -> tuple[dict[str, Any], RestoreInfo]:
         """Reads every put of `step` (saved rank `rank`'s part; default this rank's), every
         chunk verified (a zero-copy view is checked when it is mapped)."""
         t0 = time.perf_counter()
         try:
-            r = self._open(step, rank, None, job)
+            r = self._open(step, rank, None, job, opened)
         except TiercelError:
             share_replicated(self, None)  # still take part, so that the others do not wait
             raise
@@ -318,8 +328,13 @@ class Store:
         mine = None if error is None else (type(error).__name__, str(error))
         return {r: f for r, f in enumerate(gather(self, mine)) if f is not None}
 
-    def _require_latest(self, need: Need, below: int | None = None, skipped: list[str] | None = None) -> int:
-        step = self._newest(need, below)
+    def _rank(self, rank: int | None) -> int:
+        """The saved rank a read of `rank` (None: this rank's own part) reads."""
+        return self.rank if rank is None else rank
+
+    def _require_latest(self, need: Need, below: int | None = None, skipped: list[str] | None = None,
+                        opened: dict[int, _core.StepReader] | None = None) -> int:
+        step = self._newest(need, below, opened)
         if step is None:
             listed = self.steps()
             steps: Any = dict(listed) | {t: f"cannot list: {e}" for t, e in listed.errors.items()}

@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import io
 import pickle
+import time
 import uuid
 from typing import Any
 
@@ -36,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ..errors import InvalidArgumentError
+from ..metrics import record
 from ..step import SaveHandle
 from ..step import Writer as StepWriter
 from ..store import PolicyLike, Store
@@ -229,12 +231,14 @@ class Writer(StorageWriter, AsyncStager):
                 "dcp.async_save stages before it hands over checkpoint_id: give the step to "
                 "tiercel.dcp.Writer(policy, step=N)"
             )
+        t0 = time.perf_counter()
         self._discard()
         self._writer = self.store.writer(self.step)
         tensors: dict[str, torch.Tensor] = {}
         skeleton = _collect(state_dict, "", tensors)
         views = _layout.stage(self._writer, PUT_STAGED, tensors)
         self._staged = {v.data_ptr(): (k, v) for k, v in views.items() if v.numel()}
+        record(self.store, "dcp_staging", time.perf_counter() - t0)  # store.metrics().timings
         return _rebuild(skeleton, views)
 
     def synchronize_staging(self) -> None:

@@ -26,6 +26,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from ..errors import InvalidArgumentError, NotFoundError, TiercelError
 from ..leaves import PickleWarning
+from ..metrics import record
 from ..step import Prepared, Reader, RestoreInfo, SaveHandle, Writer
 from ..store import Store
 from .layout import LAYOUT_PUT, Layout, Save, norm_dir, step_for_tag
@@ -113,7 +114,7 @@ class TiercelCheckpointEngine(CheckpointEngine):
         self._session: dict[int, Layout] = {}
         #: The optimizer's step waits here for the last save's snapshot (attach installs it);
         #: `gate.last_stall_seconds` / `gate.stall_seconds` say how long it waited.
-        self.gate = Gate()
+        self.gate = Gate(lambda seconds: record(store, "deepspeed_stall", seconds))
         #: The handle of the last committed save, once its snapshot is done (`wait()` waits
         #: for the snapshot, then for the background tiers).
         self.last_handle: SaveHandle | None = None

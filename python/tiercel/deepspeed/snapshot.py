@@ -125,8 +125,9 @@ class Snapshot:
 class Gate:
     """Makes the optimizer's step wait for the running snapshot; measures the waits."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_stall: Callable[[float], None] | None = None) -> None:
         self.snapshot: Snapshot | None = None
+        self._on_stall = on_stall  # told each wait's seconds (store.metrics().timings)
         self._executor: ThreadPoolExecutor | None = None
         #: Seconds the last optimizer step waited, and all of them together.
         self.last_stall_seconds = 0.0
@@ -152,6 +153,8 @@ class Gate:
         waited = s.join()
         if waited:
             self.stalls += 1
+            if self._on_stall is not None:
+                self._on_stall(waited)
         self.last_stall_seconds = waited
         self.stall_seconds += waited
         return waited

@@ -22,6 +22,7 @@ from orbax.checkpoint import future as ocp_future
 
 from .. import _dtypes
 from ..errors import InvalidArgumentError, NotFoundError, TiercelError, TierUnavailableError
+from ..metrics import record
 from ..step import RestoreInfo, SaveHandle
 from ..store import PolicyLike, Store
 from . import _steps
@@ -159,6 +160,7 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         futures: list[ocp_future.Future] = [ocp_future.CommitFutureAwaitingContractedSignals(
             self._write(write, put, value, directory, store.rank == 0), name="tiercel_save")]
         self.last_blocking_seconds = time.perf_counter() - t0
+        record(store, "orbax_blocking", self.last_blocking_seconds)  # store.metrics().timings
         return futures
 
     async def _write(self, write: _steps.StepWrite, put: str, value: dict[str, Any], directory: epath.Path,

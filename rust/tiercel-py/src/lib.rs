@@ -1,10 +1,11 @@
 //! PyO3 bindings of tiercel-core as `tiercel._core`: conversions, GIL release and the one
 //! mapping of core errors to Python exceptions (`errors`). No logic of its own lives here.
 //! `store` binds the Store, `traffic` its training-communication signals, `step` a step being written or read, `buffer` the memory handed
-//! to Python.
+//! to Python, `metrics` the core's metrics.
 
 mod buffer;
 mod errors;
+mod metrics;
 mod step;
 mod store;
 mod traffic;
@@ -101,6 +102,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Buffer>()?;
     m.add_class::<Traffic>()?;
     m.add("FORMAT_VERSION", tiercel_core::format::FORMAT_VERSION)?;
+    metrics::add(m)?;
     m.add_function(wrap_pyfunction!(placement, m)?)?;
     m.add_function(wrap_pyfunction!(step_dir_name, m)?)?;
     Ok(())

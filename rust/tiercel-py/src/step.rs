@@ -194,6 +194,12 @@ impl StepReader {
         self.inner.rank
     }
 
+    /// How many ranks saved the step (from the commit record this reader read).
+    #[getter]
+    fn world_size(&self) -> u32 {
+        self.inner.world_size
+    }
+
     /// Which save of the step this reader reads ("<launch>.<n>"), or None for steps saved
     /// before generations were recorded.
     #[getter]

@@ -13,6 +13,7 @@ use tiercel_core::store as core;
 use tiercel_core::tier::gc::Removal;
 
 use crate::errors::{invalid, TcResult};
+use crate::metrics;
 use crate::step::{StepReader, StepWriter};
 use crate::{json, seconds};
 
@@ -120,33 +121,21 @@ impl Store {
             .collect()
     }
 
-    /// What this process has done per tier, in policy order: [{"tier", "steps_written",
-    /// "bytes_written", "write_seconds", "write_bytes_per_second", "steps_read", "bytes_read",
-    /// "last_step", "lag_steps", "lag_seconds", "queue_depth", "skips", "failures",
-    /// "effective_interval"}].
-    fn metrics<'py>(&self, py: Python<'py>) -> TcResult<Vec<Bound<'py, PyDict>>> {
-        self.inner
-            .metrics()
-            .into_iter()
-            .map(|m| {
-                let d = PyDict::new(py);
-                d.set_item("tier", m.tier)?;
-                d.set_item("steps_written", m.steps_written)?;
-                d.set_item("bytes_written", m.bytes_written)?;
-                d.set_item("write_seconds", m.write_seconds)?;
-                d.set_item("write_bytes_per_second", m.write_bytes_per_second)?;
-                d.set_item("steps_read", m.steps_read)?;
-                d.set_item("bytes_read", m.bytes_read)?;
-                d.set_item("last_step", m.last_step)?;
-                d.set_item("lag_steps", m.lag_steps)?;
-                d.set_item("lag_seconds", m.lag_seconds)?;
-                d.set_item("queue_depth", m.queue_depth)?;
-                d.set_item("skips", m.skips)?;
-                d.set_item("failures", m.failures)?;
-                d.set_item("effective_interval", m.effective_interval)?;
-                Ok(d)
-            })
-            .collect()
+    /// What this process has done per tier, in policy order: [{"tier", then each field of
+    /// `_core.TIER_FIELDS`}].
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        self.inner.metrics().into_iter().map(|m| metrics::dict(py, ("tier", &m.tier), m.values())).collect()
+    }
+
+    /// The framework adapters' timings: [{"timing", then each field of `_core.TIMING_FIELDS`}],
+    /// one per `_core.TIMINGS`.
+    fn timings<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        self.inner.timings().into_iter().map(|t| metrics::dict(py, ("timing", t.timing), t.values())).collect()
+    }
+
+    /// An adapter measured the timing `name` (one of `_core.TIMINGS`) once more: `seconds`.
+    fn timed(&self, name: &str, seconds: f64) -> TcResult<()> {
+        Ok(self.inner.timed(name, seconds)?)
     }
 
     /// Every step on a tier, committed or not.

@@ -1,12 +1,19 @@
 //! What this process's store has done per tier: the counters behind `Store::metrics` (and
 //! Python's `store.metrics()`, Prometheus text and `tiercel stats`). Counted where the work
-//! happens (save.rs, restore.rs); read without stopping it.
+//! happens (save.rs, restore.rs); read without stopping it. Beside them, the times the
+//! framework adapters measure where training waits on a checkpoint (`TIMINGS`).
+//!
+//! Every field is listed once, in a `snapshot!` below: the struct, its field list (name,
+//! Prometheus type, help) and its values come from that list; the bindings and the
+//! Prometheus text iterate it, and tests/test_metrics.py holds docs/api.md's tables to it.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
 
 /// How many saves' times are remembered, to tell how far behind a tier is in seconds.
 const SAVE_TIMES_KEPT: usize = 4096;
@@ -81,45 +88,136 @@ impl TierCounters {
     }
 }
 
-/// One tier's numbers at one moment.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TierMetrics {
-    pub tier: String,
-    /// Steps (this rank's part of each) written to the tier, and their raw bytes.
-    pub steps_written: u64,
-    pub bytes_written: u64,
-    /// Seconds spent writing them (background work: the memory tier's flush, persists).
-    pub write_seconds: f64,
-    /// bytes_written / write_seconds, when something was written.
-    pub write_bytes_per_second: Option<f64>,
-    /// Steps read with this tier first in line (readers that read something), and bytes
-    /// read from it.
-    pub steps_read: u64,
-    pub bytes_read: u64,
-    /// The newest step this rank finished writing to the tier.
-    pub last_step: Option<u64>,
-    /// How far the tier is behind the newest save, in steps: from `last_step`, or before the
-    /// tier's first write from just before the oldest save handed to it. None while the tier
-    /// was handed nothing.
-    pub lag_steps: Option<u64>,
-    /// Seconds since the oldest save handed to the tier that it has not written (nor a later
-    /// one) was made, and still growing while the tier hangs; 0 when it is caught up.
-    pub lag_seconds: Option<f64>,
-    /// Jobs for the tier waiting in the scheduler's queue.
-    pub queue_depth: u64,
-    /// Saves the tier did not get (a newer save replaced a queued one, not enough hosts).
-    pub skips: u64,
-    /// Writes that failed.
-    pub failures: u64,
-    /// Iterations between checkpoints that reach the tier under the learned traffic
-    /// schedule (`[traffic] mode = "learned"`), once it has planned one.
-    pub effective_interval: Option<u64>,
+/// Whether a metric only grows (a Prometheus counter) or goes up and down (a gauge).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Counter => "counter",
+            Kind::Gauge => "gauge",
+        }
+    }
+}
+
+/// One field of a metrics snapshot: what the bindings, the Prometheus text and the docs
+/// iterate, so that a new metric is one line in a `snapshot!` below (and where it is counted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Field {
+    pub name: &'static str,
+    pub kind: Kind,
+    /// What it means: the field's doc comment and the Prometheus HELP line.
+    pub help: &'static str,
+}
+
+/// A metric's value: counts stay whole numbers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Value {
+    Int(u64),
+    Float(f64),
+}
+
+/// A snapshot field's value, None where nothing is known yet.
+pub trait ToValue {
+    fn value(&self) -> Option<Value>;
+}
+impl ToValue for u64 {
+    fn value(&self) -> Option<Value> {
+        Some(Value::Int(*self))
+    }
+}
+impl ToValue for f64 {
+    fn value(&self) -> Option<Value> {
+        Some(Value::Float(*self))
+    }
+}
+impl<T: ToValue> ToValue for Option<T> {
+    fn value(&self) -> Option<Value> {
+        self.as_ref().and_then(ToValue::value)
+    }
+}
+
+/// A snapshot struct whose fields are listed once: the struct, its `FIELDS` (name, kind,
+/// help) and `values()` in the same order come from the one list.
+macro_rules! snapshot {
+    ($(#[$meta:meta])* $name:ident { $key_doc:literal $key:ident: $key_ty:ty } $fields:ident {
+        $($field:ident: $ty:ty, $kind:ident, $help:literal;)*
+    }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, PartialEq)]
+        pub struct $name {
+            #[doc = $key_doc]
+            pub $key: $key_ty,
+            $(#[doc = $help] pub $field: $ty,)*
+        }
+
+        #[doc = concat!("The fields of `", stringify!($name), "`, in order.")]
+        pub const $fields: &[Field] = &[$(Field { name: stringify!($field), kind: Kind::$kind, help: $help },)*];
+
+        impl $name {
+            /// Each field's value, in the order of its field list.
+            pub fn values(&self) -> Vec<(&'static str, Option<Value>)> {
+                vec![$((stringify!($field), ToValue::value(&self.$field)),)*]
+            }
+        }
+    };
+}
+
+snapshot! {
+    /// One tier's numbers at one moment.
+    TierMetrics { "The tier's name." tier: String } TIER_FIELDS {
+        steps_written: u64, Counter, "steps (this rank's part of each) written to the tier";
+        bytes_written: u64, Counter, "raw bytes of the steps written to the tier";
+        write_seconds: f64, Counter, "seconds spent writing to the tier, in the background";
+        write_bytes_per_second: Option<f64>, Gauge, "bytes_written / write_seconds";
+        steps_read: u64, Counter, "steps opened for reading with the tier first in restore order";
+        bytes_read: u64, Counter, "bytes read from the tier";
+        last_step: Option<u64>, Gauge, "the newest step this rank finished writing to the tier";
+        lag_steps: Option<u64>, Gauge, "steps the tier is behind the newest save (before its first write: from its oldest save)";
+        lag_seconds: Option<f64>, Gauge, "seconds since the oldest save the tier has not written was made (0: caught up)";
+        queue_depth: u64, Gauge, "background jobs for the tier waiting in the queue";
+        skips: u64, Counter, "saves the tier did not get (replaced by a newer save while queued, not enough hosts)";
+        failures: u64, Counter, "writes to the tier that failed";
+        effective_interval: Option<u64>, Gauge, "iterations between checkpoints that reach the tier (learned traffic schedule)";
+    }
+}
+
+snapshot! {
+    /// One timing at one moment: how often the time it measures was taken, and how long.
+    TimingMetrics { "The timing's name (one of `TIMINGS`)." timing: &'static str } TIMING_FIELDS {
+        count: u64, Counter, "times the timing was taken";
+        seconds: f64, Counter, "seconds in all";
+        last_seconds: Option<f64>, Gauge, "seconds the last time";
+    }
+}
+
+/// Times the framework adapters take where training waits on a checkpoint, and what each
+/// means: recorded by the adapter (`Metrics::timed`) so that `metrics()` and the Prometheus
+/// text show them beside the tiers' numbers.
+pub const TIMINGS: &[(&str, &str)] = &[
+    ("deepspeed_stall", "DeepSpeed's optimizer step waiting for the last save's snapshot (tiercel.deepspeed)"),
+    ("orbax_blocking", "an Orbax save holding its caller in tiercel's checkpoint handler (tiercel.orbax)"),
+    ("dcp_staging", "DCP's async_save staging the state into shared memory (tiercel.dcp)"),
+];
+
+/// The counters of one timing.
+#[derive(Default)]
+struct TimingCounters {
+    count: AtomicU64,
+    nanos: AtomicU64,
+    last_nanos: AtomicU64,
 }
 
 /// The counters of every tier of a store, and when each recent save was made.
 pub struct Metrics {
     tiers: Vec<(String, TierCounters)>,
     saves: Mutex<BTreeMap<u64, f64>>,
+    /// By `TIMINGS`' order.
+    timings: Vec<TimingCounters>,
 }
 
 fn now() -> f64 {
@@ -128,7 +226,45 @@ fn now() -> f64 {
 
 impl Metrics {
     pub fn new(tiers: impl IntoIterator<Item = String>) -> Metrics {
-        Metrics { tiers: tiers.into_iter().map(|t| (t, TierCounters::default())).collect(), saves: Mutex::new(BTreeMap::new()) }
+        Metrics {
+            tiers: tiers.into_iter().map(|t| (t, TierCounters::default())).collect(),
+            saves: Mutex::new(BTreeMap::new()),
+            timings: TIMINGS.iter().map(|_| TimingCounters::default()).collect(),
+        }
+    }
+
+    /// The timing `name` (one of `TIMINGS`) took `seconds` once more.
+    pub fn timed(&self, name: &str, seconds: f64) -> Result<()> {
+        let Some(i) = TIMINGS.iter().position(|(n, _)| *n == name) else {
+            let known: Vec<&str> = TIMINGS.iter().map(|(n, _)| *n).collect();
+            return Err(Error::invalid(format!("no timing '{name}' (known: {}); add it to TIMINGS in store/metrics.rs", known.join(", "))));
+        };
+        if !(seconds.is_finite() && seconds >= 0.0) {
+            return Err(Error::invalid(format!("timing '{name}': {seconds} is no number of seconds")));
+        }
+        let c = &self.timings[i];
+        let nanos = (seconds * 1e9) as u64;
+        c.nanos.fetch_add(nanos, Relaxed);
+        c.last_nanos.store(nanos, Relaxed);
+        c.count.fetch_add(1, Relaxed);
+        Ok(())
+    }
+
+    /// Every timing of `TIMINGS`, taken or not.
+    pub fn timings(&self) -> Vec<TimingMetrics> {
+        TIMINGS
+            .iter()
+            .zip(&self.timings)
+            .map(|(&(name, _), c)| {
+                let count = c.count.load(Relaxed);
+                TimingMetrics {
+                    timing: name,
+                    count,
+                    seconds: c.nanos.load(Relaxed) as f64 / 1e9,
+                    last_seconds: (count > 0).then(|| c.last_nanos.load(Relaxed) as f64 / 1e9),
+                }
+            })
+            .collect()
     }
 
     /// The counters of the tier in slot `i`.
@@ -191,6 +327,32 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The field lists name each field once, in the order of the values handed out.
+    #[test]
+    fn the_field_lists_are_the_values() {
+        let m = Metrics::new(["ram".to_string()]);
+        let names: Vec<&str> = m.snapshot()[0].values().iter().map(|(n, _)| *n).collect();
+        assert_eq!(names, TIER_FIELDS.iter().map(|f| f.name).collect::<Vec<_>>());
+        assert_eq!(&names[..3], ["steps_written", "bytes_written", "write_seconds"]);
+        assert_eq!(TIER_FIELDS[3], Field { name: "write_bytes_per_second", kind: Kind::Gauge, help: "bytes_written / write_seconds" });
+        let names: Vec<&str> = m.timings()[0].values().iter().map(|(n, _)| *n).collect();
+        assert_eq!(names, ["count", "seconds", "last_seconds"]);
+    }
+
+    #[test]
+    fn timings_count_sum_and_keep_the_last() {
+        let m = Metrics::new(["ram".to_string()]);
+        assert_eq!(m.timings()[0], TimingMetrics { timing: "deepspeed_stall", count: 0, seconds: 0.0, last_seconds: None });
+        m.timed("dcp_staging", 0.25).unwrap();
+        m.timed("dcp_staging", 0.5).unwrap();
+        let t = m.timings().into_iter().find(|t| t.timing == "dcp_staging").unwrap();
+        assert_eq!((t.count, t.seconds, t.last_seconds), (2, 0.75, Some(0.5)));
+        assert_eq!(t.values()[0], ("count", Some(Value::Int(2))));
+        let e = m.timed("orbax_stall", 1.0).unwrap_err();
+        assert!(e.message.contains("no timing 'orbax_stall' (known: deepspeed_stall, orbax_blocking, dcp_staging)"), "{e}");
+        assert!(m.timed("dcp_staging", f64::NAN).is_err());
+    }
 
     #[test]
     fn lag_and_throughput_follow_the_counts() {

@@ -9,7 +9,7 @@ mod broadcast;
 mod copy;
 mod handle;
 mod job;
-mod metrics;
+pub mod metrics;
 mod pending;
 mod restore;
 mod save;
@@ -32,7 +32,7 @@ pub use broadcast::{BroadcastStats, Group, Member, SharedItem};
 pub use copy::copy_step;
 pub use handle::{SaveHandle, TierState};
 pub use job::{job_of, JobFilter, RUN_ID_VARS};
-pub use metrics::{Metrics, TierMetrics};
+pub use metrics::{Metrics, TierMetrics, TimingMetrics};
 pub use pending::{PendingWork, Waited};
 pub use restore::{ItemData, StepReader};
 pub use save::{ItemSpec, StepWriter};
@@ -275,6 +275,16 @@ impl Store {
     /// What this process has done per tier, in policy order (see `metrics`).
     pub fn metrics(&self) -> Vec<TierMetrics> {
         self.metrics.snapshot()
+    }
+
+    /// The framework adapters' timings (see `metrics::TIMINGS`).
+    pub fn timings(&self) -> Vec<TimingMetrics> {
+        self.metrics.timings()
+    }
+
+    /// An adapter measured the timing `name` (one of `metrics::TIMINGS`) once more.
+    pub fn timed(&self, name: &str, seconds: f64) -> Result<()> {
+        self.metrics.timed(name, seconds)
     }
 
     /// Why tier `name` cannot take a step now, if it cannot: a peer tier on fewer hosts than

@@ -47,6 +47,8 @@ struct ZeroCopy {
 pub struct StepReader {
     pub step: u64,
     pub rank: u32,
+    /// How many ranks saved the step, as the commit record of the first tier read says.
+    pub world_size: u32,
     /// (tier index in store slots, that tier's manifest), in restore order.
     pub(super) sources: Vec<(usize, Manifest)>,
     pub(super) store: Arc<Store>,
@@ -87,6 +89,7 @@ impl StepReader {
         let mut seen = vec![];
         let mut broken = false;
         let mut other_jobs: Vec<String> = vec![];
+        let mut world_size = None;
         for name in &order {
             let idx = store.slots.iter().position(|s| &s.config.name == name).ok_or_else(|| store.slot(name).err().unwrap())?;
             let tier = &store.slots[idx].tier;
@@ -123,6 +126,7 @@ impl StepReader {
             if record.ranks.as_ref().is_some_and(|rs| !rs.contains(&rank)) {
                 continue; // a host-local commit of other ranks
             }
+            world_size.get_or_insert(record.world_size);
             seen.push(name.clone());
             match tier.read_manifest(step, rank).and_then(|m| crate::replica::resolve(&**tier, m)) {
                 Ok(m) if m.generation != record.generation => warnings.push(format!(
@@ -179,6 +183,7 @@ impl StepReader {
         Ok(StepReader {
             step,
             rank,
+            world_size: world_size.expect("a source comes with its commit record"),
             sources,
             store: store.clone(),
             warnings: Mutex::new(warnings),
