@@ -232,6 +232,7 @@ def _build(saved: SavedStep, job: _Leaf) -> Any:
     if leaf.prng_impl is not None:
         dtype = None  # the key data keeps its dtype
     sharding = _sharding_of(target)
+    value: Any
     if sharding is None:
         arr = _cast(saved.fill(job.boxes[0][0]), dtype)
         value = arr[()] if leaf.scalar else arr

@@ -15,7 +15,6 @@ import re
 import time
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future as ocp_future
