@@ -256,7 +256,11 @@ def restore_tree(saved: SavedStep, target: Any, multi_process: bool, on_leaf: Ca
     array cut to it or padded with zeros. `empty`: which subtrees of the target are empty
     (None, {}, optax.MaskedNode()): they come back as they are, nothing is read for them."""
     if target is None and default is not None:
-        pairs = [(leaf, default(leaf)) for leaf in saved.leaves]
+        try:
+            pairs = [(leaf, default(leaf)) for leaf in saved.leaves]
+        except TiercelError:
+            saved.share([])  # still take part, so that the other processes do not wait
+            raise
     elif target is None:
         if multi_process:
             raise InvalidArgumentError(
