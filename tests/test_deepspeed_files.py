@@ -48,18 +48,31 @@ def assert_whole(save_dir: Path, tag: str, policy: dict, tmp_path: Path) -> None
     assert_same(fp32_of(save_dir, tmp_path / f"fp32-{tag}"), fp32_of(export, tmp_path / f"fp32-export-{tag}"))
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_the_mirror_writes_files_that_zero_to_fp32_and_torch_load_read(stage, tmp_path, shm_root, disk_root):
-    policy = make_policy(shm_root, disk_root, ram={"keep": 2}, every=2)
+@pytest.mark.parametrize("stage,lag", [(2, True), (3, False)])
+def test_the_mirror_writes_files_that_zero_to_fp32_and_torch_load_read(stage, lag, tmp_path, shm_root, disk_root):
+    """Every tag is written while each step stays in RAM until the mirror has read it. With
+    `lag`, the mirror reads step 1 only after retention (`keep = 1`, no disk tier) removed
+    it: that tag is skipped whole, with a warning, and the later ones are written."""
+    policy = make_policy(shm_root, None, ram={"keep": 1}) if lag else make_policy(shm_root, disk_root, ram={"keep": 5})
     save_dir = tmp_path / "ckpt"
     cfg = {"stage": stage, "steps": STEPS, "mode": "tiercel", "policy": policy, "save_dir": str(save_dir), "mirror": True}
-    run_job(tmp_path, cfg, "trained")
+    # save_16bit_model before the last checkpoint: its file lands in save_dir itself.
+    run_job(tmp_path, {**cfg, "model_file": True, "mirror_lag": lag}, "trained")
     assert (save_dir / "latest").read_text() == f"global_step{STEPS}"
-    assert sorted(p.name for p in save_dir.iterdir() if p.name.startswith("global_step")) == [
-        f"global_step{s}" for s in range(1, STEPS + 1)]
+    tags = sorted(p.name for p in save_dir.iterdir() if p.name.startswith("global_step"))
+    if lag:
+        assert "global_step1" not in tags and f"global_step{STEPS}" in tags, tags
+        assert "DeepSpeed's files of 'global_step1' are not written" in (tmp_path / "trained-0.out").read_text()
+    else:
+        assert tags == [f"global_step{s}" for s in range(1, STEPS + 1)]
+    for tag in tags:  # whichever were written are whole
+        assert sorted(os.listdir(save_dir / tag)) == sorted(os.listdir(save_dir / f"global_step{STEPS}")), tag
     assert not list((save_dir / STAGING).iterdir()), "staging folders or markers left behind"
     assert not [p for p in save_dir.rglob(".tmp-*")], "temporary files left behind"
     assert_whole(save_dir, f"global_step{STEPS}", policy, tmp_path)
+    model_file = torch.load(save_dir / "pytorch_model.bin", weights_only=False)
+    assert_same(dict(model_file), dict(torch.load(tmp_path / f"export-global_step{STEPS}" / "pytorch_model.bin",
+                                                  weights_only=False)))
 
     # The job still loads from tiercel (the files on disk are for other tools).
     resumed = run_job(tmp_path, {**cfg, "steps": STEPS + 1, "resume": True}, "resumed")

@@ -13,7 +13,10 @@ What a reader of `save_dir` sees, whatever moment a process is killed at:
   `save_dir/.tiercel-staging/<save id>/` (each to a temporary name, fsynced, renamed); each
   rank then leaves a marker `<save id>.rank-NNNNN`. Rank 0, once every rank's marker is
   there, renames the staging folder to `save_dir/<tag>` (a folder of that tag from an
-  earlier save is moved aside first, and removed after).
+  earlier save is moved aside first, and removed after). Where a rank could not write its
+  files (retention removed the step before the mirror, behind the saves, read it back; the
+  save itself failed), its marker says so, and rank 0 drops the staging folder instead: that
+  tag is skipped, the next save's is written.
 - `latest` names a tag only once its folder is whole: DeepSpeed's own write of `latest` is
   turned off (its save_checkpoint runs with save_latest=False) and rank 0 writes `latest`
   (temporary name, rename) after the folder's rename.
@@ -35,7 +38,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..errors import NotFoundError, TiercelError
+from ..errors import TiercelError
 from ..step import Reader
 from ..store import Store
 from .layout import Save
@@ -46,6 +49,8 @@ log = logging.getLogger("tiercel.deepspeed")
 #: The environment knob that turns the mirror on for every attach() of the process.
 ENV = "TIERCEL_DEEPSPEED_MIRROR"
 STAGING = ".tiercel-staging"
+#: A rank's marker when it wrote its files of a save (otherwise the marker says why not).
+OK = "ok"
 #: How long rank 0 waits for the other ranks' files of a save before it gives up on that
 #: save's tag folder and `latest` (a rank died; the job is failing anyway).
 RANKS_WAIT_S = 600.0
@@ -95,45 +100,65 @@ class Mirror:
         t0 = time.perf_counter()
         try:
             snapshot.join()
-            if snapshot.error is not None:
-                return  # the save failed (and says so on the training thread): nothing to write
-            self._write_rank(snapshot.step, save, files, save_id)
+            if snapshot.error is not None:  # the save failed (and says so on the training thread)
+                status = f"the save failed: {snapshot.error}"
+            else:
+                try:
+                    self._write_rank(snapshot, save, files, save_id)
+                    status = OK
+                except TiercelError as e:
+                    # Retention removed the step before this thread read it: the mirror is
+                    # behind the saves. The tag is skipped; a later save's is written.
+                    status = f"not read back from tiercel: {e}"
+            # Every rank leaves its marker, whatever happened: rank 0 waits for them all.
+            os.makedirs(os.path.join(save.dir, STAGING), exist_ok=True)
+            _write_bytes(self._marker(save, save_id, self.store.rank), status.encode())
             if self.store.rank == 0:
                 self._publish(save, save_id)
-            self.last_written = (save.tag, time.perf_counter() - t0)
+            if status == OK:
+                self.last_written = (save.tag, time.perf_counter() - t0)
         except BaseException as e:  # noqa: BLE001 - a failed copy must not stop training
             self.last_error = e
             log.error("tiercel: DeepSpeed's files of '%s' (%s) were not written under %s: %s", save.tag, save_id,
                       save.dir, e)
 
-    def _write_rank(self, step: int, save: Save, files: dict[str, str], save_id: str) -> None:
-        staging = os.path.join(save.dir, STAGING, save_id)
-        if files:
-            reader = self._reader(step)
-            for rel in sorted(files):
-                inside = rel.startswith(save.tag + "/")
-                dest = os.path.join(staging, os.path.relpath(rel, save.tag)) if inside else os.path.join(save.dir, rel)
-                write_file(reader.get(files[rel]), dest)
-        os.makedirs(os.path.join(save.dir, STAGING), exist_ok=True)
-        _write_bytes(f"{staging}.rank-{self.store.rank:05d}", b"")
+    @staticmethod
+    def _marker(save: Save, save_id: str, rank: int) -> str:
+        return os.path.join(save.dir, STAGING, f"{save_id}.rank-{rank:05d}")
 
-    def _reader(self, step: int) -> Reader:
-        """This rank's part of the step, once committed in the memory tier (a few
-        milliseconds after the snapshot on the slowest rank of the host)."""
+    def _write_rank(self, snapshot: Snapshot, save: Save, files: dict[str, str], save_id: str) -> None:
+        if not files:
+            return
+        staging = os.path.join(save.dir, STAGING, save_id)
+        reader = self._reader(snapshot)
+        for rel in sorted(files):
+            inside = rel.startswith(save.tag + "/")
+            dest = os.path.join(staging, os.path.relpath(rel, save.tag)) if inside else os.path.join(save.dir, rel)
+            write_file(reader.get(files[rel]), dest)
+
+    def _reader(self, snapshot: Snapshot) -> Reader:
+        """This rank's part of the step, once the memory tier committed it (a few
+        milliseconds after the snapshot on the slowest rank of the host). A step retention
+        removed since raises NotFoundError at once."""
+        handle = snapshot.handle
+        assert handle is not None
+        memory = self.store.tiers()[0]["name"]
         deadline = time.monotonic() + COMMIT_WAIT_S
-        while True:
-            try:
-                return Reader(self.store, step, trust_pickles=True)
-            except NotFoundError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
+        while (state := handle.states().get(memory, "missing")) != "committed":
+            if state.startswith(("failed", "skipped", "missing", "not scheduled")):
+                raise TiercelError(f"step {snapshot.step}: the memory tier '{memory}' {state}")
+            if time.monotonic() > deadline:  # "running", or "written" while another rank of the host copies
+                raise TiercelError(f"step {snapshot.step}: the memory tier '{memory}' has not committed it after "
+                                   f"{COMMIT_WAIT_S:.0f} s (still {state})")
+            time.sleep(0.01)
+        return Reader(self.store, snapshot.step, trust_pickles=True)
 
     def _publish(self, save: Save, save_id: str) -> None:
-        """Rank 0: once every rank's files are there, the tag folder and `latest`."""
+        """Rank 0: once every rank's marker is there, the tag folder and `latest`, if every
+        rank wrote its files; else the staging folder goes."""
         root = os.path.join(save.dir, STAGING)
         staging = os.path.join(root, save_id)
-        markers = [f"{staging}.rank-{r:05d}" for r in range(self.store.world_size)]
+        markers = [self._marker(save, save_id, r) for r in range(self.store.world_size)]
         deadline = time.monotonic() + RANKS_WAIT_S
         while not all(os.path.exists(m) for m in markers):
             if time.monotonic() > deadline:
@@ -142,16 +167,29 @@ class Mirror:
                                    f"{RANKS_WAIT_S:.0f} s: the tag folder and `latest` are left as they were")
             time.sleep(0.05)
         self._remove_leftovers(root)
-        if os.path.isdir(staging):
-            tag_dir = os.path.join(save.dir, save.tag)
-            old = f"{staging}.old"
-            if os.path.exists(tag_dir):
-                os.rename(tag_dir, old)
-            os.rename(staging, tag_dir)
-            _fsync_dir(save.dir)
-            shutil.rmtree(old, ignore_errors=True)
-        if save.latest:
-            _write_bytes(os.path.join(save.dir, "latest"), save.tag.encode())
+        failed = {}
+        for r, m in enumerate(markers):
+            with open(m, "rb") as f:
+                status = f.read().decode()
+            if status != OK:
+                failed[r] = status
+        if failed:
+            shutil.rmtree(staging, ignore_errors=True)
+            log.warning("tiercel: DeepSpeed's files of '%s' are not written under %s (%s); `latest` stays as it was. "
+                        "The files of a step are read back from tiercel after the save: give the memory tier a `keep` "
+                        "that covers the saves the disk is behind", save.tag, save.dir,
+                        "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())))
+        else:
+            if os.path.isdir(staging):
+                tag_dir = os.path.join(save.dir, save.tag)
+                old = f"{staging}.old"
+                if os.path.exists(tag_dir):
+                    os.rename(tag_dir, old)
+                os.rename(staging, tag_dir)
+                _fsync_dir(save.dir)
+                shutil.rmtree(old, ignore_errors=True)
+            if save.latest:
+                _write_bytes(os.path.join(save.dir, "latest"), save.tag.encode())
         for m in markers:
             os.unlink(m)
 
