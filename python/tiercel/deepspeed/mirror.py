@@ -110,6 +110,8 @@ class Mirror:
                     # Retention removed the step before this thread read it: the mirror is
                     # behind the saves. The tag is skipped; a later save's is written.
                     status = f"not read back from tiercel: {e}"
+                except Exception as e:  # noqa: BLE001 - a full disk, a permission: said in the marker
+                    status = f"not written: {type(e).__name__}: {e}"
             # Every rank leaves its marker, whatever happened: rank 0 waits for them all.
             os.makedirs(os.path.join(save.dir, STAGING), exist_ok=True)
             _write_bytes(self._marker(save, save_id, self.store.rank), status.encode())
@@ -127,6 +129,8 @@ class Mirror:
         return os.path.join(save.dir, STAGING, f"{save_id}.rank-{rank:05d}")
 
     def _write_rank(self, snapshot: Snapshot, save: Save, files: dict[str, str], save_id: str) -> None:
+        """This rank's files of the save: those of the tag folder into the staging folder,
+        the others in place."""
         if not files:
             return
         staging = os.path.join(save.dir, STAGING, save_id)
