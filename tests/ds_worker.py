@@ -8,7 +8,11 @@ no saves; "tiercel": attach and save every step; "stock": stock DeepSpeed loads
 $TIERCEL_HOST), save_dir, load_dir, resume (load first), kill_after/victim (that rank
 SIGKILLs itself right after saving that step), snapshot_delay (seconds each save's background
 snapshot sleeps before it copies: the next optimizer step must wait for it), model_file (save_16bit_model before the last
-checkpoint), out (a directory for this rank's report and state dumps).
+checkpoint), mirror (attach with mirror=True: DeepSpeed's files under save_dir too),
+mirror_kill/victim (that rank SIGKILLs itself on the mirror thread, right after it wrote
+the first file of that step's save into the staging folder), mirror_lag (the mirror reads
+step 1 only once retention removed it), out (a directory for this
+rank's report and state dumps).
 
 The model, the data of each step and every seed are functions of the step and rank only, so
 that any run that reaches a step in the same state computes the same losses bit for bit.
@@ -78,7 +82,39 @@ def main() -> None:
 
         # One memory root per simulated host: "{host}" in the policy is this rank's host.
         policy = json.loads(json.dumps(cfg["policy"]).replace("{host}", os.environ.get("TIERCEL_HOST", "")))
-        assert tiercel.deepspeed.attach(engine, policy) is engine
+        assert tiercel.deepspeed.attach(engine, policy, mirror=cfg.get("mirror")) is engine
+        if cfg.get("mirror_lag"):
+            import time
+
+            import tiercel.deepspeed.mirror as mirror
+            from tiercel.step import Reader
+
+            write_rank = mirror.Mirror._write_rank
+
+            def lagging(self, snapshot, save, files, save_id):  # type: ignore[no-untyped-def]
+                # The mirror falls behind: it reads step 1 only once retention removed it.
+                deadline = time.monotonic() + 60
+                while snapshot.step == 1 and time.monotonic() < deadline:
+                    try:
+                        Reader(self.store, 1, trust_pickles=True)
+                    except tiercel.NotFoundError:
+                        break
+                    time.sleep(0.05)
+                return write_rank(self, snapshot, save, files, save_id)
+
+            mirror.Mirror._write_rank = lagging  # type: ignore[method-assign]
+        if cfg.get("mirror_kill") and rank == cfg.get("victim"):
+            import tiercel.deepspeed.mirror as mirror
+
+            write_file = mirror.write_file
+            marker = f"-{cfg['mirror_kill']:06d}{os.sep}"  # the save id of that step's save
+
+            def write_then_die(value, dest):  # type: ignore[no-untyped-def]
+                write_file(value, dest)
+                if marker in dest:
+                    os.kill(os.getpid(), signal.SIGKILL)  # one file of the tag written, the rest not
+
+            mirror.write_file = write_then_die
         if cfg.get("snapshot_delay"):
             import time
 

@@ -116,18 +116,25 @@ def _patch_orbax(ocp: Any) -> None:
                 self._by_root[key] = tiercel.orbax.TiercelCheckpointHandler(policy_for("orbax", key))
             return self._by_root[key], step
 
+        @staticmethod
+        def _save(args: Any, step: int | None) -> Any:
+            return tiercel.orbax.Save(args.item, step=step, save_args=getattr(args, "save_args", None),
+                                      custom_metadata=getattr(args, "custom_metadata", None))
+
         async def async_save(self, directory: Any, args: Any = None) -> Any:
             handler, step = self._target(directory)
-            return await handler.async_save(directory, args=tiercel.orbax.Save(args.item, step=step))
+            return await handler.async_save(directory, args=self._save(args, step))
 
         def save(self, directory: Any, args: Any = None) -> None:
             handler, step = self._target(directory)
-            handler.save(directory, args=tiercel.orbax.Save(args.item, step=step))
+            handler.save(directory, args=self._save(args, step))
 
         def restore(self, directory: Any, args: Any = None) -> Any:
             handler, step = self._target(directory)
-            item = getattr(args, "item", None)
-            return handler.restore(directory, args=tiercel.orbax.Restore(item, step=step))
+            return handler.restore(directory, args=tiercel.orbax.Restore(
+                getattr(args, "item", None), step=step, strict=getattr(args, "strict", True),
+                support_layout=getattr(args, "support_layout", False),
+                fallback_sharding=getattr(args, "fallback_sharding", None)))
 
         def metadata(self, directory: Any) -> Any:
             handler, _ = self._target(directory)

@@ -30,6 +30,7 @@ from ..metrics import record
 from ..step import Prepared, Reader, RestoreInfo, SaveHandle, Writer
 from ..store import Store
 from .layout import LAYOUT_PUT, Layout, Save, norm_dir, step_for_tag
+from .mirror import Mirror
 from .resolve import Found, find_local
 from .snapshot import Gate, keeps_reference
 
@@ -124,6 +125,11 @@ class TiercelCheckpointEngine(CheckpointEngine):
         self.loading: Loading | None = None
         #: How the last load_checkpoint went: step, seconds, items read per tier.
         self.last_load: RestoreInfo | None = None
+        #: Writes DeepSpeed's own files under save_dir in the background (attach(mirror=True)).
+        self.mirror: Mirror | None = None
+        #: The `save_latest` the running save_checkpoint was called with, when attach hands
+        #: `latest` to the mirror (DeepSpeed itself then runs with save_latest=False).
+        self.latest_requested: bool | None = None
 
     # -- save -------------------------------------------------------------------------------
 
@@ -133,7 +139,8 @@ class TiercelCheckpointEngine(CheckpointEngine):
         step = step_for_tag(str(info.tag), self._global_steps())
         before = Layout.from_tree(self._session[step].to_tree(), "session") if step in self._session else Layout(step)
         carried, lost = self._read_back(before)
-        save = Save(norm_dir(info.save_dir), str(info.tag), bool(info.save_latest), int(self._global_steps()))
+        latest = info.save_latest if self.latest_requested is None else self.latest_requested
+        save = Save(norm_dir(info.save_dir), str(info.tag), bool(latest), int(self._global_steps()))
         keep = keeps_reference(self._updated_by_step())
         self._open = _OpenSave(step, save, self.store.writer(step), before, carried, lost, keep)
 
@@ -217,7 +224,9 @@ class TiercelCheckpointEngine(CheckpointEngine):
             o.writer.abort()
             raise
         self.last_copied_bytes = o.copied
-        self.gate.start(o.writer, o.puts)
+        snapshot = self.gate.start(o.writer, o.puts)
+        if self.mirror is not None:
+            self.mirror.submit(snapshot, o.save, o.files)
         self._session[o.step] = layout
         for old in sorted(self._session)[:-_SESSION_STEPS]:
             del self._session[old]
@@ -263,13 +272,19 @@ class TiercelCheckpointEngine(CheckpointEngine):
             with contextlib.suppress(TiercelError):
                 self.last_handle.wait()
                 self._committed_reader(self.last_handle.step)
+        if self.mirror is not None:
+            self.mirror.wait()  # the load's placeholders never meet a tag folder being renamed
 
     def wait(self, timeout: float | None = None) -> dict[str, str]:
-        """Waits until the last save is final on every tier; returns the tiers' states."""
+        """Waits until the last save is final on every tier (and, with the mirror, its
+        DeepSpeed files are under save_dir); returns the tiers' states."""
         self.finish_snapshot()
         if self.last_handle is None:
             raise NotFoundError("no checkpoint was saved through this engine yet")
-        return self.last_handle.wait(timeout)
+        states = self.last_handle.wait(timeout)
+        if self.mirror is not None:
+            self.mirror.wait(timeout)
+        return states
 
     # -- load -------------------------------------------------------------------------------
 
@@ -302,6 +317,8 @@ class TiercelCheckpointEngine(CheckpointEngine):
             self.finish_snapshot()
         finally:
             self.gate.close()
+            if self.mirror is not None:
+                self.mirror.close()  # its files are written from the store: before it closes
             self.store.close()
 
 

@@ -17,6 +17,9 @@ outside the engine; `attach` covers each piece on the engine instance:
 - `engine.optimizer.step` first waits for the last save's snapshot: a save returns before
   the parameters and optimizer states are copied into shared memory, and the next update
   must not change them while they are (see snapshot.py).
+- With `mirror=True` (or TIERCEL_DEEPSPEED_MIRROR=1), `engine.save_checkpoint` runs
+  DeepSpeed's with save_latest=False, and the mirror writes DeepSpeed's own files and
+  `latest` under save_dir in the background (see mirror.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import inspect
 import io
 import logging
 import os
+import secrets
 import time
 from typing import Any, Callable, Iterator
 
@@ -36,16 +40,19 @@ from ..errors import InvalidArgumentError, TierUnavailableError
 from ..store import PolicyLike, Store
 from .engine import Loading, TiercelCheckpointEngine
 from .layout import norm_dir
+from .mirror import Mirror, enabled
 from .resolve import committed_steps, gather, may_hold_dir, not_found, resolve
 from .snapshot import updated_by_step
 
 log = logging.getLogger("tiercel.deepspeed")
 
 
-def attach(engine: Any, policy: PolicyLike | None = None, **store_kwargs: Any) -> Any:
+def attach(engine: Any, policy: PolicyLike | None = None, *, mirror: bool | None = None, **store_kwargs: Any) -> Any:
     """Makes `engine.save_checkpoint` / `engine.load_checkpoint` go through tiercel; returns
     the engine. Call it on every rank, after `deepspeed.initialize`. `policy`: a TOML file or a
-    dict (default $TIERCEL_POLICY, else ./tiercel.toml); `store_kwargs` go to tiercel.Store."""
+    dict (default $TIERCEL_POLICY, else ./tiercel.toml); `store_kwargs` go to tiercel.Store.
+    `mirror`: also write DeepSpeed's own files (and `latest`) under save_dir, in the
+    background, for tools that read them (default $TIERCEL_DEEPSPEED_MIRROR; mirror.py)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     if not isinstance(engine, DeepSpeedEngine):
@@ -60,7 +67,24 @@ def attach(engine: Any, policy: PolicyLike | None = None, **store_kwargs: Any) -
     engine.load_checkpoint = functools.update_wrapper(
         functools.partial(load_checkpoint, engine, engine.load_checkpoint), engine.load_checkpoint)
     engine._get_all_ckpt_names = functools.partial(_ckpt_names, engine, engine._get_all_ckpt_names)
+    if enabled(mirror):
+        # The save ids of this launch, the same on every rank: a staging folder of another
+        # launch is a leftover.
+        ce.mirror = Mirror(store, gather(store, secrets.token_hex(4) if store.rank == 0 else None)[0])
+        engine.save_checkpoint = functools.update_wrapper(
+            functools.partial(_save_checkpoint, ce, engine.save_checkpoint), engine.save_checkpoint)
     return engine
+
+
+def _save_checkpoint(ce: TiercelCheckpointEngine, original: Callable[..., Any], save_dir: str, tag: Any = None,
+                     client_state: Any = None, save_latest: bool = True, **kwargs: Any) -> Any:
+    """DeepSpeed's save_checkpoint without its own write of `latest` (which would name the tag
+    before the mirror wrote its folder); the mirror writes `latest` once the folder is whole."""
+    ce.latest_requested = save_latest
+    try:
+        return original(save_dir, tag, {} if client_state is None else client_state, False, **kwargs)
+    finally:
+        ce.latest_requested = None
 
 
 def writes_model_states(engine: Any, ce: Any) -> bool:

@@ -17,7 +17,7 @@ from ..manifest import Item
 from ..replicas import share_pieces
 from ..step import Reader, RestoreInfo
 from ..store import Store
-from ._layout import SavedLeaf, merge_layout, nested, rank_records
+from ._layout import SavedLeaf, merge_layout, nested, rank_records, read_put
 
 
 @dataclass
@@ -29,6 +29,10 @@ class BoxPlan:
     dtype: np.dtype
     plan: Plan[tuple[int, int]]
     items: dict[tuple[int, int], Item]
+    #: A box of a target larger than the saved array (Restore(strict=False)): the shape of
+    #: the target's box, zeros where the saved array has no elements, and where in it the
+    #: planned box goes.
+    into: tuple[tuple[int, ...], tuple[slice, ...]] | None = None
 
 
 class SavedStep:
@@ -133,6 +137,11 @@ class SavedStep:
     def fill(self, bp: BoxPlan) -> np.ndarray:
         """The box's elements as a numpy array of the saved dtype. A box that is one whole
         saved piece comes back without a copy (from RAM: a view of shared memory)."""
+        if bp.into is not None:
+            shape, where = bp.into
+            padded = np.zeros(shape, dtype=bp.dtype)
+            padded[where] = self.fill(BoxPlan(bp.shape, bp.dtype, bp.plan, bp.items))
+            return padded
         reads = bp.plan.reads
         if len(reads) == 1:
             (rank, index), r = reads[0]
@@ -177,20 +186,36 @@ class _Leaf:
     boxes: list[tuple[BoxPlan, list[Any]]]
 
 
-def _prepare(saved: SavedStep, leaf: SavedLeaf, target: Any) -> _Leaf:
+def _prepare(saved: SavedStep, leaf: SavedLeaf, target: Any, strict: bool = True) -> _Leaf:
     if leaf.type not in ("jax", "numpy"):
         return _Leaf(leaf, target, [])
     sharding = _sharding_of(target)
+    shape = leaf.shape
     if isinstance(target, (np.ndarray, jax.Array, jax.ShapeDtypeStruct)) and tuple(target.shape) != leaf.shape:
-        raise InvalidArgumentError(f"step {saved.step} leaf {leaf.key}: the target has shape {tuple(target.shape)}, "
-                                   f"the checkpoint {leaf.shape}")
+        if strict or len(target.shape) != len(leaf.shape):
+            raise InvalidArgumentError(
+                f"step {saved.step} leaf {leaf.key}: the target has shape {tuple(target.shape)}, the checkpoint "
+                f"{leaf.shape}" + ("; Restore(..., strict=False) truncates or pads with zeros" if strict and
+                                   len(target.shape) == len(leaf.shape) else ""))
+        shape = tuple(target.shape)  # strict=False: the saved array cut or padded with zeros
     if sharding is None:
-        return _Leaf(leaf, target, [(saved.plan_box(leaf, _full(leaf.shape)), [])])
+        return _Leaf(leaf, target, [(_plan_clipped(saved, leaf, _full(shape)), [])])
     # Each addressable device's box, read once however many replicas hold it.
     devices: dict[Box, list[Any]] = {}
-    for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
-        devices.setdefault(box_of_index(index, leaf.shape), []).append(device)
-    return _Leaf(leaf, target, [(saved.plan_box(leaf, box), devs) for box, devs in devices.items()])
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        devices.setdefault(box_of_index(index, shape), []).append(device)
+    return _Leaf(leaf, target, [(_plan_clipped(saved, leaf, box), devs) for box, devs in devices.items()])
+
+
+def _plan_clipped(saved: SavedStep, leaf: SavedLeaf, box: Box) -> BoxPlan:
+    """The plan of a box of the target; where the box reaches past the saved array (a larger
+    target, strict=False), the part inside it, padded with zeros."""
+    inner = tuple((lo, max(lo, min(hi, n))) for (lo, hi), n in zip(box, leaf.shape))
+    if inner == box:
+        return saved.plan_box(leaf, box)
+    bp = saved.plan_box(leaf, inner)
+    bp.into = (box_shape(box), tuple(slice(0, hi - lo) for lo, hi in inner))
+    return bp
 
 
 def _cast(x: np.ndarray, dtype: Any) -> np.ndarray:
@@ -204,22 +229,39 @@ def _build(saved: SavedStep, job: _Leaf) -> Any:
     if leaf.type not in ("jax", "numpy"):
         return saved.value(leaf)
     dtype = getattr(target, "dtype", None) if isinstance(target, (np.ndarray, jax.Array, jax.ShapeDtypeStruct)) else None
+    if leaf.prng_impl is not None:
+        dtype = None  # the key data keeps its dtype
     sharding = _sharding_of(target)
+    value: Any
     if sharding is None:
         arr = _cast(saved.fill(job.boxes[0][0]), dtype)
-        return arr[()] if leaf.scalar else arr
-    arrays = []
-    for bp, devices in job.boxes:
-        host = _cast(saved.fill(bp), dtype)
-        arrays += [jax.device_put(host, d) for d in devices]
-    return jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
+        value = arr[()] if leaf.scalar else arr
+    else:
+        arrays = []
+        for bp, devices in job.boxes:
+            host = _cast(saved.fill(bp), dtype)
+            arrays += [jax.device_put(host, d) for d in devices]
+        value = jax.make_array_from_single_device_arrays(tuple(target.shape), sharding, arrays)
+    # A typed PRNG key array was stored as its key data (tiercel.orbax._layout).
+    return value if leaf.prng_impl is None else jax.random.wrap_key_data(value, impl=leaf.prng_impl)
 
 
-def restore_tree(saved: SavedStep, target: Any, multi_process: bool, on_leaf: Callable[[int, int], Any] | None = None) -> Any:
+def restore_tree(saved: SavedStep, target: Any, multi_process: bool, on_leaf: Callable[[int, int], Any] | None = None,
+                 *, strict: bool = True, default: Callable[[SavedLeaf], Any] | None = None,
+                 empty: Callable[[Any], bool] | None = None) -> Any:
     """The saved tree, into the structure and shardings of `target` (an abstract or concrete
-    pytree), or, with no target, as nested dicts/lists of numpy arrays and values. Plans every
-    leaf first, reads ahead, then builds the values."""
-    if target is None:
+    pytree), or, with no target, as nested dicts/lists of numpy arrays and values (each
+    leaf's target `default(leaf)` when given). Plans every leaf first, reads ahead, then
+    builds the values. `strict=False`: an array target of another shape gets the saved
+    array cut to it or padded with zeros. `empty`: which subtrees of the target are empty
+    (None, {}, optax.MaskedNode()): they come back as they are, nothing is read for them."""
+    if target is None and default is not None:
+        try:
+            pairs = [(leaf, default(leaf)) for leaf in saved.leaves]
+        except TiercelError:
+            saved.share([])  # still take part, so that the other processes do not wait
+            raise
+    elif target is None:
         if multi_process:
             raise InvalidArgumentError(
                 f"step {saved.step}: Restore() without a target returns numpy global arrays, which only a single-process "
@@ -229,17 +271,18 @@ def restore_tree(saved: SavedStep, target: Any, multi_process: bool, on_leaf: Ca
         pairs = [(leaf, None) for leaf in saved.leaves]
     else:
         by_key = {leaf.key: leaf for leaf in saved.leaves}
-        flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=empty)
+        kept = [empty is not None and empty(t) for _, t in flat]
         keys = [jax.tree_util.keystr(p) for p, _ in flat]
-        missing = [k for k in keys if k not in by_key]
+        missing = [k for k, e in zip(keys, kept) if not e and k not in by_key]
         if missing:
             raise NotFoundError(
                 f"step {saved.step} '{saved.put}' has no leaf {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
                 f"of the target (saved leaves: {', '.join(list(by_key)[:10])}{' ...' if len(by_key) > 10 else ''})"
             )
-        pairs = [(by_key[k], t) for k, (_, t) in zip(keys, flat)]
+        pairs = [(by_key[k], t) for k, (_, t), e in zip(keys, flat, kept) if not e]
     try:
-        jobs = [_prepare(saved, leaf, t) for leaf, t in pairs]
+        jobs = [_prepare(saved, leaf, t, strict) for leaf, t in pairs]
     except TiercelError:
         saved.share([])  # still take part, so that the other processes do not wait
         raise
@@ -251,17 +294,20 @@ def restore_tree(saved: SavedStep, target: Any, multi_process: bool, on_leaf: Ca
             on_leaf(i + 1, len(jobs))
     if target is None:
         return nested(saved.leaves, values)
-    return jax.tree_util.tree_unflatten(treedef, values)
+    built = iter(values)
+    return jax.tree_util.tree_unflatten(treedef, [t if e else next(built) for (_, t), e in zip(flat, kept)])
 
 
-def read_structure(store: Store, step: int, put: str) -> list[SavedLeaf]:
-    """The leaves of a saved item (keys, shapes, dtypes, Python values) from the manifest of
-    this process's rank alone (rank 0's when the step has fewer ranks): no collective."""
+def read_structure(store: Store, step: int, put: str) -> tuple[list[SavedLeaf], Any]:
+    """The leaves of a saved item (keys, shapes, dtypes, Python values) and its custom
+    metadata, from the manifest of this process's rank alone (rank 0's when the step has
+    fewer ranks): no collective."""
     try:
         reader = store.reader(step, rank=store.rank)
     except InvalidArgumentError:
         reader = store.reader(step, rank=0)
     try:
-        return merge_layout({reader.rank: rank_records(reader.manifest, put)})
+        value = read_put(reader.manifest, put)
+        return merge_layout({reader.rank: value["leaves"]}), value.get("custom_metadata")
     except ValueError as e:
         raise NotFoundError(f"step {step}: {e}") from None

@@ -15,18 +15,17 @@ import re
 import time
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future as ocp_future
 
-from .. import _dtypes
 from ..errors import InvalidArgumentError, NotFoundError, TiercelError, TierUnavailableError
 from ..metrics import record
 from ..step import RestoreInfo, SaveHandle
 from ..store import PolicyLike, Store
 from . import _steps
-from ._layout import FORMAT, VERSION, leaf_records, nested
+from ._contract import OrbaxValueError, default_target, metadata_tree, restore_target, with_formats
+from ._layout import FORMAT, VERSION, is_empty_node, leaf_records
 from ._restore import SavedStep, read_structure, restore_tree
 
 #: The marker in each Orbax item directory of a step saved by this handler.
@@ -141,9 +140,9 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         store = self.store
         assert self._key is not None
         try:
-            value = leaf_records(args.item, store.rank, store.world_size)
+            value = leaf_records(args.item, store.rank, store.world_size, args.save_args, args.custom_metadata)
         except TypeError as e:
-            raise InvalidArgumentError(f"step {step} '{put}': {e}") from None
+            raise OrbaxValueError(f"step {step} '{put}': {e}") from None
         write = _steps.begin(self._key, store, step, put)
         loop = None
         if not alone:
@@ -209,27 +208,35 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
 
     def restore(self, directory: epath.Path, args: Restore | None = None) -> Any:
         """The saved pytree in the structure and shardings of `args.item` (an abstract tree
-        of jax.ShapeDtypeStruct, or concrete arrays); without one, numpy arrays of the global
-        shape in nested dicts (single-process jobs only)."""
+        of jax.ShapeDtypeStruct, or concrete arrays; a ShapeDtypeStruct without a sharding
+        takes the saved one, as in Orbax). Without one, as Orbax does: each
+        jax.Array in the sharding it was saved with (an OrbaxValueError, "Topology mismatch
+        detected", where this job's devices cannot hold it and no `fallback_sharding` is
+        given), numpy arrays and values as saved, in nested dicts and lists."""
         args = args if args is not None else Restore()
         if not isinstance(args, Restore):
             raise InvalidArgumentError(f"TiercelCheckpointHandler restores tiercel.orbax.Restore(target), got {type(args).__name__}")
         t0 = time.perf_counter()
         saved = self._open_step(directory, args.step)
-        tree = restore_tree(saved, args.item, multi_process=self.store.world_size > 1)
+        multi = self.store.world_size > 1
+        if args.item is None:
+            tree = restore_tree(saved, None, multi_process=multi,
+                                default=lambda leaf: default_target(saved, leaf, args.fallback_sharding))
+        else:
+            target = restore_target(saved, args.item, args.fallback_sharding)
+            tree = restore_tree(saved, target, multi_process=multi, strict=args.strict, empty=is_empty_node)
+            if args.support_layout:
+                tree = with_formats(tree, args.item)
         self.last_restore = saved.info(time.perf_counter() - t0)
         return tree
 
     def metadata(self, directory: epath.Path) -> Any:
-        """The saved tree as jax.ShapeDtypeStruct (no sharding) for arrays and the values of
-        the other leaves, in nested dicts; reads manifests only."""
+        """Orbax's metadata object (a TreeMetadata): the saved tree with an ArrayMetadata per
+        array (shape, dtype, the saved ShardingMetadata), ScalarMetadata / StringMetadata per
+        Python value, and `custom_metadata` as saved; reads one manifest."""
         step, put = self._locate(directory, None)
-        leaves = read_structure(self.store, step, put)
-        values = [
-            jax.ShapeDtypeStruct(leaf.shape, _dtypes.numpy_dtype(leaf.dtype)) if leaf.type in ("jax", "numpy") else leaf.value
-            for leaf in leaves
-        ]
-        return nested(leaves, values)
+        leaves, custom = read_structure(self.store, step, put)
+        return metadata_tree(leaves, custom, directory)
 
     def finalize(self, directory: epath.Path) -> None:
         """Nothing to do: tiercel committed the step before the futures completed, and Orbax
@@ -259,11 +266,17 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
 @ocp.args.register_with_handler(TiercelCheckpointHandler, for_save=True)
 @dataclasses.dataclass
 class Save(ocp.args.CheckpointArgs):
-    """Save `item` (a pytree) through tiercel. `step` only when Orbax's directory names are
-    not the standard ones (CheckpointManager's are)."""
+    """Save `item` (a pytree) through tiercel, with the options of Orbax's StandardSave:
+    `save_args`, a tree of `ocp.SaveArgs` (or None) like `item`, whose `dtype` casts a leaf
+    before it is saved (`aggregate` is refused; the TensorStore chunking options have no
+    meaning here and are ignored); `custom_metadata`, a JSON-like value that `metadata()`
+    returns. `step` only when Orbax's directory names are not the standard ones
+    (CheckpointManager's are)."""
 
     item: Any
     step: int | None = None
+    save_args: Any = None
+    custom_metadata: Any = None
 
 
 @ocp.args.register_with_handler(TiercelCheckpointHandler, for_restore=True)
@@ -271,11 +284,21 @@ class Save(ocp.args.CheckpointArgs):
 class Restore(ocp.args.CheckpointArgs):
     """Restore into `item`: an abstract pytree (jax.ShapeDtypeStruct with shardings, e.g.
     `jax.tree.map(lambda x: ocp.utils.to_shape_dtype_struct(x) if hasattr(x, "shape") else x, state)`,
-    which keeps strings and other values as they are) or concrete arrays; None for
-    numpy arrays of the global shape (single-process jobs)."""
+    which keeps strings and other values as they are) or concrete arrays; a leaf the target
+    leaves out (None, optax.MaskedNode()) is not read. None: the saved tree in its saved
+    shardings (see TiercelCheckpointHandler.restore).
+
+    As Orbax's StandardRestore: `strict=False` lets an array target of another shape (same
+    number of dimensions) take the saved array cut to its shape or padded with zeros;
+    `support_layout=True` gives each array the layout (`jax.Array.format`) of its target;
+    `fallback_sharding` is used, without a target, for arrays whose saved sharding this
+    job's devices cannot hold."""
 
     item: Any = None
     step: int | None = None
+    strict: bool = True
+    support_layout: bool = False
+    fallback_sharding: Any = None
 
 
 def sync(manager: Any, handler: TiercelCheckpointHandler, item: str | None = None) -> list[int]:
