@@ -8,7 +8,8 @@ no saves; "tiercel": attach and save every step; "stock": stock DeepSpeed loads
 $TIERCEL_HOST), save_dir, load_dir, resume (load first), kill_after/victim (that rank
 SIGKILLs itself right after saving that step), snapshot_delay (seconds each save's background
 snapshot sleeps before it copies: the next optimizer step must wait for it), model_file (save_16bit_model before the last
-checkpoint), out (a directory for this rank's report and state dumps).
+checkpoint), resave_rank0 (after the last step, one more update, then rank 0 alone saves the
+last step's tag again), out (a directory for this rank's report and state dumps).
 
 The model, the data of each step and every seed are functions of the step and rank only, so
 that any run that reaches a step in the same state computes the same losses bit for bit.
@@ -63,6 +64,31 @@ def live_state(engine) -> dict:
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
     }
+
+
+def resave_on_rank0(engine, cfg: dict, rank: int, dtype: torch.dtype) -> None:
+    """One more update on every rank (no save), then rank 0 alone saves the last step's tag
+    again, with the newer state, and waits until its part is persisted: the step's save now
+    differs between the ranks (rank 0's RAM and disk: the new one; rank 1's RAM: the old)."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    step = cfg["steps"] + 1
+    x, y = (t.to(engine.device) for t in batch(step, rank, dtype))
+    engine.backward(((engine(x).float() - y.float()) ** 2).mean())
+    engine.step()
+    if rank == 0:
+        # What save_checkpoint does on one rank, without its collectives (barriers, the tag
+        # check): the engine's create, DeepSpeed's own files, commit.
+        ce, tag = engine.checkpoint_engine, f"global_step{cfg['steps']}"
+        info = CheckpointCommitInfo(tag=tag, save_dir=cfg["save_dir"], save_latest=True)
+        ce.create(info)
+        engine._save_checkpoint(cfg["save_dir"], tag, client_state={"data_step": step})
+        if engine.save_zero_checkpoint:
+            engine._save_zero_checkpoint(cfg["save_dir"], tag)
+        ce.commit(info)
+        ce.wait(60)
+        ce.store.flush(60)
+    torch.distributed.barrier()
 
 
 def main() -> None:
@@ -129,6 +155,8 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)  # right after the save returned
     if cfg["mode"] == "tiercel":
         report["states"] = engine.checkpoint_engine.wait(60)
+    if cfg.get("resave_rank0"):
+        resave_on_rank0(engine, cfg, rank, dtype)
         gate = engine.checkpoint_engine.gate
         report["stalls"] = {"count": gate.stalls, "seconds": gate.stall_seconds}
     torch.save(live_state(engine), os.path.join(out, f"final-{rank}.pt"))

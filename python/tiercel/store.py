@@ -17,7 +17,7 @@ from . import _core
 from .advertise import advertised_address, is_loopback
 from .coordinator import Coordinator, default_coordinator
 from .errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
-from .newest import Need, check_world_size, gather, newest_step, world_size_error
+from .newest import Need, agree, check_world_size, gather, world_size_error
 from .replicas import replica_group_of, share_replicated
 from .step import Reader, RestoreInfo, SaveHandle, Writer
 from .traffic import Traffic
@@ -213,8 +213,9 @@ class Store:
         return self._newest(Need(reshard=reshard))
 
     def _newest(self, need: Need, below: int | None = None) -> int | None:
-        self._skipped = []
-        return newest_step(self, need, below, self._skipped)
+        agreed = agree(self, need, below=below)
+        self._skipped = agreed.skipped
+        return agreed.step
 
     def reader(self, step: int | None = None, *, rank: int | None = None, tiers: list[str] | None = None,
                job: str | None = None) -> Reader:
@@ -372,6 +373,11 @@ class Store:
         it and raises KeyboardInterrupt (a `with` block left by Ctrl-C needs only one more).
         Returns True when every background job finished, False when some were abandoned."""
         return self._close(timeout, interrupted=False)
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` was called (a closed Store saves and restores nothing more)."""
+        return self._closed
 
     def _close(self, timeout: float | None, interrupted: bool) -> bool:
         if self._closed:

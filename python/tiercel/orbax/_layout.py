@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
+from .. import _tree
 from .._tree import unflatten
 from ..manifest import Item, Manifest
 from ._leaf import JaxShard, dtype_name, on_host
@@ -139,12 +140,8 @@ class SavedLeaf:
 
 def is_layout(tree: dict[str, Any]) -> bool:
     """Whether a put's tree (as the manifest keeps it) is a tiercel.orbax layout."""
-    if tree.get("t") != "dict":
-        return False
-    for k, v in tree["v"]:
-        if k == {"t": "str", "v": "format"}:
-            return bool(v == {"t": "str", "v": FORMAT})
-    return False
+    node = _tree.entry(tree, "format")
+    return node is not None and node.get("t") == "str" and _tree.scalar(node) == FORMAT
 
 
 def rank_records(m: Manifest, put: str) -> list[dict[str, Any]]:
@@ -166,8 +163,10 @@ def rank_records(m: Manifest, put: str) -> list[dict[str, Any]]:
 
 
 def _entry(node: dict, key: str) -> dict:
-    """The node of a dict node's entry `key`."""
-    return next(v for k, v in node["v"] if k == {"t": "str", "v": key})
+    """The node of a dict node's entry `key` (the layout has it: checked by rank_records)."""
+    found = _tree.entry(node, key)
+    assert found is not None, key
+    return found
 
 
 def merge_layout(shares: Mapping[int, list[dict[str, Any]]]) -> list[SavedLeaf]:
