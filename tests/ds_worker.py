@@ -9,7 +9,7 @@ $TIERCEL_HOST), save_dir, load_dir, resume (load first), kill_after/victim (that
 SIGKILLs itself right after saving that step), snapshot_delay (seconds each save's background
 snapshot sleeps before it copies: the next optimizer step must wait for it), model_file (save_16bit_model before the last
 checkpoint), resave_rank0 (after the last step, one more update, then rank 0 alone saves the
-last step's tag again), out (a directory for this rank's report and state dumps).
+last step's tag again; with resume and steps = the loaded step: a relaunch redoing it), out (a directory for this rank's report and state dumps).
 
 The model, the data of each step and every seed are functions of the step and rank only, so
 that any run that reaches a step in the same state computes the same losses bit for bit.
@@ -66,10 +66,19 @@ def live_state(engine) -> dict:
     }
 
 
+def _saved_here(engine) -> bool:
+    """Whether this process saved a checkpoint (a job that only loads and redoes a save on
+    rank 0 has not, on the other ranks)."""
+    ce = engine.checkpoint_engine
+    ce.finish_snapshot()
+    return ce.last_handle is not None
+
+
 def resave_on_rank0(engine, cfg: dict, rank: int, dtype: torch.dtype) -> None:
     """One more update on every rank (no save), then rank 0 alone saves the last step's tag
     again, with the newer state, and waits until its part is persisted: the step's save now
-    differs between the ranks (rank 0's RAM and disk: the new one; rank 1's RAM: the old)."""
+    differs between the ranks (rank 0's RAM and disk: the new one; rank 1's RAM: the old).
+    As a relaunched job that redoes a step would, when rank 1 dies before its save."""
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
     step = cfg["steps"] + 1
@@ -153,16 +162,17 @@ def main() -> None:
                 report["copied_bytes"] = engine.checkpoint_engine.last_copied_bytes
             if cfg.get("kill_after") == step and rank == cfg.get("victim"):
                 os.kill(os.getpid(), signal.SIGKILL)  # right after the save returned
-    if cfg["mode"] == "tiercel":
-        report["states"] = engine.checkpoint_engine.wait(60)
     if cfg.get("resave_rank0"):
         resave_on_rank0(engine, cfg, rank, dtype)
+    saved_here = cfg["mode"] == "tiercel" and _saved_here(engine)
+    if saved_here:
+        report["states"] = engine.checkpoint_engine.wait(60)
         gate = engine.checkpoint_engine.gate
         report["stalls"] = {"count": gate.stalls, "seconds": gate.stall_seconds}
     torch.save(live_state(engine), os.path.join(out, f"final-{rank}.pt"))
     with open(os.path.join(out, f"report-{rank}.json"), "w") as f:
         json.dump(report, f)
-    if cfg["mode"] == "tiercel":
+    if saved_here:
         engine.checkpoint_engine.wait(60)
     torch.distributed.barrier()
 
