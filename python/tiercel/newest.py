@@ -1,11 +1,16 @@
 """Which step a restore without a step reads: the newest one that every rank can open at
-this world size, agreed by all ranks (`Store.latest_step`).
+this world size, all of one save of it, agreed by all ranks. `agree` is the one routine:
+`Store.latest_step` and restores without a step use it, and so does every adapter
+(tiercel.kit.agree: DeepSpeed's load_checkpoint, tiercel.dcp's Reader), with the adapter's
+own test of a candidate step where it has one.
 
 Collective when the job has several ranks: one all-gather of the steps each rank has
-committed, then one per candidate step, newest first (usually just the first), in which
-every rank says which save of the step it would read, or that it cannot. Every rank walks
-the same list in the same order and decides on the same gathered values, so all of them
-pick the same step, raise the same error, or fall back together.
+committed (in restore order, other jobs' steps left out), then one per candidate step,
+newest first (usually just the first), in which every rank says which save of the step it
+would read, or that it cannot. Every rank walks the same list in the same order and decides
+on the same gathered values, so all of them pick the same step, raise the same error, or
+fall back together. A step whose ranks would read different saves of it (saved again, and
+the new save not on every rank's tiers) is passed over (`one_save`), never mixed.
 
 The world size is part of the rule. A plain restore reads each rank's own part, so a step
 saved by another number of ranks cannot be continued from (a rank would get another rank's

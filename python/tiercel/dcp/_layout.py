@@ -92,9 +92,6 @@ class Locator:
     def reader(self, rank: int) -> StepReader:
         return self.view.reader(rank)
 
-    def readers(self) -> list[StepReader]:
-        return self.view.readers()
-
     def find(self, where: Where) -> tuple[StepReader, Item]:
         reader = self.reader(where.rank)
         at = (where.rank, where.put)

@@ -31,7 +31,6 @@ from torch.futures import Future
 from .. import _dtypes, kit
 from ..coordinator import all_gather_flags
 from ..errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
-from ..kit import Agreement
 from ..manifest import Item
 from ..step import Reader as StepReader
 from ..store import PolicyLike, Store
@@ -100,10 +99,7 @@ class Reader(StorageReader):
 
     @property
     def tiers(self) -> Counter[str]:
-        out: Counter[str] = Counter()
-        for r in self._locate.readers() if self._locate else []:
-            out.update(r.info.tiers)
-        return out
+        return Counter(self._locate.view.info().tiers if self._locate else {})
 
     @property
     def checkpoint_id(self) -> str:
@@ -140,7 +136,7 @@ class Reader(StorageReader):
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _newest(self) -> Agreement:
+    def _newest(self) -> kit.Agreement:
         """The newest step every rank can reshard from, all of one save (collective)."""
         agreed = kit.agree(self.store, kit.Need(reshard=True))
         if agreed.step is None:
