@@ -26,7 +26,7 @@ from .newest import Agreement, Need, agree
 from .step_view import StepView
 from .store import PolicyLike, Store, _policy_path
 
-__all__ = ["Agreement", "Need", "StepView", "acquire", "agree", "borrow", "close_all", "release"]
+__all__ = ["Agreement", "Need", "StepView", "acquire", "agree", "borrow", "close_all", "release", "shared_key"]
 
 
 @contextmanager
@@ -89,6 +89,14 @@ def acquire(policy: Store | PolicyLike | None, *, job: tuple[int, int] | None = 
             entry = _shared[key] = [Store(resolved, **options), 0]
         entry[1] += 1
         return entry[0]
+
+
+def shared_key(store: Store) -> tuple[Any, ...] | None:
+    """The key `acquire` shares `store` under (its policy, job and options): the same for
+    the Store opened again after the last one closed, so an adapter may keep what it knows
+    of a policy's steps across them. None for a Store that `acquire` did not open."""
+    with _lock:
+        return next((k for k, e in _shared.items() if e[0] is store), None)
 
 
 def release(store: Store, timeout: float | None = None, *, before_close: Callable[[], None] | None = None) -> bool:

@@ -59,7 +59,9 @@ def acquire(policy: PolicyLike | None) -> tuple[Key, Store]:
     handler and adapter object of the policy, opened on first use); each acquire is matched
     by one `release`."""
     store = kit.acquire(policy, job=_job())
-    key: Key = ("shared", id(store))
+    # By policy, not by Store: a step saved through an earlier Store of the policy (closed
+    # since) is still refused a save of other items alone (see `begin`).
+    key: Key = ("shared", kit.shared_key(store))
     with _lock:
         _stores[key] = store
     return key, store
