@@ -124,7 +124,7 @@ def resolve(store: Store, load_dir: str, tag: str | None) -> tuple[Found | None,
         found.append(Found(step, layout, saves[-1]))
         return None
 
-    agreed = kit.agree(store, kit.Need(), only=None if fixed is None else fixed.__eq__, accept=holds)
+    agreed = kit.agree(store, kit.Need(), only=None if fixed is None else (lambda s: s == fixed), accept=holds)
     if agreed.step is None:
         return None, agreed.skipped
     hit = found[-1]
