@@ -11,8 +11,9 @@ snapshot sleeps before it copies: the next optimizer step must wait for it), mod
 checkpoint), mirror (attach with mirror=True: DeepSpeed's files under save_dir too),
 mirror_kill/victim (that rank SIGKILLs itself on the mirror thread, right after it wrote
 the first file of that step's save into the staging folder), mirror_lag (the mirror reads
-step 1 only once retention removed it), out (a directory for this
-rank's report and state dumps).
+step 1 only once retention removed it), resave_rank0 (after the last step, one more update,
+then rank 0 alone saves the last step's tag again; with resume and steps = the loaded step: a
+relaunch redoing it), out (a directory for this rank's report and state dumps).
 
 The model, the data of each step and every seed are functions of the step and rank only, so
 that any run that reaches a step in the same state computes the same losses bit for bit.
@@ -67,6 +68,40 @@ def live_state(engine) -> dict:
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
     }
+
+
+def _saved_here(engine) -> bool:
+    """Whether this process saved a checkpoint (a job that only loads and redoes a save on
+    rank 0 has not, on the other ranks)."""
+    ce = engine.checkpoint_engine
+    ce.finish_snapshot()
+    return ce.last_handle is not None
+
+
+def resave_on_rank0(engine, cfg: dict, rank: int, dtype: torch.dtype) -> None:
+    """One more update on every rank (no save), then rank 0 alone saves the last step's tag
+    again, with the newer state, and waits until its part is persisted: the step's save now
+    differs between the ranks (rank 0's RAM and disk: the new one; rank 1's RAM: the old).
+    As a relaunched job that redoes a step would, when rank 1 dies before its save."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    step = cfg["steps"] + 1
+    x, y = (t.to(engine.device) for t in batch(step, rank, dtype))
+    engine.backward(((engine(x).float() - y.float()) ** 2).mean())
+    engine.step()
+    if rank == 0:
+        # What save_checkpoint does on one rank, without its collectives (barriers, the tag
+        # check): the engine's create, DeepSpeed's own files, commit.
+        ce, tag = engine.checkpoint_engine, f"global_step{cfg['steps']}"
+        info = CheckpointCommitInfo(tag=tag, save_dir=cfg["save_dir"], save_latest=True)
+        ce.create(info)
+        engine._save_checkpoint(cfg["save_dir"], tag, client_state={"data_step": step})
+        if engine.save_zero_checkpoint:
+            engine._save_zero_checkpoint(cfg["save_dir"], tag)
+        ce.commit(info)
+        ce.wait(60)
+        ce.store.flush(60)
+    torch.distributed.barrier()
 
 
 def main() -> None:
@@ -163,7 +198,10 @@ def main() -> None:
                 report["copied_bytes"] = engine.checkpoint_engine.last_copied_bytes
             if cfg.get("kill_after") == step and rank == cfg.get("victim"):
                 os.kill(os.getpid(), signal.SIGKILL)  # right after the save returned
-    if cfg["mode"] == "tiercel":
+    if cfg.get("resave_rank0"):
+        resave_on_rank0(engine, cfg, rank, dtype)
+    saved_here = cfg["mode"] == "tiercel" and _saved_here(engine)
+    if saved_here:
         report["states"] = engine.checkpoint_engine.wait(60)
         gate = engine.checkpoint_engine.gate
         report["stalls"] = {"count": gate.stalls, "seconds": gate.stall_seconds}
@@ -171,7 +209,7 @@ def main() -> None:
     torch.save(live_state(engine), os.path.join(out, f"final-{rank}.pt"))
     with open(os.path.join(out, f"report-{rank}.json"), "w") as f:
         json.dump(report, f)
-    if cfg["mode"] == "tiercel":
+    if saved_here:
         engine.checkpoint_engine.wait(60)
     torch.distributed.barrier()
 

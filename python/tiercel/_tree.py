@@ -20,7 +20,7 @@ from . import _plain
 from ._nodes import FIELD_TYPES, MAX_DEPTH, SCALAR_TYPES, scalar, unscalar
 from ._nodes import check_tree as check_tree  # the names other modules know them by
 from ._nodes import tree_items as tree_items
-from ._nodes import unscalar as _unscalar  # noqa: F401  (dcp/_layout.py's name, until it reads trees through the kit)
+from ._nodes import unscalar as _unscalar
 from ._plain import Unbuildable
 
 if TYPE_CHECKING:
@@ -304,3 +304,32 @@ def _namedtuple(path: str, values: dict[str, Any]) -> Any:
         raise Unbuildable(f"named tuple {path.replace(':', '.')} cannot be rebuilt here: {type(e).__name__}: {e}") from None
 
 
+# -- reading a tree without building it (adapters find their items by key) ----------------
+
+
+def scalar(node: dict) -> Any:
+    """The Python value of a scalar node (none, bool, int, float, str); ValueError for any
+    other node."""
+    return _unscalar(node)
+
+
+def dict_entries(node: dict) -> list[tuple[Any, dict]] | None:
+    """A dict node's entries as (key, value node), keys as Python values; None when `node`
+    is not a dict."""
+    if node.get("t") != "dict":
+        return None
+    return [(_unscalar(k), v) for k, v in node["v"]]
+
+
+def entry(node: dict, key: Any) -> dict | None:
+    """The value node of `key` in a dict node; None when there is no such entry or `node`
+    is not a dict."""
+    for k, v in dict_entries(node) or ():
+        if k == key and type(k) is type(key):
+            return v
+    return None
+
+
+def item_ref(node: dict) -> int | None:
+    """The put's item index an item node refers to; None for any other node."""
+    return int(node["i"]) if node.get("t") == "item" else None

@@ -1,11 +1,16 @@
 """Which step a restore without a step reads: the newest one that every rank can open at
-this world size, agreed by all ranks (`Store.latest_step`).
+this world size, all of one save of it, agreed by all ranks. `agree` is the one routine:
+`Store.latest_step` and restores without a step use it, and so does every adapter
+(tiercel.kit.agree: DeepSpeed's load_checkpoint, tiercel.dcp's Reader), with the adapter's
+own test of a candidate step where it has one.
 
 Collective when the job has several ranks: one all-gather of the steps each rank has
-committed, then one per candidate step, newest first (usually just the first), in which
-every rank says which save of the step it would read, or that it cannot. Every rank walks
-the same list in the same order and decides on the same gathered values, so all of them
-pick the same step, raise the same error, or fall back together.
+committed (in restore order, other jobs' steps left out), then one per candidate step,
+newest first (usually just the first), in which every rank says which save of the step it
+would read, or that it cannot. Every rank walks the same list in the same order and decides
+on the same gathered values, so all of them pick the same step, raise the same error, or
+fall back together. A step whose ranks would read different saves of it (saved again, and
+the new save not on every rank's tiers) is passed over (`one_save`), never mixed.
 
 The world size is part of the rule. A plain restore reads each rank's own part, so a step
 saved by another number of ranks cannot be continued from (a rank would get another rank's
@@ -17,7 +22,8 @@ tiercel.orbax) ask for `Need.reshard`: every saved rank's part, whoever reads it
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import InvalidArgumentError, TiercelError, WorldSizeError
@@ -42,18 +48,39 @@ class Need:
     reshard: bool = False
 
 
-def newest_step(store: Store, need: Need, below: int | None, skipped: list[str],
-                opened: dict[int, _core.StepReader] | None = None) -> int | None:
-    """The newest step (below `below`, if given) that every rank can read what `need` says;
-    None when there is none. Appends to `skipped` each newer step passed over and why.
-    Raises WorldSizeError when the newest such step of this job was saved by another
-    number of ranks and `need` reads each rank's own part. `opened` receives the core's
-    readers of the chosen step that deciding opened, by saved rank: a restore reads through
-    them, so it reads each commit record and manifest once."""
-    mine = [s for s in store._core.restorable_steps() if below is None or s < below]
+@dataclass
+class Agreement:
+    """What the ranks agreed on: the step (None when there is none), the save of it every
+    rank reads (its generation: None for a step saved before generations were recorded, or
+    no step), each newer step passed over and why, and the core's readers of the step that
+    deciding opened, by saved rank: a restore reads through them, so it reads each commit
+    record and manifest once."""
+
+    step: int | None
+    save: str | None = None
+    skipped: list[str] = field(default_factory=list)
+    readers: dict[int, _core.StepReader] = field(default_factory=dict)
+
+
+def agree(store: Store, need: Need, *, below: int | None = None, only: Callable[[int], bool] | None = None,
+          accept: Callable[[int], str | None] | None = None) -> Agreement:
+    """The one step-agreement routine (`Store.latest_step`, restores without a step, and every
+    adapter): the newest step (below `below`, if given; among those `only` admits) that every
+    rank can read what `need` says, all of one save of it (the same-save rule, `one_save`).
+
+    `accept(step)`, if given, is asked on every rank about each such step, newest first, in
+    the same order: None takes the step, a reason passes it over (an adapter's own test, such
+    as "holds a DeepSpeed checkpoint of this directory"). It may be collective, and must give
+    every rank the same answer (decide on gathered values).
+
+    Raises WorldSizeError when the newest such step of this job was saved by another number
+    of ranks and `need` reads each rank's own part."""
+    skipped: list[str] = []
+    mine = [s for s in store._core.restorable_steps()
+            if (below is None or s < below) and (only is None or only(s))]
     everyone = gather(store, mine)
     common = sorted(set(everyone[0]).intersection(*map(set, everyone[1:])), reverse=True)
-    chosen = None
+    chosen = Agreement(None, None, skipped)
     for step in common:
         readers: dict[int, _core.StepReader] = {}
         reports: list[Report] = gather(store, _report(store, step, need, skipped, readers))
@@ -61,28 +88,38 @@ def newest_step(store: Store, need: Need, below: int | None, skipped: list[str],
         if not need.reshard and need.rank is None and any(w != store.world_size for w in worlds):
             raise world_size_error(store, step, worlds[0], common)
         bad = [r for r, (_, o) in enumerate(reports) if o is False]
-        saves = {g for _, o in reports if o is not False for g in o}
-        if not bad and len(saves) <= 1:
-            chosen = step
-            if opened is not None:
-                opened.update(readers)
-            break
         if bad:
             skipped.append(f"step {step} passed over: rank(s) {bad} cannot restore it")
-        else:
+            continue
+        saves = [o for _, o in reports if o is not False]
+        if not one_save(saves):
             # Each rank's part is whole, but not of one save: the step was saved again and
             # some rank's new part is not on the tier it reads from (never mixed).
             skipped.append(
                 f"step {step} passed over: the ranks hold different saves of it "
                 f"({', '.join(f'rank {r}: {o}' for r, (_, o) in enumerate(reports))}): a save of it again did not finish")
+            continue
+        why = accept(step) if accept is not None else None
+        if why is not None:
+            skipped.append(f"step {step} passed over: {why}")
+            continue
+        chosen.step, chosen.save, chosen.readers = step, next((g for o in saves for g in o), None), readers
+        break
     # Newer steps that some ranks have and others not: every rank says which and why.
     for step in sorted(set().union(*map(set, everyone)) - set(common), reverse=True):
-        if chosen is None or step > chosen:
+        if chosen.step is None or step > chosen.step:
             missing = [r for r, steps in enumerate(everyone) if step not in steps]
             skipped.append(
                 f"step {step} passed over: rank(s) {missing} have it committed on none of the tiers "
                 f"{store._core.restore_order} (lost with their host, or never saved there)")
     return chosen
+
+
+def one_save(saves: Sequence[Sequence[str | None]]) -> bool:
+    """The same-save rule: the saves (generations) that the ranks would read of one step, one
+    list per rank, name at most one save between them. A step saved again whose new save is
+    not whole where some rank reads is never mixed with its earlier save."""
+    return len({g for per_rank in saves for g in per_rank}) <= 1
 
 
 def saved_world_size(store: Store, step: int) -> int | None:

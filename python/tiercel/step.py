@@ -246,6 +246,13 @@ class Reader:
         # its own files) reads them with the same trust; `[store] pickle` rules everything else.
         self._pickle = "allow" if trust_pickles else store._core.pickle
 
+    @property
+    def save(self) -> str | None:
+        """Which save of the step this reader reads (its generation: a step saved again is
+        another save), None for a step saved before generations were recorded. Readers of
+        several ranks read one save when their `save` is equal (tiercel.kit.StepView)."""
+        return self._core.generation
+
     def names(self) -> list[str]:
         """The names that were put in this step."""
         return self.manifest.puts()

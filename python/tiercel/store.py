@@ -18,7 +18,7 @@ from .advertise import advertised_address, is_loopback
 from .coordinator import Coordinator, default_coordinator
 from .errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
 from .metrics import Metrics
-from .newest import Need, check_world_size, gather, newest_step, world_size_error
+from .newest import Need, agree, check_world_size, gather, world_size_error
 from .replicas import Sharing, replica_group_of, share_replicated
 from .step import Reader, RestoreInfo, SaveHandle, Writer
 from .traffic import Traffic
@@ -218,8 +218,11 @@ class Store:
         return self._newest(Need(reshard=reshard))
 
     def _newest(self, need: Need, below: int | None = None, opened: dict[int, _core.StepReader] | None = None) -> int | None:
-        self._skipped = []
-        return newest_step(self, need, below, self._skipped, opened)
+        agreed = agree(self, need, below=below)
+        self._skipped = agreed.skipped
+        if opened is not None:
+            opened.update(agreed.readers)
+        return agreed.step
 
     def reader(self, step: int | None = None, *, rank: int | None = None, tiers: list[str] | None = None,
                job: str | None = None) -> Reader:
@@ -387,6 +390,11 @@ class Store:
         it and raises KeyboardInterrupt (a `with` block left by Ctrl-C needs only one more).
         Returns True when every background job finished, False when some were abandoned."""
         return self._close(timeout, interrupted=False)
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` was called (a closed Store saves and restores nothing more)."""
+        return self._closed
 
     def _close(self, timeout: float | None, interrupted: bool) -> bool:
         if self._closed:

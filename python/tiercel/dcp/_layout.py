@@ -22,11 +22,12 @@ import numpy as np
 import torch
 
 from .. import _dtypes
-from .._tree import _unscalar
 from ..errors import IntegrityError, NotFoundError
+from ..kit import Agreement, StepView
 from ..manifest import Item, Manifest
 from ..step import Reader as StepReader
 from ..step import Writer as StepWriter
+from ..step_view import items_by_key
 from ..store import Store
 
 PUT_DATA = "dcp"
@@ -72,34 +73,24 @@ def item_key(fqn: str, offset: Any) -> str:
 
 def put_items(manifest: Manifest, put: str) -> dict[str, Item]:
     """The items of one put whose value was a dict of str keys, by key."""
-    if put not in manifest.trees:
-        raise NotFoundError(f"step {manifest.step} rank {manifest.rank}: nothing was put under '{put}' "
-                            f"(have: {', '.join(manifest.puts())}); was it saved with tiercel.dcp?")
-    tree = manifest.trees[put]
-    if tree.get("t") != "dict":
-        raise IntegrityError(f"step {manifest.step} rank {manifest.rank}: put '{put}' is not a dict of items")
-    items = manifest.items_of(put)
-    # A tree's item references number the put's own items.
-    return {str(_unscalar(key)): items[node["i"]] for key, node in tree["v"] if node.get("t") == "item"}
+    try:
+        return items_by_key(manifest, put)
+    except NotFoundError as e:
+        raise NotFoundError(f"{e}; was it saved with tiercel.dcp?", step=manifest.step, rank=manifest.rank) from None
 
 
 class Locator:
-    """Finds DCP's items in one step: a reader per saving rank (opened once, on first use)
-    and each put's items by key."""
+    """Finds DCP's items in one step: the step's view (a reader per saving rank, opened
+    once, all of one save) and each put's items by key."""
 
-    def __init__(self, store: Store, step: int):
-        self.store = store
+    def __init__(self, store: Store, step: int, agreed: Agreement | None = None):
         self.step = step
-        self._readers: dict[int, StepReader] = {}
+        # All of the save the ranks agreed on; a step given by number: the save read first.
+        self.view = StepView(store, step) if agreed is None else StepView(store, step, save=agreed.save)
         self._puts: dict[tuple[int, str], dict[str, Item]] = {}
 
     def reader(self, rank: int) -> StepReader:
-        if rank not in self._readers:
-            self._readers[rank] = StepReader(self.store, self.step, rank=rank)
-        return self._readers[rank]
-
-    def readers(self) -> list[StepReader]:
-        return list(self._readers.values())
+        return self.view.reader(rank)
 
     def find(self, where: Where) -> tuple[StepReader, Item]:
         reader = self.reader(where.rank)

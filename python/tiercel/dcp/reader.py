@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import _dtypes
+from .. import _dtypes, kit
 from ..coordinator import all_gather_flags
 from ..errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
 from ..manifest import Item
@@ -74,9 +74,11 @@ class Reader(StorageReader):
         if kwargs.get("rank") is not None:
             # DCP asks for a rank's own metadata only after the global one failed on every rank.
             raise NotFoundError("tiercel.dcp steps have no per-rank metadata, only the global one")
-        step = self._wanted if self._wanted is not None else self._newest()
+        agreed = None if self._wanted is not None else self._newest()
+        step = self._wanted if agreed is None else agreed.step
+        assert step is not None
         self.step = step
-        self._locate = _layout.Locator(self.store, step)
+        self._locate = _layout.Locator(self.store, step, agreed)
         metadata = self._shared_metadata(step)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -97,10 +99,7 @@ class Reader(StorageReader):
 
     @property
     def tiers(self) -> Counter[str]:
-        out: Counter[str] = Counter()
-        for r in self._locate.readers() if self._locate else []:
-            out.update(r.info.tiers)
-        return out
+        return Counter(self._locate.view.info().tiers if self._locate else {})
 
     @property
     def checkpoint_id(self) -> str:
@@ -137,12 +136,14 @@ class Reader(StorageReader):
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _newest(self) -> int:
-        step = self.store.latest_step(reshard=True)
-        if step is None:
+    def _newest(self) -> kit.Agreement:
+        """The newest step every rank can reshard from, all of one save (collective)."""
+        agreed = kit.agree(self.store, kit.Need(reshard=True))
+        if agreed.step is None:
+            why = "".join(f"; {s}" for s in agreed.skipped)
             raise NotFoundError(f"rank {self.store.rank}: no step can be restored by every rank from tiers "
-                                f"{self.store._core.restore_order} (committed: {self.store.steps()})")
-        return step
+                                f"{self.store._core.restore_order} (committed: {self.store.steps()}){why}")
+        return agreed
 
     def _shared_metadata(self, step: int) -> Metadata:
         """DCP's Metadata of `step`, read by this rank if it can, else handed over by the

@@ -24,10 +24,12 @@ from typing import Any, Callable
 
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
+from .. import kit
 from ..errors import InvalidArgumentError, NotFoundError, TiercelError
 from ..leaves import PickleWarning
 from ..metrics import record
 from ..step import Prepared, Reader, RestoreInfo, SaveHandle, Writer
+from ..step_view import StepView
 from ..store import Store
 from .layout import LAYOUT_PUT, Layout, Save, norm_dir, step_for_tag
 from .mirror import Mirror
@@ -68,36 +70,37 @@ class _OpenSave:
 
 
 class Loading:
-    """The checkpoint a `load_checkpoint` is reading: its step, layout and save, readers per
-    rank, and files another rank sent (serialized) because this rank cannot read them."""
+    """The checkpoint a `load_checkpoint` is reading: its step, layout and save, the step's
+    view (readers per rank, opened once, all of the save the ranks agreed on), and files
+    another rank sent (serialized) because this rank cannot read them."""
 
     def __init__(self, store: Store, found: Found):
         self.store = store
         self.found = found
-        self.readers: dict[int, Reader] = {}
+        agreed = found.agreed
+        self.view = (StepView(store, found.step, trust_pickles=True) if agreed is None
+                     else StepView(store, found.step, save=agreed.save, trust_pickles=True))
         #: (rank, put) -> the file as torch.save wrote it, sent by its rank.
         self.fetched: dict[tuple[int, str], bytes] = {}
-        self.info = RestoreInfo(step=found.step, seconds=0.0)
 
     def reader(self, rank: int) -> Reader:
-        if rank not in self.readers:
-            self.readers[rank] = Reader(self.store, self.found.step, rank, trust_pickles=True)
-        return self.readers[rank]
+        return self.view.reader(rank)
 
     def read(self, rank: int, put: str) -> Any:
         data = self.fetched.get((rank, put))
         if data is not None:
             import torch
 
-            self.info.tiers[f"rank {rank}"] = self.info.tiers.get(f"rank {rank}", 0) + 1
             return torch.load(io.BytesIO(data), weights_only=False)
-        reader = self.reader(rank)
-        before = dict(reader.info.tiers)
-        value = reader.get(put)
-        for tier, n in reader.info.tiers.items():
-            self.info.tiers[tier] = self.info.tiers.get(tier, 0) + n - before.get(tier, 0)
-        self.info.warnings = reader.info.warnings
-        return value
+        return self.reader(rank).get(put)
+
+    def info(self, seconds: float) -> RestoreInfo:
+        """How the load went: items per tier over every rank's reader, and per rank whose
+        files it sent ("rank 0")."""
+        info = self.view.info(seconds)
+        for rank, _ in self.fetched:
+            info.tiers[f"rank {rank}"] = info.tiers.get(f"rank {rank}", 0) + 1
+        return info
 
 
 class TiercelCheckpointEngine(CheckpointEngine):
@@ -319,7 +322,7 @@ class TiercelCheckpointEngine(CheckpointEngine):
             self.gate.close()
             if self.mirror is not None:
                 self.mirror.close()  # its files are written from the store: before it closes
-            self.store.close()
+            kit.release(self.store)  # the last holder closes it (tiercel.kit.acquire)
 
 
 def _prepare(writer: Writer, name: str, value: Any) -> Prepared:

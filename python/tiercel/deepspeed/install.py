@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator
 
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
+from .. import kit
 from ..errors import InvalidArgumentError, TierUnavailableError
 from ..store import PolicyLike, Store
 from .engine import Loading, TiercelCheckpointEngine
@@ -59,7 +60,7 @@ def attach(engine: Any, policy: PolicyLike | None = None, *, mirror: bool | None
         raise InvalidArgumentError(f"attach() takes the engine deepspeed.initialize() returned, got {type(engine).__name__}")
     if isinstance(engine.checkpoint_engine, TiercelCheckpointEngine):
         raise InvalidArgumentError("this DeepSpeed engine already saves through tiercel (attach() was called before)")
-    store = Store(policy, **store_kwargs)  # a bad policy raises here, before the engine is touched
+    store = kit.acquire(policy, **store_kwargs)  # a bad policy raises here, before the engine is touched
     ce = TiercelCheckpointEngine(store, lambda: engine.global_steps, lambda: updated_by_step(engine))
     ce.gate.install(engine.optimizer)
     engine.checkpoint_engine = ce
@@ -147,8 +148,7 @@ def load_checkpoint(engine: Any, original: Callable[..., Any], load_dir: str, ta
             return original(*bound.args, **bound.kwargs)
     finally:
         ce.loading = None
-        loading.info.seconds = time.perf_counter() - t0
-        ce.last_load = loading.info
+        ce.last_load = loading.info(time.perf_counter() - t0)
 
 
 def _on_disk(engine: Any, load_dir: str, tag: str | None) -> str | None:

@@ -1,7 +1,7 @@
 """Finding the step a DeepSpeed load means: with no tag, the newest step that every rank can
-restore from some tier and that holds a checkpoint of the load directory; with a tag, the
-newest such step holding that tag. Collective (one all-gather per candidate step, usually
-one), like `Store.latest_step`, of which this is the DeepSpeed-aware form.
+restore, all of one save, and that holds a checkpoint of the load directory; with a tag, the
+newest such step holding that tag. Collective: `Store.latest_step`'s own routine
+(tiercel.kit.agree), asked to pass over steps without such a checkpoint.
 
 Also the lookups that need no other rank: a step's layout, a tag in the steps this process
 can see (for `export` and for loads outside `load_checkpoint`).
@@ -12,33 +12,45 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .. import kit
 from ..errors import InvalidArgumentError, NotFoundError, TiercelError
 from ..step import Reader
+from ..step_view import StepView
 from ..store import Store
 from .layout import LAYOUT_PUT, Layout, Save, norm_dir, tag_step
 
 
 @dataclass
 class Found:
+    """The checkpoint a load reads: its step, the step's merged layout, the DeepSpeed save
+    in it, and (from load_checkpoint) what the ranks agreed on: the save of the step, by
+    generation, that every rank reads."""
+
     step: int
     layout: Layout
     save: Save
+    agreed: kit.Agreement | None = None
+
+
+def layout_of(reader: Reader) -> Layout:
+    """One rank's DeepSpeed layout of a committed step, from its reader."""
+    if LAYOUT_PUT not in reader.manifest.trees:
+        raise NotFoundError(f"step {reader.step} was not saved through tiercel's DeepSpeed engine "
+                            f"(it holds {', '.join(reader.manifest.trees) or 'nothing'})")
+    return Layout.from_tree(reader.get(LAYOUT_PUT), f"step {reader.step} rank {reader.rank}")
 
 
 def read_layout(store: Store, step: int, rank: int | None = None) -> Layout:
     """One rank's DeepSpeed layout of a committed step (default: this rank's)."""
-    reader = Reader(store, step, rank, trust_pickles=True)
-    if LAYOUT_PUT not in reader.manifest.trees:
-        raise NotFoundError(f"step {step} was not saved through tiercel's DeepSpeed engine "
-                            f"(it holds {', '.join(reader.manifest.trees) or 'nothing'})")
-    return Layout.from_tree(reader.get(LAYOUT_PUT), f"step {step} rank {reader.rank}")
+    return layout_of(Reader(store, step, rank, trust_pickles=True))
 
 
-def merged_layout(store: Store, step: int) -> Layout:
+def merged_layout(store: Store, step: int, view: StepView | None = None) -> Layout:
     """The step's layout with every rank's files, read from every rank's manifest by this
-    process alone (export, and loads outside load_checkpoint)."""
-    world = Reader(store, step, 0).manifest.world_size
-    return Layout.merge([read_layout(store, step, r) for r in range(world)], f"step {step}")
+    process alone (export, and loads outside load_checkpoint), through `view` if given (its
+    readers stay open for the files)."""
+    view = view if view is not None else StepView(store, step, trust_pickles=True)
+    return Layout.merge([layout_of(view.reader(r)) for r in range(view.world_size)], f"step {step}")
 
 
 def committed_steps(store: Store) -> list[int]:
@@ -87,30 +99,37 @@ def _own_layout(store: Store, step: int) -> tuple[dict | None, str]:
 
 def resolve(store: Store, load_dir: str, tag: str | None) -> tuple[Found | None, list[str]]:
     """The checkpoint `load_checkpoint(load_dir, tag)` loads, agreed by every rank, or None
-    and, per step tried, why not. Collective: the ranks exchange the steps they can open,
-    then, newest first, their layouts of a candidate step (usually one round)."""
+    and, per step passed over, why. Collective: the step is the one tiercel.kit.agree picks
+    (the newest this job's ranks can all restore, all of one save of it: never a step saved
+    again on some ranks only), among those whose ranks' layouts, exchanged, hold a checkpoint
+    of `load_dir` (and `tag`)."""
     want = norm_dir(load_dir)
     fixed = tag_step(tag) if tag is not None else None
-    mine = [s for s in committed_steps(store) if fixed is None or s == fixed]
-    everyone = gather(store, mine)
-    common = sorted(set(everyone[0]).intersection(*map(set, everyone[1:])), reverse=True)
-    notes: list[str] = []
-    for step in common:
+    found: list[Found] = []
+
+    def holds(step: int) -> str | None:
+        """Why `step` holds no such checkpoint, or None (and `found` has it); the same on
+        every rank: it decides on every rank's layout."""
         layouts = gather(store, _own_layout(store, step))
         if any(tree is None for tree, _ in layouts):
-            notes += [f"step {step}: rank {r}: {why}" for r, (tree, why) in enumerate(layouts) if tree is None]
-            continue
+            return "; ".join(f"rank {r}: {why}" for r, (tree, why) in enumerate(layouts) if tree is None)
         try:
             layout = Layout.merge([Layout.from_tree(tree, f"step {step} rank {r}") for r, (tree, _) in enumerate(layouts)],
                                   f"step {step}")
         except TiercelError as e:
-            notes.append(str(e))
-            continue
+            return str(e)
         saves = layout.checkpoints(want, tag)
-        if saves:
-            return Found(step, layout, saves[-1]), notes
-        notes.append(f"step {step} holds {layout.describe()}")
-    return None, notes
+        if not saves:
+            return f"it holds {layout.describe()}"
+        found.append(Found(step, layout, saves[-1]))
+        return None
+
+    agreed = kit.agree(store, kit.Need(), only=None if fixed is None else (lambda s: s == fixed), accept=holds)
+    if agreed.step is None:
+        return None, agreed.skipped
+    hit = found[-1]
+    hit.agreed = agreed
+    return hit, agreed.skipped
 
 
 def not_found(store: Store, load_dir: str, tag: str | None, notes: list[str]) -> NotFoundError:

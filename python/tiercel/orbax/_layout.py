@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from orbax.checkpoint._src.metadata import sharding as sharding_metadata
 
+from .. import _tree
 from .._tree import unflatten
 from ..manifest import Item, Manifest
 from ._leaf import JaxShard, dtype_name, on_host
@@ -234,12 +235,8 @@ class SavedLeaf:
 
 def is_layout(tree: dict[str, Any]) -> bool:
     """Whether a put's tree (as the manifest keeps it) is a tiercel.orbax layout."""
-    if tree.get("t") != "dict":
-        return False
-    for k, v in tree["v"]:
-        if k == {"t": "str", "v": "format"}:
-            return bool(v == {"t": "str", "v": FORMAT})
-    return False
+    node = _tree.entry(tree, "format")
+    return node is not None and node.get("t") == "str" and _tree.scalar(node) == FORMAT
 
 
 def rank_records(m: Manifest, put: str) -> list[dict[str, Any]]:
@@ -271,8 +268,10 @@ def read_put(m: Manifest, put: str) -> dict[str, Any]:
 
 
 def _entry(node: dict, key: str) -> dict:
-    """The node of a dict node's entry `key`."""
-    return next(v for k, v in node["v"] if k == {"t": "str", "v": key})
+    """The node of a dict node's entry `key` (the layout has it: checked by rank_records)."""
+    found = _tree.entry(node, key)
+    assert found is not None, key
+    return found
 
 
 def merge_layout(shares: Mapping[int, list[dict[str, Any]]]) -> list[SavedLeaf]:

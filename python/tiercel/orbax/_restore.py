@@ -14,8 +14,10 @@ from .._sharding import Box, CoverageError, Plan, box_of_index, box_shape, plan
 from .._tree import tree_items, unflatten
 from ..errors import InvalidArgumentError, NotFoundError, TiercelError
 from ..manifest import Item
+from ..newest import one_save
 from ..replicas import share_pieces
 from ..step import Reader, RestoreInfo
+from ..step_view import StepView
 from ..store import Store
 from ._layout import SavedLeaf, merge_layout, nested, rank_records, read_put
 
@@ -49,8 +51,8 @@ class SavedStep:
         self.step = step
         self.put = put
         self._store = store
-        self._tiers = tiers
-        self._readers: dict[int, Reader] = {}
+        #: Every saved rank's reader, opened once, all of one save of the step.
+        self.view = StepView(store, step, tiers=tiers)
         #: Per leaf: ((rank, item index), offsets, shape) of every saved piece.
         self._boxes: dict[str, list[tuple[tuple[int, int], tuple[int, ...], tuple[int, ...]]]] = {}
         many = collective and store.world_size > 1 and store.coordinator is not None
@@ -66,35 +68,35 @@ class SavedStep:
         errors = [str(r) for ok, r in results if ok == "error"]
         if errors:
             raise NotFoundError(f"step {step} '{put}': " + "; ".join(errors))
+        saves = [[save] for _, (world, _, save) in results if world is not None]
+        if not one_save(saves):
+            raise NotFoundError(
+                f"step {step} '{put}': the processes read different saves of it "
+                f"({', '.join(f'process {p}: {r[2]}' for p, (_, r) in enumerate(results))}): it was saved again and that "
+                "save did not reach every tier; restore another step", step=step)
         shares: dict[int, list[dict[str, Any]]] = {}
-        for _, (_, records) in results:
+        for _, (_, records, _) in results:
             shares.update(records)
         #: Ranks that saved the step (process 0 always has a rank to read, so it knows).
         self.world_size: int = results[0][1][0]
         self.leaves = merge_layout(shares)
 
-    def _share(self, p: int, n: int) -> tuple[int | None, dict[int, list[dict[str, Any]]]]:
-        """(ranks that saved the step, {rank: leaf records}) for saved ranks p, p + n, ..."""
+    def _share(self, p: int, n: int) -> tuple[int | None, dict[int, list[dict[str, Any]]], str | None]:
+        """(ranks that saved the step, {rank: leaf records}, the save read) for saved ranks
+        p, p + n, ..."""
         try:
             first = self.reader(p)
         except InvalidArgumentError:  # more processes now than ranks then: nothing to read here
-            return None, {}
+            return None, {}, None
         world = first.manifest.world_size
-        return world, {r: rank_records(self.reader(r).manifest, self.put) for r in range(p, world, n)}
+        return world, {r: rank_records(self.reader(r).manifest, self.put) for r in range(p, world, n)}, self.view.save
 
     def reader(self, rank: int) -> Reader:
-        if rank not in self._readers:
-            self._readers[rank] = self._store.reader(self.step, rank=rank, tiers=self._tiers)
-        return self._readers[rank]
+        return self.view.reader(rank)
 
     def info(self, seconds: float) -> RestoreInfo:
         """Where this restore's bytes came from, over every rank's reader."""
-        info = RestoreInfo(step=self.step, seconds=seconds)
-        for r in self._readers.values():
-            for tier, n in r.info.tiers.items():
-                info.tiers[tier] = info.tiers.get(tier, 0) + n
-            info.nbytes += r.info.nbytes
-            info.warnings += r.info.warnings
+        info = self.view.info(seconds)
         info.broadcast = self.broadcast
         return info
 

@@ -22,22 +22,20 @@ hold, would replace the step's other items: it is refused at once, with what to 
 
 from __future__ import annotations
 
-import json
-import os
 import threading
-from collections.abc import Mapping
 from typing import Any
 
+from .. import kit
 from ..errors import InvalidArgumentError
 from ..step import SaveHandle
 from ..step import Writer as StepWriter
-from ..store import PolicyLike, Store, _policy_path
+from ..store import PolicyLike, Store
 
 Key = tuple[Any, ...]
 
 _lock = threading.Lock()
-#: Shared Stores by key, with how many handlers use each.
-_stores: dict[Key, list[Any]] = {}
+#: The shared Stores the handlers acquired, by key (tiercel.kit owns their lifetime).
+_stores: dict[Key, Store] = {}
 #: Step writes not committed yet, by (store key, step).
 _open: dict[tuple[Key, int], StepWrite] = {}
 #: The puts of the last committed write of each step, by (store key, step).
@@ -51,45 +49,41 @@ def _job() -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
-def policy_key(policy: PolicyLike | None) -> Key:
-    """The same key for the same policy (file, or equal dict) in the same job."""
-    resolved = _policy_path(policy)
-    if isinstance(resolved, Mapping):
-        return ("dict", json.dumps(resolved, sort_keys=True, default=str), *_job())
-    return ("path", os.path.realpath(os.fspath(resolved)), *_job())
-
-
 def store_key(store: Store) -> Key:
+    """The key of a Store passed in (its owner closes it)."""
     return ("store", id(store))
 
 
 def acquire(policy: PolicyLike | None) -> tuple[Key, Store]:
-    """The Store of `policy` in this process, opened on first use; each acquire is matched
+    """The Store of `policy` in this process (tiercel.kit.acquire: shared with every other
+    handler and adapter object of the policy, opened on first use); each acquire is matched
     by one `release`."""
-    key = policy_key(policy)
+    store = kit.acquire(policy, job=_job())
+    # By policy, not by Store: a step saved through an earlier Store of the policy (closed
+    # since) is still refused a save of other items alone (see `begin`).
+    key: Key = ("shared", kit.shared_key(store))
     with _lock:
-        entry = _stores.get(key)
-        if entry is None or entry[0]._closed:
-            entry = _stores[key] = [Store(policy), 0]
-        entry[1] += 1
-        return key, entry[0]
+        _stores[key] = store
+    return key, store
 
 
 def release(key: Key) -> None:
-    """Closes the shared Store once its last handler let it go (waiting for its background
-    work: persists, replication)."""
+    """Lets go of the shared Store; the last holder closes it (waiting for its background
+    work: persists, replication), first abandoning the step writes whose items never all
+    arrived (their saves failed)."""
     with _lock:
-        entry = _stores.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] > 0:
-            return
-        del _stores[key]
-        unfinished = [_open.pop(k) for k in [k for k in _open if k[0] == key]]
-    for write in unfinished:  # their items never all arrived: their saves failed
-        write.abort()
-    entry[0].close()
+        store = _stores.get(key)
+    if store is None:
+        return
+
+    def abandon() -> None:
+        with _lock:
+            del _stores[key]
+            unfinished = [_open.pop(k) for k in [k for k in _open if k[0] == key]]
+        for write in unfinished:
+            write.abort()
+
+    kit.release(store, before_close=abandon)
 
 
 class StepWrite:
