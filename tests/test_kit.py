@@ -105,7 +105,7 @@ def test_tree_reading_api_finds_items_by_key(policy):
         assert entries is not None and [k for k, _ in entries] == ["a", 7, "n"]
         assert _tree.item_ref(_tree.entry(tree, "a")) == 0 and _tree.item_ref(_tree.entry(tree, 7)) == 1
         assert _tree.entry(tree, "7") is None and _tree.entry(tree, "missing") is None
-        assert _tree.scalar(_tree.entry(tree, "n")) == 5 and _tree.item_ref(_tree.entry(tree, "n")) is None
+        assert _tree.scalar_value(_tree.entry(tree, "n")) == 5 and _tree.item_ref(_tree.entry(tree, "n")) is None
         assert _tree.dict_entries({"t": "list", "v": []}) is None
         by_key = items_by_key(reader.manifest, "p")
         assert sorted(by_key) == ["7", "a"] and by_key["a"].shape == (3,)

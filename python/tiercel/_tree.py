@@ -20,7 +20,6 @@ from . import _plain
 from ._nodes import FIELD_TYPES, MAX_DEPTH, SCALAR_TYPES, scalar, unscalar
 from ._nodes import check_tree as check_tree  # the names other modules know them by
 from ._nodes import tree_items as tree_items
-from ._nodes import unscalar as _unscalar
 from ._plain import Unbuildable
 
 if TYPE_CHECKING:
@@ -307,10 +306,10 @@ def _namedtuple(path: str, values: dict[str, Any]) -> Any:
 # -- reading a tree without building it (adapters find their items by key) ----------------
 
 
-def scalar(node: dict) -> Any:
+def scalar_value(node: dict) -> Any:
     """The Python value of a scalar node (none, bool, int, float, str); ValueError for any
     other node."""
-    return _unscalar(node)
+    return unscalar(node)
 
 
 def dict_entries(node: dict) -> list[tuple[Any, dict]] | None:
@@ -318,7 +317,7 @@ def dict_entries(node: dict) -> list[tuple[Any, dict]] | None:
     is not a dict."""
     if node.get("t") != "dict":
         return None
-    return [(_unscalar(k), v) for k, v in node["v"]]
+    return [(unscalar(k), v) for k, v in node["v"]]
 
 
 def entry(node: dict, key: Any) -> dict | None:

@@ -236,7 +236,7 @@ class SavedLeaf:
 def is_layout(tree: dict[str, Any]) -> bool:
     """Whether a put's tree (as the manifest keeps it) is a tiercel.orbax layout."""
     node = _tree.entry(tree, "format")
-    return node is not None and node.get("t") == "str" and _tree.scalar(node) == FORMAT
+    return node is not None and node.get("t") == "str" and _tree.scalar_value(node) == FORMAT
 
 
 def rank_records(m: Manifest, put: str) -> list[dict[str, Any]]:
