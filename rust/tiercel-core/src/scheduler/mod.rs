@@ -27,7 +27,7 @@ pub mod plan;
 mod signals;
 
 pub use link::{Link, LinkClosed, LinkKind, ReadGuard};
-pub use signals::{Clock, Event, Mode, SystemClock, Traffic, TrafficConfig};
+pub use signals::{Clock, Event, SystemClock, Traffic};
 
 use std::cell::RefCell;
 use std::collections::BinaryHeap;
@@ -359,6 +359,7 @@ fn worker(s: Arc<Shared>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::{TrafficConfig, TrafficMode};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 
@@ -510,7 +511,7 @@ mod tests {
 
     #[test]
     fn a_job_waiting_at_its_link_lends_its_slot_to_another_link() {
-        let traffic = Traffic::new(TrafficConfig { mode: Mode::Signals, ..Default::default() }, SystemClock::shared());
+        let traffic = Traffic::new(TrafficConfig { mode: TrafficMode::Signals, ..Default::default() }, SystemClock::shared());
         let net = Link::with_traffic("peer", None, LinkKind::Network, traffic.clone());
         let local = Link::with_traffic("memory", None, LinkKind::Local, traffic.clone());
         let s = Scheduler::new(1);

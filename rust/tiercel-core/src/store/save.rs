@@ -10,11 +10,11 @@ use rayon::prelude::*;
 use super::handle::Probed;
 use super::{SaveHandle, Store, TierState, MEMORY_SLOT};
 use crate::error::{Error, Result};
-use crate::format::{self, ChunkMeta, ItemMeta, Manifest, ObjectMeta, ShardInfo};
+use crate::format::{self, ChunkMeta, ChunkSource, ItemMeta, Manifest, ObjectMeta, ShardInfo};
+use crate::lease::Lease;
 use crate::scheduler::{Job, LinkClosed, Priority, Start, Supersede};
-use crate::tier::lease::Lease;
-use crate::tier::memory::Segment;
-use crate::tier::{ChunkSource, Tier};
+use crate::shm::Segment;
+use crate::tier::Tier;
 
 /// What a caller hands over about one item before the copy.
 #[derive(Debug, Clone)]
