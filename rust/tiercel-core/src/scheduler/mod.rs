@@ -60,8 +60,15 @@ pub enum Start {
 /// in the process's save order: only a later save replaces an earlier one.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Supersede {
-    pub key: String,
+    pub key: SupersedeKey,
     pub order: u64,
+}
+
+/// What makes two jobs one another's replacement (`Supersede`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum SupersedeKey {
+    /// A save's persist to the tier of this name: a later save's replaces it while it waits.
+    Persist { tier: String },
 }
 
 pub struct Job {
@@ -74,7 +81,7 @@ pub struct Job {
 }
 
 impl Job {
-    fn key(&self) -> Option<&String> {
+    fn key(&self) -> Option<&SupersedeKey> {
         self.supersede.as_ref().map(|s| &s.key)
     }
 }
@@ -121,12 +128,12 @@ struct State {
     running: usize,
     /// The links of the running jobs whose chunk waits at its link now, one entry per job.
     waiting_on: Vec<u64>,
-    running_keys: Vec<String>,
+    running_keys: Vec<SupersedeKey>,
     /// The running jobs, as `pending_jobs` lists them (by their `seq`).
     running_jobs: Vec<(u64, PendingJob)>,
     /// Per supersede key, the latest save submitted (order, label): a job of an earlier save
     /// that arrives after it is skipped at once.
-    newest: std::collections::HashMap<String, (u64, String)>,
+    newest: std::collections::HashMap<SupersedeKey, (u64, String)>,
     seq: u64,
     shutdown: bool,
 }
@@ -375,7 +382,7 @@ mod tests {
             priority: p,
             size: 0,
             label: label.into(),
-            supersede: key.map(|k| Supersede { key: k.into(), order }),
+            supersede: key.map(|k| Supersede { key: SupersedeKey::Persist { tier: k.into() }, order }),
             run: Box::new(move |start| {
                 let tag = match start {
                     Start::Run => label2,
@@ -484,7 +491,7 @@ mod tests {
                 size: 0,
                 label: format!("p{i}"),
                 // Distinct keys per pair: p0/p1 share "a", etc. Superseding may skip some.
-                supersede: Some(Supersede { key: "disk".into(), order: i }),
+                supersede: Some(Supersede { key: SupersedeKey::Persist { tier: "disk".into() }, order: i }),
                 run: Box::new(move |start| {
                     if let Start::Run = start {
                         let now = a.fetch_add(1, Ordering::SeqCst) + 1;

@@ -11,6 +11,7 @@ mod handle;
 mod job;
 mod metrics;
 mod pending;
+mod persist;
 mod restore;
 mod save;
 
