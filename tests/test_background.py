@@ -86,7 +86,10 @@ def test_close_without_timeout_finishes_and_says_so_while_it_waits(shm_root, dis
 
 
 SIGINT_CHILD = r"""
-import sys, time, numpy as np, tiercel
+import signal, sys, time, numpy as np, tiercel
+# Ctrl-C raises KeyboardInterrupt, as in a terminal, even where this test runs in a background
+# job: a shell starts those with SIGINT ignored, and Python then installs no handler of its own.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from conftest import make_policy
 policy = make_policy(sys.argv[1], sys.argv[2], every=1, compression="none", disk_opts={"bandwidth": "1MB/s"})
 store = tiercel.Store(policy, rank=0, world_size=1)
