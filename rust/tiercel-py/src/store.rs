@@ -94,7 +94,7 @@ impl Store {
                 let c = &s.config;
                 let d = PyDict::new(py);
                 d.set_item("name", &c.name)?;
-                d.set_item("kind", c.kind().as_str())?;
+                d.set_item("kind", c.kind_name())?;
                 d.set_item("location", c.location())?;
                 d.set_item("every", c.every)?;
                 d.set_item("keep", c.keep)?;

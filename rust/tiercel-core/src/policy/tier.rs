@@ -14,11 +14,14 @@ pub enum TierKind {
     S3,
     /// Google Cloud Storage: `url = "gs://bucket/prefix"`.
     Gcs,
+    /// A tier built outside the core (`tier::external`): `kind = "python"` with a `factory`,
+    /// `kind = "fsspec"` with a `url`, or the kind name an installed plugin registers.
+    Python,
 }
 
 impl TierKind {
     /// Every kind a policy may name, in the order error messages list them.
-    pub(super) const ALL: &'static [TierKind] = &[TierKind::Memory, TierKind::Fs, TierKind::Peer, TierKind::S3, TierKind::Gcs];
+    pub(super) const ALL: &'static [TierKind] = &[TierKind::Memory, TierKind::Fs, TierKind::Peer, TierKind::S3, TierKind::Gcs, TierKind::Python];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -27,6 +30,7 @@ impl TierKind {
             TierKind::Peer => "peer",
             TierKind::S3 => "s3",
             TierKind::Gcs => "gcs",
+            TierKind::Python => "python",
         }
     }
 
@@ -72,7 +76,31 @@ pub enum TierSpec {
     Gcs(ObjectSpec),
     /// Replicas in the memory of m-1 peer hosts (GEMINI).
     Peer(PeerConfig),
+    /// A tier written in Python (`kind = "python"`, `"fsspec"` or a plugin's kind).
+    Python(PythonSpec),
 }
+
+/// A tier the core opens through `tier::external` (in practice: the Python bindings).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PythonSpec {
+    /// The kind as the policy names it: "python", "fsspec", or a plugin's (entry point group
+    /// `tiercel.tiers`).
+    pub kind: String,
+    /// `factory = "module:callable"` (kind "python" only).
+    pub factory: Option<String>,
+    /// `url`, handed to the factory as the keyword `url` (required for "fsspec").
+    pub url: Option<String>,
+    /// `[tier.options]` as a JSON object: the factory's other keywords.
+    pub options: String,
+    /// `concurrency`: calls into the tier's object in flight at once.
+    pub concurrency: usize,
+    /// Where the tier stands in the policy (`tiercel.toml:12: tier[1] ("archive")`), so that
+    /// a failure to open it (a module that does not import) names the file and line.
+    pub at: String,
+}
+
+/// Calls into a Python tier at once, unless `concurrency` says otherwise.
+pub const DEFAULT_PYTHON_CONCURRENCY: usize = 4;
 
 /// An object-store tier: its bucket and how to reach it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -90,17 +118,28 @@ impl TierSpec {
             TierSpec::S3(_) => TierKind::S3,
             TierSpec::Gcs(_) => TierKind::Gcs,
             TierSpec::Peer(_) => TierKind::Peer,
+            TierSpec::Python(_) => TierKind::Python,
         }
     }
 
     /// Where the tier lives, as messages and `tiercel ls` show it: the memory root, the fs
-    /// directory, the bucket URL, or the peer tier's listen address.
+    /// directory, the bucket URL, the peer tier's listen address, or a Python tier's url (else
+    /// its factory, else its kind).
     pub fn location(&self) -> &str {
         match self {
             TierSpec::Memory { root } => root,
             TierSpec::Fs { path } => path,
             TierSpec::S3(o) | TierSpec::Gcs(o) => &o.url,
             TierSpec::Peer(p) => &p.listen,
+            TierSpec::Python(p) => p.url.as_deref().or(p.factory.as_deref()).unwrap_or(&p.kind),
+        }
+    }
+
+    /// The kind as the policy names it (a plugin's own name for a Python tier).
+    pub fn kind_name(&self) -> &str {
+        match self {
+            TierSpec::Python(p) => &p.kind,
+            other => other.kind().as_str(),
         }
     }
 }
@@ -112,6 +151,10 @@ impl TierConfig {
 
     pub fn location(&self) -> &str {
         self.spec.location()
+    }
+
+    pub fn kind_name(&self) -> &str {
+        self.spec.kind_name()
     }
 }
 

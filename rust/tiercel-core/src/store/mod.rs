@@ -104,6 +104,9 @@ fn link_kind(spec: &TierSpec) -> LinkKind {
     match spec {
         TierSpec::Peer(_) | TierSpec::S3(_) | TierSpec::Gcs(_) => LinkKind::Network,
         TierSpec::Memory { .. } | TierSpec::Fs { .. } => LinkKind::Local,
+        // A Python tier is taken to be remote unless its url names a local directory.
+        TierSpec::Python(p) if p.url.as_deref().is_some_and(|u| u.starts_with("file://")) => LinkKind::Local,
+        TierSpec::Python(_) => LinkKind::Network,
     }
 }
 

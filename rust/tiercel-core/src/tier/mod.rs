@@ -4,6 +4,7 @@
 //! turns a policy's tiers into `Tier`s.
 
 pub mod blob;
+pub mod external;
 pub mod gc;
 pub mod layout;
 pub mod lease;

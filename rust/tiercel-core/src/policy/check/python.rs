@@ -1,0 +1,106 @@
+//! The keys of a tier built outside the core (`tier::external`): `kind = "python"` with a
+//! `factory`, `kind = "fsspec"` with a `url`, or a kind an installed plugin registers (entry
+//! point group `tiercel.tiers`), each with `[tier.options]` for its factory.
+
+use super::super::source::Value;
+use super::super::tier::{PythonSpec, TierKind, DEFAULT_PYTHON_CONCURRENCY};
+use super::{Checker, TierTable, OBJECT_KEYS};
+use crate::error::Result;
+
+/// Keys only Python tiers take.
+pub(super) const PYTHON_KEYS: &[&str] = &["factory", "options"];
+/// The most calls into one Python tier in flight at once.
+const MAX_PYTHON_CONCURRENCY: usize = 64;
+
+/// Whether `name` is a kind of Python tier: "python", "fsspec", or one a plugin registers.
+pub(super) fn is_python_kind(name: &str) -> bool {
+    name == "python" || name == "fsspec" || crate::tier::external::plugin_kinds().iter().any(|k| k == name)
+}
+
+/// Every kind a policy may name, quoted, for "unknown kind" messages.
+pub(super) fn known_kinds() -> String {
+    let mut names: Vec<String> = TierKind::ALL.iter().map(|k| k.as_str().to_string()).collect();
+    names.push("fsspec".into());
+    names.extend(crate::tier::external::plugin_kinds());
+    names.iter().map(|n| format!("{n:?}")).collect::<Vec<_>>().join(", ")
+}
+
+/// `module:callable`, each side dotted identifiers (`mypkg.tiers:make`, `mypkg:Tier.open`).
+fn valid_factory(s: &str) -> bool {
+    let dotted = |p: &str| {
+        !p.is_empty()
+            && p.split('.').all(|id| {
+                let mut c = id.chars();
+                c.next().is_some_and(|f| f.is_alphabetic() || f == '_') && c.all(|ch| ch.is_alphanumeric() || ch == '_')
+            })
+    };
+    matches!(s.split_once(':'), Some((m, f)) if dotted(m) && dotted(f))
+}
+
+impl Checker<'_> {
+    pub(super) fn python_tier(&self, t: &TierTable, kind: &str) -> Result<PythonSpec> {
+        if let Some((n, p)) = t.optional("root") {
+            return Err(self.at(n, &p, format!("`root` is not valid for kind {kind:?}; use `url`, or a key of [tier.options]")));
+        }
+        if let Some((key, n)) = t.entries.iter().find(|(k, _)| OBJECT_KEYS.contains(&k.as_str()) && k != "concurrency") {
+            return Err(self.at(
+                n,
+                &t.key_path(key),
+                format!("`{key}` is not valid for kind {kind:?}; a Python tier takes its settings in [tier.options]"),
+            ));
+        }
+        let factory = match (kind, t.optional("factory")) {
+            ("python", None) => return Err(t.missing(self, "factory", "the tier's constructor, \"module:callable\" such as \"mypkg.tiers:make\"")),
+            ("python", Some((n, p))) => {
+                let f = self.string(n, &p)?.trim();
+                if !valid_factory(f) {
+                    return Err(self.expected(n, &p, "\"module:callable\" such as \"mypkg.tiers:make\""));
+                }
+                Some(f.to_string())
+            }
+            (_, Some((n, p))) => {
+                return Err(self.at(n, &p, format!("`factory` is only valid for kind \"python\"; a {kind:?} tier is built by its own")))
+            }
+            (_, None) => None,
+        };
+        let url = match t.optional("url") {
+            Some((n, p)) => {
+                let u = self.string(n, &p)?.trim();
+                if kind == "fsspec" && !u.split_once("://").is_some_and(|(proto, rest)| !proto.is_empty() && !rest.is_empty()) {
+                    return Err(self.expected(n, &p, "an fsspec URL \"<protocol>://...\" such as \"file:///mnt/ckpt\" or \"memory://ckpt\""));
+                }
+                Some(u.to_string())
+            }
+            None if kind == "fsspec" => {
+                return Err(t.missing(self, "url", "the filesystem and path, \"<protocol>://...\" such as \"file:///mnt/ckpt\""))
+            }
+            None => None,
+        };
+        let options = match t.optional("options") {
+            Some((n, p)) => match &n.value {
+                Value::Table(_) => n.to_json(),
+                _ => return Err(self.expected(n, &p, "a table ([tier.options]) of keywords for the tier's factory")),
+            },
+            None => serde_json::Value::Object(Default::default()),
+        };
+        if let (Some(_), Some(n)) = (&url, options.get("url")) {
+            let node = t.get("options").unwrap_or(t.node);
+            return Err(self.at(node, &t.key_path("options.url"), format!("`url` is given twice (also {n} in [tier.options]); keep one")));
+        }
+        let concurrency = match t.optional("concurrency") {
+            Some((n, p)) => {
+                let c = self.count(n, &p)?;
+                if c > MAX_PYTHON_CONCURRENCY {
+                    return Err(self.expected(n, &p, &format!("a positive integer up to {MAX_PYTHON_CONCURRENCY}")));
+                }
+                c
+            }
+            None => DEFAULT_PYTHON_CONCURRENCY,
+        };
+        let at = match self.line(t.node) {
+            Some(line) => format!("{}:{line}: {}", self.source, t.path),
+            None => format!("{}: {}", self.source, t.path),
+        };
+        Ok(PythonSpec { kind: kind.to_string(), factory, url, options: options.to_string(), concurrency, at })
+    }
+}

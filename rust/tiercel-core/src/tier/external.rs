@@ -1,0 +1,43 @@
+//! Tiers of kinds the core does not build itself: a tier written in Python (`kind =
+//! "python"`), an fsspec filesystem (`kind = "fsspec"`), a kind an installed package
+//! registers. The Python bindings register the one `ExternalKinds` at import; `open` hands it
+//! a tier's settings and gets a `Blobs` back, which `tier::open` makes a tier like any other
+//! (`BlobTier`): checksums, compression, commits, retention and gc are the core's.
+
+use std::sync::{Arc, OnceLock};
+
+use crate::blobs::Blobs;
+use crate::error::{Error, Result};
+use crate::policy::PythonSpec;
+
+/// Builds the tiers of kinds outside the core.
+pub trait ExternalKinds: Send + Sync {
+    /// The kinds installed packages register (beyond "python" and "fsspec"), for the policy.
+    fn plugin_kinds(&self) -> Vec<String>;
+    /// Opens tier `name`; errors name where it stands in the policy (`spec.at`).
+    fn open(&self, name: &str, spec: &PythonSpec) -> Result<Arc<dyn Blobs>>;
+}
+
+static REGISTERED: OnceLock<Box<dyn ExternalKinds>> = OnceLock::new();
+
+/// Registers the builder of external kinds; false if one was registered already.
+pub fn register(kinds: Box<dyn ExternalKinds>) -> bool {
+    REGISTERED.set(kinds).is_ok()
+}
+
+/// The kinds installed packages register; none where no builder is registered.
+pub fn plugin_kinds() -> Vec<String> {
+    REGISTERED.get().map(|k| k.plugin_kinds()).unwrap_or_default()
+}
+
+/// Opens a tier of an external kind through the registered builder.
+pub fn open(name: &str, spec: &PythonSpec) -> Result<Arc<dyn Blobs>> {
+    match REGISTERED.get() {
+        Some(k) => k.open(name, spec),
+        None => Err(Error::config(format!(
+            "{}.kind: a tier of kind {:?} is built by tiercel's Python package: open the store from Python (tiercel.Store)",
+            spec.at, spec.kind
+        ))
+        .with_tier(name)),
+    }
+}
