@@ -67,14 +67,48 @@ pub fn conformance_cases() -> Vec<(&'static str, &'static str)> {
     b.chain(t).collect()
 }
 
+thread_local! {
+    /// Set while this thread runs a conformance case: its panic (the case's failed assertion)
+    /// is kept here, where it was raised, instead of printed.
+    static CASE_PANIC: std::cell::RefCell<Option<Option<String>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Keeps the panics of conformance cases (see `CASE_PANIC`); every other panic goes to the
+/// hook that was there before.
+fn quiet_case_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let before = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let kept = CASE_PANIC.with(|c| match &mut *c.borrow_mut() {
+                Some(slot) => {
+                    let at = info.location().map(|l| format!(" (at {}:{})", l.file(), l.line())).unwrap_or_default();
+                    let msg = info
+                        .payload()
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| info.payload().downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_else(|| "the case panicked".into());
+                    *slot = Some(format!("{msg}{at}"));
+                    true
+                }
+                None => false,
+            });
+            if !kept {
+                before(info)
+            }
+        }));
+    });
+}
+
 fn run_case<S>(cases: Vec<Case<S>>, name: &str, subject: S) -> Option<String> {
     let case = cases.into_iter().find(|c| c.name == name)?;
+    quiet_case_panics();
+    CASE_PANIC.with(|c| *c.borrow_mut() = Some(None));
     let outcome = catch_unwind(AssertUnwindSafe(|| (case.run)(&subject)));
+    let message = CASE_PANIC.with(|c| c.borrow_mut().take().flatten());
     drop(subject);
-    match outcome {
-        Ok(()) => None,
-        Err(p) => Some(p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "the case panicked".into())),
-    }
+    outcome.err().map(|_| message.unwrap_or_else(|| "the case panicked".into()))
 }
 
 /// Runs one case of the core's suites against `obj` (a tier's object, every key under
