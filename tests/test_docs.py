@@ -54,6 +54,7 @@ DOCS = [
     "docs/pytorch.md",
     "docs/reliability.md",
     "docs/restore.md",
+    "docs/tiers.md",
     "docs/traffic.md",
     "docs/troubleshooting.md",
 ]
