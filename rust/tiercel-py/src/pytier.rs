@@ -168,10 +168,16 @@ impl Blobs for PyBlobs {
 
     fn put_if_absent(&self, key: &str, data: &[u8]) -> Result<bool> {
         let i = &self.0;
-        let r = i.call("put_if_absent", key, |py, o| o.call_method1("put_if_absent", (i.key(key), PyBytes::new(py, data)))?.extract::<Option<bool>>())?;
+        let r = i.call("put_if_absent", key, |py, o| {
+            o.call_method1("put_if_absent", (i.key(key), PyBytes::new(py, data)))?.extract::<Option<bool>>()
+        })?;
         r.ok_or_else(|| {
-            Error::unavailable(format!("tier '{}': put_if_absent({}) returned None; it must return True (created) or False (it existed)", i.tier, i.describe(key)))
-                .with_tier(&i.tier)
+            Error::unavailable(format!(
+                "tier '{}': put_if_absent({}) returned None; it must return True (created) or False (it existed)",
+                i.tier,
+                i.describe(key)
+            ))
+            .with_tier(&i.tier)
         })
     }
 
@@ -216,8 +222,12 @@ impl Blobs for PyBlobs {
             return Err(i.shorter(key));
         }
         if n > want {
-            return Err(Error::unavailable(format!("tier '{}': get_range({}, {offset}, {want}) returned {n} bytes, more than asked", i.tier, i.describe(key)))
-                .with_tier(&i.tier));
+            return Err(Error::unavailable(format!(
+                "tier '{}': get_range({}, {offset}, {want}) returned {n} bytes, more than asked",
+                i.tier,
+                i.describe(key)
+            ))
+            .with_tier(&i.tier));
         }
         Ok(())
     }

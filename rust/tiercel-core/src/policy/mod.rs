@@ -17,8 +17,8 @@ mod units;
 use std::path::Path;
 
 pub use tier::{
-    ObjectOptions, ObjectSpec, PeerConfig, PythonSpec, TierConfig, TierKind, TierSpec, DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, DEFAULT_PEER_LISTEN,
-    DEFAULT_PYTHON_CONCURRENCY, DEFAULT_REPLICAS,
+    ObjectOptions, ObjectSpec, PeerConfig, PythonSpec, TierConfig, TierKind, TierSpec, DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE,
+    DEFAULT_PEER_LISTEN, DEFAULT_PYTHON_CONCURRENCY, DEFAULT_REPLICAS,
 };
 pub use units::{format_size, parse_bandwidth, parse_size, Codec, Compression, DEFAULT_ZSTD_LEVEL};
 

@@ -21,7 +21,8 @@ pub enum TierKind {
 
 impl TierKind {
     /// Every kind a policy may name, in the order error messages list them.
-    pub(super) const ALL: &'static [TierKind] = &[TierKind::Memory, TierKind::Fs, TierKind::Peer, TierKind::S3, TierKind::Gcs, TierKind::Python];
+    pub(super) const ALL: &'static [TierKind] =
+        &[TierKind::Memory, TierKind::Fs, TierKind::Peer, TierKind::S3, TierKind::Gcs, TierKind::Python];
 
     pub fn as_str(self) -> &'static str {
         match self {

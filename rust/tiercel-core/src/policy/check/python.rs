@@ -50,7 +50,9 @@ impl Checker<'_> {
             ));
         }
         let factory = match (kind, t.optional("factory")) {
-            ("python", None) => return Err(t.missing(self, "factory", "the tier's constructor, \"module:callable\" such as \"mypkg.tiers:make\"")),
+            ("python", None) => {
+                return Err(t.missing(self, "factory", "the tier's constructor, \"module:callable\" such as \"mypkg.tiers:make\""))
+            }
             ("python", Some((n, p))) => {
                 let f = self.string(n, &p)?.trim();
                 if !valid_factory(f) {
@@ -67,7 +69,11 @@ impl Checker<'_> {
             Some((n, p)) => {
                 let u = self.string(n, &p)?.trim();
                 if kind == "fsspec" && !u.split_once("://").is_some_and(|(proto, rest)| !proto.is_empty() && !rest.is_empty()) {
-                    return Err(self.expected(n, &p, "an fsspec URL \"<protocol>://...\" such as \"file:///mnt/ckpt\" or \"memory://ckpt\""));
+                    return Err(self.expected(
+                        n,
+                        &p,
+                        "an fsspec URL \"<protocol>://...\" such as \"file:///mnt/ckpt\" or \"memory://ckpt\"",
+                    ));
                 }
                 Some(u.to_string())
             }
