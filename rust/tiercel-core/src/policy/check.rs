@@ -275,14 +275,16 @@ impl Checker<'_> {
         let kind = match TierKind::from_name(kind_name) {
             Some(k) => k,
             None if python::is_python_kind(kind_name) => TierKind::Python,
-            None => return Err(self.at(
-                kind_node,
-                &t.key_path("kind"),
-                format!(
+            None => {
+                return Err(self.at(
+                    kind_node,
+                    &t.key_path("kind"),
+                    format!(
                     "unknown kind {kind_name:?}; known kinds: {} (a package adds kinds through the entry point group \"tiercel.tiers\")",
                     python::known_kinds()
                 ),
-            )),
+                ))
+            }
         };
         // The blocking part of a save copies into shared memory, so that tier comes first, once.
         match (i, kind) {

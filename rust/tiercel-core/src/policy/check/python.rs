@@ -110,3 +110,56 @@ impl Checker<'_> {
         Ok(PythonSpec { kind: kind.to_string(), factory, url, options: options.to_string(), concurrency, at })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::policy::{Policy, TierKind, TierSpec};
+
+    const RAM: &str = "[[tier]]\nname = \"ram\"\nkind = \"memory\"\nroot = \"/dev/shm/t\"\n\n";
+
+    fn parse(tier: &str) -> crate::error::Result<Policy> {
+        Policy::from_toml(&format!("{RAM}[[tier]]\nname = \"archive\"\n{tier}"), "p.toml")
+    }
+
+    fn err(tier: &str) -> String {
+        parse(tier).unwrap_err().message
+    }
+
+    #[test]
+    fn a_python_tier_keeps_its_factory_options_and_place() {
+        let p =
+            parse("kind = \"python\"\nfactory = \"mypkg.tiers:make\"\nconcurrency = 8\n[tier.options]\nroot = \"/x\"\nn = 3\n").unwrap();
+        let t = &p.tiers[1];
+        assert_eq!((t.kind(), t.kind_name(), t.location(), t.keep), (TierKind::Python, "python", "mypkg.tiers:make", None));
+        let TierSpec::Python(s) = &t.spec else { panic!("{:?}", t.spec) };
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&s.options).unwrap(), serde_json::json!({"root": "/x", "n": 3}));
+        assert_eq!((s.concurrency, s.at.as_str()), (8, "p.toml:6: tier[1] (\"archive\")"));
+        let f = parse("kind = \"fsspec\"\nurl = \"memory://ckpt\"\n").unwrap();
+        assert_eq!((f.tiers[1].kind_name(), f.tiers[1].location()), ("fsspec", "memory://ckpt"));
+    }
+
+    #[test]
+    fn mistakes_name_the_line_and_key() {
+        assert!(err("kind = \"python\"\nfactory = \"mypkg.tiers\"\n")
+            .starts_with("p.toml:9: tier[1] (\"archive\").factory: expected \"module:callable\""));
+        assert!(err("kind = \"python\"\n").contains("p.toml:6: tier[1] (\"archive\"): missing `factory`"));
+        assert!(err("kind = \"fsspec\"\nurl = \"/plain/path\"\n").contains("p.toml:9: tier[1] (\"archive\").url: expected an fsspec URL"));
+        assert!(err("kind = \"fsspec\"\nurl = \"file:///a\"\nfactory = \"a:b\"\n").contains("`factory` is only valid for kind \"python\""));
+        assert!(err("kind = \"fs\"\nurl = \"/a\"\n[tier.options]\nx = 1\n").contains("`options` is only valid for Python tiers"));
+        assert!(err("kind = \"fsspec\"\nurl = \"file:///a\"\nregion = \"x\"\n").contains("`region` is not valid for kind \"fsspec\""));
+        assert!(err("kind = \"fsspec\"\nurl = \"file:///a\"\n[tier.options]\nurl = \"file:///b\"\n").contains("`url` is given twice"));
+        let unknown = err("kind = \"hdfs\"\n");
+        assert!(
+            unknown.contains("unknown kind \"hdfs\"; known kinds: \"memory\", \"fs\", \"peer\", \"s3\", \"gcs\", \"python\", \"fsspec\""),
+            "{unknown}"
+        );
+    }
+
+    #[test]
+    fn without_the_python_package_a_python_tier_says_where_to_open_it() {
+        // The core alone (no bindings registered): opening names the policy's place.
+        let p = parse("kind = \"python\"\nfactory = \"m:f\"\n").unwrap();
+        let e = crate::tier::open::open_tier(&p.tiers[1]).err().expect("no builder is registered in the core's tests");
+        assert!(e.message.contains("p.toml:6: tier[1] (\"archive\").kind") && e.message.contains("tiercel.Store"), "{e}");
+    }
+}
