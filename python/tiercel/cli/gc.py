@@ -1,6 +1,6 @@
 """`tiercel gc [--dry-run]`: what the core's gc planner says may go from each tier (steps
 beyond `keep`, uncommitted leftovers, temporary files and spare segments of dead writers,
-abandoned uploads), removed or, dry, listed. The rules live in the core (tier/gc.rs); this
+abandoned uploads), removed or, dry, listed. The rules live in the core (gc.rs); this
 module only reports."""
 
 from __future__ import annotations

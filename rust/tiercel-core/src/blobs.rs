@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use crate::error::{Error, Result};
-use crate::tier::gc::{self, Removal, Target};
+use crate::gc::{self, Removal, Target};
 
 /// How reads from a store whose requests cost a round trip are merged (`Blobs::merged_reads`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,7 +55,7 @@ pub trait Blobs: Send + Sync {
     fn delete(&self, key: &str) -> Result<()>;
     /// Deletes everything under `prefix`.
     fn delete_prefix(&self, prefix: &str) -> Result<()>;
-    /// What writers that died left here (see `tier::gc`): temporary files of writers that
+    /// What writers that died left here (see `gc`): temporary files of writers that
     /// are gone, at least `temp_age` old (None: none of them), on a filesystem; abandoned
     /// multipart uploads on an object store.
     fn leftovers(&self, _temp_age: Option<Duration>) -> Result<Vec<Removal>> {
@@ -83,7 +83,7 @@ pub struct FsBlobs {
 static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
 
 /// `<path>.tmp-<pid>-<n>`: a writer's temporary file, named so that gc can tell whose it
-/// is (`tier::gc::temp_writer`) once a killed writer leaves it.
+/// is (`gc::temp_writer`) once a killed writer leaves it.
 fn tmp_path(p: &Path) -> PathBuf {
     let n = TMP_SEQ.fetch_add(1, Ordering::Relaxed);
     let mut s = p.as_os_str().to_owned();

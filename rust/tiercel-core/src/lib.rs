@@ -1,22 +1,39 @@
 //! tiercel-core: the byte-moving core of tiercel, a tiered checkpoint store for distributed
 //! training. Pure Rust; the Python bindings live in tiercel-py and hold no logic of their own.
+//!
+//! The modules form layers, and a module imports only from the layers below its own (no
+//! import runs up, none runs in a circle); docs/architecture.md draws the map.
 
-pub mod blobs;
+// The ground: what everything uses.
 pub mod checksum;
-pub mod codec;
 pub mod error;
 pub mod failpoint;
+
+// Shared vocabulary: the format, codecs, the gc rule, leases, shared memory, placement,
+// named byte objects.
+pub mod blobs;
+pub mod codec;
 pub mod format;
-pub mod object;
+pub mod gc;
+pub mod lease;
 pub mod placement;
+pub mod shm;
+
+// Configuration: the policy.
 pub mod policy;
-pub mod replica;
+
+// The runtime: the scheduler of background bytes, the peer transport.
 pub mod scheduler;
+pub mod transport;
+
+// Storage: the tiers, and the object stores they open.
+pub mod object;
+pub mod tier;
+
+// The Store, and the conformance suites every tier and `Blobs` backend passes.
 pub mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
-pub mod tier;
-pub mod transport;
 
 pub use error::{Error, ErrorKind, Fields, Result};
 

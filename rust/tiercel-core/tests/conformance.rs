@@ -8,7 +8,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use libtest_mimic::{Arguments, Failed, Trial};
-use tiercel_core::policy::{Compression, TierKind};
+use tiercel_core::codec::Compression;
+use tiercel_core::policy::TierKind;
 use tiercel_core::testing::subjects::{self, BlobsSubject, TierSubject};
 use tiercel_core::testing::{blobs, tiers, Case, Rules};
 

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use tiercel_core::shm::{Segment, View};
 use tiercel_core::store::ItemData;
-use tiercel_core::tier::memory::{Segment, View};
 
 /// Memory handed to Python through the buffer protocol: a segment being written, a
 /// zero-copy view of a stored object, or bytes read from a slower tier.

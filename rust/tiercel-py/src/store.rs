@@ -8,9 +8,9 @@ use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use tiercel_core::gc::Removal;
 use tiercel_core::policy::{Policy, TierKind};
 use tiercel_core::store as core;
-use tiercel_core::tier::gc::Removal;
 
 use crate::errors::{invalid, TcResult};
 use crate::step::{StepReader, StepWriter};

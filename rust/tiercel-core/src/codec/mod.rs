@@ -3,13 +3,16 @@
 //! alike, the low mantissa bytes are near random; grouping them lets zstd find the former.
 //!
 //! Codec names as stored in manifests: "raw", "zstd", "bytegroupN+zstd" (N = bytes per value).
+//! `compression` is how a tier asks for them (a policy's `compression` string).
 
+mod compression;
 mod transpose;
 
 use std::cell::RefCell;
 
+pub use compression::{Codec, Compression, DEFAULT_ZSTD_LEVEL};
+
 use crate::error::{Error, Result};
-use crate::policy::{Codec, Compression};
 
 pub const RAW: &str = "raw";
 

@@ -19,8 +19,8 @@ use super::uploads::host_id;
 use super::writer::ObjectWriter;
 use crate::blobs::{BlobWriter, Blobs, MergedReads};
 use crate::error::{Error, ErrorKind, Result};
+use crate::gc::Removal;
 use crate::policy::{ObjectSpec, TierSpec};
-use crate::tier::gc::Removal;
 
 /// What every request of one tier needs; shared with its writers.
 pub(super) struct Inner {

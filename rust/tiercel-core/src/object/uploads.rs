@@ -24,7 +24,7 @@ use super::server_uploads::S3Uploads;
 use super::settings::sanitize;
 use crate::blobs::Blobs;
 use crate::error::Result;
-use crate::tier::gc::{self, Removal, Target};
+use crate::gc::{self, Removal, Target};
 
 /// Where multipart-upload markers live, under the tier's prefix. Not a step directory, so
 /// the step layout ignores it.

@@ -5,11 +5,12 @@ use std::fmt;
 
 use super::source::{line_of, Node, Value};
 use super::tier::*;
-use super::units::{parse_bandwidth, parse_size, Compression, DEFAULT_ZSTD_LEVEL};
+use super::units::{parse_bandwidth, parse_size};
 use super::{
     PickleMode, Policy, ReplicatedMode, ReplicatedRestore, CHUNK_ALIGN, DEFAULT_CHUNK_SIZE, DEFAULT_IO_THREADS, DEFAULT_MEMORY_KEEP,
     MAX_CHUNK_SIZE, MAX_DEFAULT_THREADS, MIN_CHUNK_SIZE,
 };
+use crate::codec::{Compression, DEFAULT_ZSTD_LEVEL};
 use crate::error::{Error, Result};
 
 mod python;
@@ -464,7 +465,7 @@ impl Checker<'_> {
         let secret = match t.optional("secret") {
             Some((n, p)) => {
                 let v = self.string(n, &p)?;
-                crate::transport::check_secret(v.as_bytes(), "the policy's `secret`").map_err(|e| self.at(n, &p, e.message))?;
+                check_secret(v.as_bytes(), "the policy's `secret`").map_err(|e| self.at(n, &p, e.message))?;
                 Some(v.to_string())
             }
             None => None,

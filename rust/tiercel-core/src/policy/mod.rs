@@ -6,21 +6,23 @@
 //! then checked by one validator (`check`), so both forms accept the same schema and give the
 //! same errors. Every error names the source, the 1-based line (TOML only), the key path and
 //! what is expected, e.g. `tiercel.toml:12: tier[1] ("disk").keep: expected a positive
-//! integer, got -1`. `tier` holds one tier's settings (a `TierSpec` per kind), `units` sizes,
-//! bandwidths and compression strings.
+//! integer, got -1`. `tier` holds one tier's settings (a `TierSpec` per kind), `traffic` the
+//! `[traffic]` section, `units` sizes and bandwidths.
 
 mod check;
 mod source;
 mod tier;
+mod traffic;
 mod units;
 
 use std::path::Path;
 
 pub use tier::{
-    ObjectOptions, ObjectSpec, PeerConfig, PythonSpec, TierConfig, TierKind, TierSpec, DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE,
-    DEFAULT_PEER_LISTEN, DEFAULT_PYTHON_CONCURRENCY, DEFAULT_REPLICAS,
+    check_secret, ObjectOptions, ObjectSpec, PeerConfig, PythonSpec, TierConfig, TierKind, TierSpec, DEFAULT_CONCURRENCY,
+    DEFAULT_PART_SIZE, DEFAULT_PEER_LISTEN, DEFAULT_PYTHON_CONCURRENCY, DEFAULT_REPLICAS, MIN_SECRET_LEN,
 };
-pub use units::{format_size, parse_bandwidth, parse_size, Codec, Compression, DEFAULT_ZSTD_LEVEL};
+pub use traffic::{TrafficConfig, TrafficMode, DEFAULT_MU, DEFAULT_WARMUP};
+pub use units::{format_size, parse_bandwidth, parse_size};
 
 use crate::error::{Error, Result};
 use check::Checker;
@@ -60,7 +62,7 @@ pub struct Policy {
     /// What happens to values that can only be stored by pickling them (`[store] pickle`).
     pub pickle: PickleMode,
     /// `[traffic]`: how checkpoint traffic makes way for the training job's own.
-    pub traffic: crate::scheduler::TrafficConfig,
+    pub traffic: TrafficConfig,
     /// `[restore] replicated`, `relay_window`, `relay_timeout`: how replicas of a replica
     /// group read replicated items from a slow tier.
     pub replicated: ReplicatedRestore,

@@ -2,6 +2,7 @@
 
 use super::check::{closest, edit_distance, fs_path, STORE_KEYS, TIER_KEYS};
 use super::*;
+use crate::codec::{Codec, Compression};
 
 /// The example policy of docs/config.md (also the fuzzer's seed, with a peer tier added).
 pub(crate) const EXAMPLE: &str = r#"[[tier]]
@@ -305,18 +306,18 @@ fn store_rules() {
 
 #[test]
 fn traffic_settings_and_rules() {
-    use crate::scheduler::Mode;
+    use crate::policy::TrafficMode;
     let p = Policy::from_toml(MINIMAL, "p.toml").unwrap();
-    assert_eq!((p.traffic.mode, p.traffic.mu, p.traffic.floor, p.traffic.warmup), (Mode::Signals, 0.8, None, 20));
+    assert_eq!((p.traffic.mode, p.traffic.mu, p.traffic.floor, p.traffic.warmup), (TrafficMode::Signals, 0.8, None, 20));
     let p = Policy::from_toml(&format!("{MINIMAL}\n[traffic]\nmode = \"learned\"\nmu = 0.5\nfloor = \"10MB/s\"\nwarmup = 5\n"), "p.toml")
         .unwrap();
-    assert_eq!((p.traffic.mode, p.traffic.mu, p.traffic.floor, p.traffic.warmup), (Mode::Learned, 0.5, Some(10_000_000), 5));
+    assert_eq!((p.traffic.mode, p.traffic.mu, p.traffic.floor, p.traffic.warmup), (TrafficMode::Learned, 0.5, Some(10_000_000), 5));
     let p = Policy::from_json(
         r#"{"tier": [{"name": "ram", "kind": "memory", "root": "/dev/shm/t"}], "traffic": {"mode": "off", "mu": 1, "floor": 0}}"#,
         "<dict>",
     )
     .unwrap();
-    assert_eq!((p.traffic.mode, p.traffic.mu, p.traffic.floor), (Mode::Off, 1.0, None));
+    assert_eq!((p.traffic.mode, p.traffic.mu, p.traffic.floor), (TrafficMode::Off, 1.0, None));
     for (value, part) in [
         ("mode = \"smart\"", "traffic.mode: expected \"off\", \"signals\" (the default) or \"learned\", got \"smart\""),
         ("mu = 0", "traffic.mu: expected a share of each idle span above 0 and at most 1"),
@@ -465,4 +466,11 @@ fn peer_tier_spec() {
     }
     let msg = toml_err(&with_disk("replicas = 2\n"));
     assert_at(&msg, 9, &["tier[1] (\"disk\").replicas: `replicas` is only valid for kind \"peer\""]);
+}
+
+#[test]
+fn short_secrets_are_refused() {
+    assert!(check_secret(b"", "TIERCEL_PEER_SECRET").unwrap_err().message.contains("TIERCEL_PEER_SECRET"));
+    assert!(check_secret(&[b'x'; MIN_SECRET_LEN - 1], "policy").is_err());
+    assert!(check_secret(&[b'x'; MIN_SECRET_LEN], "policy").is_ok());
 }

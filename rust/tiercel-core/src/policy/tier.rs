@@ -1,7 +1,8 @@
 //! One `[[tier]]` of a policy: what every tier has (name, schedule, retention, compression,
 //! bandwidth, capacity) and, as an enum, what only its kind has.
 
-use super::units::Compression;
+use crate::codec::Compression;
+use crate::error::{Error, Result};
 
 /// The kinds of tier a policy may name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -220,3 +221,21 @@ pub struct PeerConfig {
 
 pub const DEFAULT_PEER_LISTEN: &str = "0.0.0.0:0";
 pub const DEFAULT_REPLICAS: usize = 2;
+
+/// The shortest shared secret accepted (bytes): an empty or guessable key would let anyone
+/// who reaches the port read and forge replicas.
+pub const MIN_SECRET_LEN: usize = 16;
+
+/// Refuses an empty or short shared secret; `source` says where it came from (policy key,
+/// environment variable, coordinator) so the message tells what to fix.
+pub fn check_secret(secret: &[u8], source: &str) -> Result<()> {
+    if secret.len() < MIN_SECRET_LEN {
+        return Err(Error::config(format!(
+            "the peer secret from {source} is {} bytes; at least {MIN_SECRET_LEN} are required (an empty or short \
+             secret lets anyone who reaches the peer port read and forge replicas): set a long random value, \
+             e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`, or leave it unset so rank 0 makes one",
+            secret.len()
+        )));
+    }
+    Ok(())
+}

@@ -155,7 +155,7 @@ impl Link {
     /// Whether its chunks wait for the training job's traffic (`[traffic] mode` other than
     /// off, on a network link): then a chunk must be on the wire when its write returns.
     pub fn paced(&self) -> bool {
-        self.kind == LinkKind::Network && self.traffic.as_ref().is_some_and(|t| t.config.mode != super::Mode::Off)
+        self.kind == LinkKind::Network && self.traffic.as_ref().is_some_and(|t| t.config.mode != crate::policy::TrafficMode::Off)
     }
 
     /// The link's cost model from the chunks it sent, capped by its bandwidth limit: from

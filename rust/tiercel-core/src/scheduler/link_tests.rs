@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::*;
-use crate::scheduler::signals::{Clock, Decision, Mode, TrafficConfig};
+use crate::policy::{TrafficConfig, TrafficMode};
+use crate::scheduler::signals::{Clock, Decision};
 
 /// A clock the test moves by hand.
 struct FakeClock(parking_lot::Mutex<f64>);
@@ -24,7 +25,7 @@ impl FakeClock {
     }
 }
 
-fn traffic(mode: Mode, floor: Option<u64>) -> Arc<Traffic> {
+fn traffic(mode: TrafficMode, floor: Option<u64>) -> Arc<Traffic> {
     Traffic::new(TrafficConfig { mode, floor, ..Default::default() }, super::super::SystemClock::shared())
 }
 
@@ -97,7 +98,7 @@ fn bandwidth_cap_holds_within_ten_percent_on_a_socket() {
 
 #[test]
 fn no_chunk_leaves_a_network_link_while_the_training_job_communicates() {
-    let t = traffic(Mode::Signals, None);
+    let t = traffic(TrafficMode::Signals, None);
     let link = Link::with_traffic("peer", Some(8_000_000), LinkKind::Network, t.clone());
     let local = Link::with_traffic("disk", None, LinkKind::Local, t.clone());
     let c = counted();
@@ -131,7 +132,7 @@ fn no_chunk_leaves_a_network_link_while_the_training_job_communicates() {
 
 #[test]
 fn the_floor_keeps_checkpoint_traffic_at_its_rate_during_communication() {
-    let t = traffic(Mode::Signals, Some(1_000_000)); // 1 MB/s while busy
+    let t = traffic(TrafficMode::Signals, Some(1_000_000)); // 1 MB/s while busy
     let link = Link::with_traffic("peer", None, LinkKind::Network, t.clone());
     t.busy();
     let start = Instant::now();
@@ -148,7 +149,7 @@ fn the_floor_keeps_checkpoint_traffic_at_its_rate_during_communication() {
 
 #[test]
 fn a_restore_preempts_a_persist_between_chunks() {
-    let t = traffic(Mode::Off, None);
+    let t = traffic(TrafficMode::Off, None);
     // 20 ms per 200 KB chunk: the persist is slow, the restore must not wait for all of it.
     let persist = Link::with_traffic("disk", Some(10_000_000), LinkKind::Local, t.clone());
     let other = Link::with_traffic("peer", None, LinkKind::Network, t.clone());
@@ -184,7 +185,7 @@ fn a_restore_preempts_a_persist_between_chunks() {
 /// A learned iteration of 100 ms: idle 0-30 ms, all-reduce 30-50, idle 50-60, all-reduce
 /// 60-80, idle 80-100; fed through the signals with a fake clock.
 fn learned(clock: &Arc<FakeClock>, warmup: u32) -> Arc<Traffic> {
-    let t = Traffic::new(TrafficConfig { mode: Mode::Learned, mu: 0.8, floor: None, warmup }, clock.clone());
+    let t = Traffic::new(TrafficConfig { mode: TrafficMode::Learned, mu: 0.8, floor: None, warmup }, clock.clone());
     for i in 0..warmup as usize {
         let base = i as f64 * 0.1;
         clock.set(base);
@@ -300,7 +301,7 @@ fn before_the_warmup_ends_and_without_a_model_chunks_go() {
     let clock = Arc::new(FakeClock(parking_lot::Mutex::new(0.0)));
     let t = learned(&clock, 3);
     assert!(t.profile().is_some());
-    let t5 = Traffic::new(TrafficConfig { mode: Mode::Learned, warmup: 50, ..Default::default() }, clock.clone());
+    let t5 = Traffic::new(TrafficConfig { mode: TrafficMode::Learned, warmup: 50, ..Default::default() }, clock.clone());
     t5.iteration();
     assert!(t5.profile().is_none());
     let v = LinkView { network: true, bytes: 1, cost: Some(0.5), pipeline_end: f64::NEG_INFINITY };
@@ -313,7 +314,7 @@ fn before_the_warmup_ends_and_without_a_model_chunks_go() {
 
 #[test]
 fn a_link_learns_its_cost_from_the_chunks_it_sends() {
-    let t = traffic(Mode::Signals, None);
+    let t = traffic(TrafficMode::Signals, None);
     let link = Link::with_traffic("peer", Some(20_000_000), LinkKind::Network, t);
     assert!(link.model().is_none());
     for _ in 0..20 {
@@ -331,7 +332,7 @@ fn the_model_prefers_chunks_that_went_back_to_back() {
     // Chunks after a pause "send" in 1 ms (into an emptied send buffer), chunks right behind
     // another in 4 ms (the wire). Most chunks start after a pause, as in mode `learned`: the
     // model still reads the wire's rate, not the buffer's.
-    let link = Link::with_traffic("peer", None, LinkKind::Network, traffic(Mode::Signals, None));
+    let link = Link::with_traffic("peer", None, LinkKind::Network, traffic(TrafficMode::Signals, None));
     let pause = || LAST.with(|l| l.set(None));
     for _ in 0..6 {
         for _ in 0..3 {
@@ -358,7 +359,7 @@ fn background_chunks_wait_while_a_restore_runs_outside_the_links() {
     // A replicated restore's relay moves bytes on no link of the store: its guard still holds
     // every background chunk back, on local and network links, until it ends.
     let clock = Arc::new(FakeClock(parking_lot::Mutex::new(1.0)));
-    let t = Traffic::new(TrafficConfig { mode: Mode::Off, ..Default::default() }, clock.clone());
+    let t = Traffic::new(TrafficConfig { mode: TrafficMode::Off, ..Default::default() }, clock.clone());
     let local = LinkView { network: false, bytes: 1, cost: None, pipeline_end: f64::NEG_INFINITY };
     assert_eq!(t.decide_at(&local, 1.0), Decision::Go);
     let guard = ReadGuard::restoring(&t);

@@ -27,7 +27,7 @@ pub mod plan;
 mod signals;
 
 pub use link::{Link, LinkClosed, LinkKind, ReadGuard};
-pub use signals::{Clock, Event, Mode, SystemClock, Traffic, TrafficConfig};
+pub use signals::{Clock, Event, SystemClock, Traffic};
 
 use std::cell::RefCell;
 use std::collections::BinaryHeap;
@@ -60,8 +60,15 @@ pub enum Start {
 /// in the process's save order: only a later save replaces an earlier one.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Supersede {
-    pub key: String,
+    pub key: SupersedeKey,
     pub order: u64,
+}
+
+/// What makes two jobs one another's replacement (`Supersede`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum SupersedeKey {
+    /// A save's persist to the tier of this name: a later save's replaces it while it waits.
+    Persist { tier: String },
 }
 
 pub struct Job {
@@ -74,7 +81,7 @@ pub struct Job {
 }
 
 impl Job {
-    fn key(&self) -> Option<&String> {
+    fn key(&self) -> Option<&SupersedeKey> {
         self.supersede.as_ref().map(|s| &s.key)
     }
 }
@@ -121,12 +128,12 @@ struct State {
     running: usize,
     /// The links of the running jobs whose chunk waits at its link now, one entry per job.
     waiting_on: Vec<u64>,
-    running_keys: Vec<String>,
+    running_keys: Vec<SupersedeKey>,
     /// The running jobs, as `pending_jobs` lists them (by their `seq`).
     running_jobs: Vec<(u64, PendingJob)>,
     /// Per supersede key, the latest save submitted (order, label): a job of an earlier save
     /// that arrives after it is skipped at once.
-    newest: std::collections::HashMap<String, (u64, String)>,
+    newest: std::collections::HashMap<SupersedeKey, (u64, String)>,
     seq: u64,
     shutdown: bool,
 }
@@ -359,6 +366,7 @@ fn worker(s: Arc<Shared>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::{TrafficConfig, TrafficMode};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 
@@ -374,7 +382,7 @@ mod tests {
             priority: p,
             size: 0,
             label: label.into(),
-            supersede: key.map(|k| Supersede { key: k.into(), order }),
+            supersede: key.map(|k| Supersede { key: SupersedeKey::Persist { tier: k.into() }, order }),
             run: Box::new(move |start| {
                 let tag = match start {
                     Start::Run => label2,
@@ -483,7 +491,7 @@ mod tests {
                 size: 0,
                 label: format!("p{i}"),
                 // Distinct keys per pair: p0/p1 share "a", etc. Superseding may skip some.
-                supersede: Some(Supersede { key: "disk".into(), order: i }),
+                supersede: Some(Supersede { key: SupersedeKey::Persist { tier: "disk".into() }, order: i }),
                 run: Box::new(move |start| {
                     if let Start::Run = start {
                         let now = a.fetch_add(1, Ordering::SeqCst) + 1;
@@ -510,7 +518,7 @@ mod tests {
 
     #[test]
     fn a_job_waiting_at_its_link_lends_its_slot_to_another_link() {
-        let traffic = Traffic::new(TrafficConfig { mode: Mode::Signals, ..Default::default() }, SystemClock::shared());
+        let traffic = Traffic::new(TrafficConfig { mode: TrafficMode::Signals, ..Default::default() }, SystemClock::shared());
         let net = Link::with_traffic("peer", None, LinkKind::Network, traffic.clone());
         let local = Link::with_traffic("memory", None, LinkKind::Local, traffic.clone());
         let s = Scheduler::new(1);

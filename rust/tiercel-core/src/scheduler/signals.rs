@@ -18,61 +18,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::plan::{self, IdleProfile, Interval, IterationTrace, EPS};
 use crate::error::{Error, Result};
-
-/// `[traffic] mode`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    /// Checkpoint chunks go whenever their link's bandwidth allows.
-    Off,
-    /// Chunks on network links wait while the training job communicates.
-    Signals,
-    /// As `signals`, and chunks are fitted into the idle spans learned from the first
-    /// iterations.
-    Learned,
-}
-
-impl Mode {
-    pub const NAMES: [&'static str; 3] = ["off", "signals", "learned"];
-
-    pub fn parse(s: &str) -> Option<Mode> {
-        match s {
-            "off" => Some(Mode::Off),
-            "signals" => Some(Mode::Signals),
-            "learned" => Some(Mode::Learned),
-            _ => None,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Mode::Off => "off",
-            Mode::Signals => "signals",
-            Mode::Learned => "learned",
-        }
-    }
-}
-
-/// The `[traffic]` section of a policy.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TrafficConfig {
-    pub mode: Mode,
-    /// The share of a learned idle span that checkpoint chunks may fill.
-    pub mu: f64,
-    /// Bytes per second checkpoint traffic keeps while the training job communicates (None:
-    /// it pauses).
-    pub floor: Option<u64>,
-    /// Iterations profiled before the learned schedule starts.
-    pub warmup: u32,
-}
-
-pub const DEFAULT_MU: f64 = 0.8;
-pub const DEFAULT_WARMUP: u32 = 20;
-
-impl Default for TrafficConfig {
-    fn default() -> Self {
-        TrafficConfig { mode: Mode::Signals, mu: DEFAULT_MU, floor: None, warmup: DEFAULT_WARMUP }
-    }
-}
+use crate::policy::{TrafficConfig, TrafficMode};
 
 /// Seconds since some fixed origin.
 pub trait Clock: Send + Sync {
@@ -362,7 +308,7 @@ impl Traffic {
         if st.restores > 0 || st.restore_end.is_some_and(|t| now - t < RESTORE_GRACE) {
             return if st.restores > 0 { Decision::Wait } else { Decision::Until(st.restore_end.unwrap_or(now) + RESTORE_GRACE) };
         }
-        if self.config.mode == Mode::Off || !link.network {
+        if self.config.mode == TrafficMode::Off || !link.network {
             return Decision::Go;
         }
         if st.busy > 0 {
@@ -372,7 +318,7 @@ impl Traffic {
             };
         }
         match (self.config.mode, &st.profile, st.iteration_start, link.cost) {
-            (Mode::Learned, Some(p), Some(it), Some(cost)) if now - it < 2.0 * p.iteration => {
+            (TrafficMode::Learned, Some(p), Some(it), Some(cost)) if now - it < 2.0 * p.iteration => {
                 learned_slot(p, self.config.mu, it + st.drift, now, link.pipeline_end, cost)
             }
             _ => Decision::Go,

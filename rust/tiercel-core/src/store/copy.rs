@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use super::{StepReader, Store};
 use crate::error::{Error, Result};
-use crate::tier::{read_chunk, ChunkSource};
+use crate::format::ChunkSource;
+use crate::tier::read_chunk;
 
 /// What a copy reports as it goes: ranks done, ranks in all, raw bytes copied so far. Called
 /// after every chunk (from the copy's threads) and after every rank.

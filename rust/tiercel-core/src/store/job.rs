@@ -12,8 +12,8 @@ use parking_lot::Mutex;
 use super::{Store, TierSlot};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{CommitRecord, JobId};
+use crate::lease::WriterLease;
 use crate::policy::{Policy, TierKind, TierSpec};
-use crate::tier::lease::WriterLease;
 
 /// Environment variables that name a run, in the order they are consulted after the
 /// policy's `[store] run`. Each stays the same across restarts of one job.
@@ -133,7 +133,7 @@ impl JobFilter {
 #[derive(Default)]
 pub struct Foreign(Mutex<HashMap<(String, u64), Option<JobId>>>);
 
-/// The writer leases this store holds (`tier::lease::WriterLease`): taken at its first
+/// The writer leases this store holds (`lease::WriterLease`): taken at its first
 /// save, one per memory and fs tier, released at close.
 #[derive(Default)]
 pub struct Writers(Mutex<Option<Vec<Arc<WriterLease>>>>);
@@ -166,7 +166,7 @@ impl Store {
                 _ => continue,
             };
             let name = &slot.config.name;
-            let at = crate::tier::lease::writer_path(root, self.rank);
+            let at = crate::lease::writer_path(root, self.rank);
             let taken = match WriterLease::take(root, self.rank, &who) {
                 Ok(t) => t,
                 // A persistent tier that cannot be written now (a full or read-only disk, an

@@ -11,6 +11,7 @@ mod handle;
 mod job;
 mod metrics;
 mod pending;
+mod persist;
 mod restore;
 mod save;
 
@@ -18,11 +19,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+use crate::gc::{self, GcOptions, Removal, Target};
 use crate::policy::TierSpec;
 use crate::policy::{Policy, TierConfig};
 use crate::scheduler::plan::{self, Plan};
 use crate::scheduler::{Link, LinkKind, Scheduler, SystemClock, Traffic};
-use crate::tier::gc::{self, GcOptions, Removal, Target};
 use crate::tier::memory::MemoryTier;
 use crate::tier::open::{open_tiers, Tiers};
 use crate::tier::peer::PeerTier;
@@ -399,7 +400,7 @@ impl Store {
     /// The learned schedule of `slot`'s link for a checkpoint of `bytes` (mode `learned`,
     /// once the warmup iterations were profiled and the link has sent chunks to measure).
     pub fn traffic_plan(&self, slot: &TierSlot, bytes: u64) -> Option<Plan> {
-        if self.traffic.config.mode != crate::scheduler::Mode::Learned || slot.link.kind != LinkKind::Network {
+        if self.traffic.config.mode != crate::policy::TrafficMode::Learned || slot.link.kind != LinkKind::Network {
             return None;
         }
         let profile = self.traffic.profile()?;
@@ -408,7 +409,7 @@ impl Store {
     }
 
     /// Retention on one tier, as after every save: `keep`, uncommitted leftovers, abandoned
-    /// uploads (see `tier::gc`). Returns the removed steps.
+    /// uploads (see `gc`). Returns the removed steps.
     pub fn retain(&self, slot: &TierSlot) -> Result<Vec<u64>> {
         let done = run_gc(&*slot.tier, &GcOptions { keep: slot.config.keep, temp_age: None, foreign: self.foreign_steps(slot) })?;
         for r in done.iter().filter(|r| r.step().is_none()) {

@@ -13,7 +13,7 @@ use super::{JobFilter, Store};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{ChunkMeta, ItemMeta, Manifest};
 use crate::policy::TierSpec;
-use crate::tier::memory::View;
+use crate::shm::View;
 use crate::tier::read_chunk;
 
 mod merged;
@@ -124,7 +124,7 @@ impl StepReader {
                 continue; // a host-local commit of other ranks
             }
             seen.push(name.clone());
-            match tier.read_manifest(step, rank).and_then(|m| crate::replica::resolve(&**tier, m)) {
+            match tier.read_manifest(step, rank).and_then(|m| crate::tier::replica::resolve(&**tier, m)) {
                 Ok(m) if m.generation != record.generation => warnings.push(format!(
                     "tier '{name}': step {step} rank {rank}: the manifest is of another save of this step ({}) than the \
                      commit ({}): the step is being saved again, or a save of it again was interrupted",
@@ -350,7 +350,7 @@ impl StepReader {
                 Ok((ItemData::View { view, offset, len }, self.store.slots[idx].config.name.clone()))
             }
             None => {
-                let mut buf = crate::tier::shm::zeroed_buffer((end - start) as usize);
+                let mut buf = crate::shm::root::zeroed_buffer((end - start) as usize);
                 let label = self.read_owned_into(i, start, end, &mut buf)?;
                 Ok((ItemData::Owned(buf), label))
             }

@@ -1,6 +1,7 @@
 //! The save path: `StepWriter` lays a rank's step out in memory-tier segments and copies it
 //! in (the only part that blocks training); `flush_step`, in the background, checksums,
-//! publishes and commits it there, then hands it to every other tier's job.
+//! publishes and commits it there, then carries out the save's persist plan (`persist`):
+//! one job per later tier that gets the step.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -8,13 +9,13 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use super::handle::Probed;
-use super::{SaveHandle, Store, TierState, MEMORY_SLOT};
+use super::{persist, SaveHandle, Store, TierState, MEMORY_SLOT};
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkMeta, ItemMeta, Manifest, ObjectMeta, ShardInfo};
-use crate::scheduler::{Job, LinkClosed, Priority, Start, Supersede};
-use crate::tier::lease::Lease;
-use crate::tier::memory::Segment;
-use crate::tier::{ChunkSource, Tier};
+use crate::lease::Lease;
+use crate::scheduler::{Job, Priority};
+use crate::shm::Segment;
+use crate::tier::Tier;
 
 /// What a caller hands over about one item before the copy.
 #[derive(Debug, Clone)]
@@ -65,28 +66,6 @@ pub struct StepWriter {
     finished: bool,
     /// The step's write lease, handed to the flush.
     lease: Option<Lease>,
-}
-
-/// Raw bytes of chunks stored raw in memory-tier segments.
-struct SegmentSource<'a> {
-    manifest: &'a Manifest,
-    segments: &'a [Arc<Segment>],
-}
-
-impl ChunkSource for SegmentSource<'_> {
-    fn read_raw(&self, item: usize, chunk: usize, dst: &mut [u8]) -> Result<()> {
-        let c = &self.manifest.items[item].chunks[chunk];
-        let seg = &self.segments[c.object as usize];
-        let start = c.stored_offset as usize;
-        dst.copy_from_slice(&seg.bytes()[start..start + c.len as usize]);
-        Ok(())
-    }
-
-    fn raw_slice(&self, item: usize, chunk: usize) -> Option<&[u8]> {
-        let c = &self.manifest.items[item].chunks[chunk];
-        let start = c.stored_offset as usize;
-        Some(&self.segments[c.object as usize].bytes()[start..start + c.len as usize])
-    }
 }
 
 /// A raw pointer that may cross to the copy threads; the caller keeps its memory alive
@@ -266,7 +245,7 @@ impl StepWriter {
 /// last rank to finish writes (on the memory tier, the last of the host): committed (a commit
 /// of this save, not of a later save of the step), pending, or gone (retention removed this
 /// rank's part as an uncommitted leftover, or a later save replaced it) and never to commit.
-fn probe_commit(tier: Option<&dyn Tier>, step: u64, rank: u32, generation: &Option<String>) -> Probed {
+pub(super) fn probe_commit(tier: Option<&dyn Tier>, step: u64, rank: u32, generation: &Option<String>) -> Probed {
     let Some(t) = tier else { return Probed::Gone("the store was closed".into()) };
     if t.commit_record(step).is_ok_and(|r| &r.generation == generation) {
         return Probed::Committed;
@@ -282,7 +261,8 @@ fn probe_commit(tier: Option<&dyn Tier>, step: u64, rank: u32, generation: &Opti
 }
 
 /// The background half of a save (see `StepWriter::commit`); `order`: the save's place in
-/// this process's save order.
+/// this process's save order. Checksums, publishes and commits the step on the memory tier,
+/// then carries out its persist plan (`persist`), retention and the next step's pre-fault.
 fn flush_step(
     store: Arc<Store>,
     handle: Arc<SaveHandle>,
@@ -296,47 +276,20 @@ fn flush_step(
     let mem_name = mem.config.name.clone();
     handle.set(&mem_name, TierState::Running);
     let started = Instant::now();
-    let work = manifest.chunk_refs();
-    let crcs: Vec<u32> = store.copy_pool.install(|| {
-        work.par_iter()
-            .map(|&(i, c)| {
-                let ch = &manifest.items[i].chunks[c];
-                let start = ch.stored_offset as usize;
-                crate::checksum::crc32c(&parts[ch.object as usize].bytes()[start..start + ch.len as usize])
-            })
-            .collect()
-    });
-    for (&(i, c), crc) in work.iter().zip(crcs) {
-        manifest.items[i].chunks[c].crc32c = crc;
-    }
+    checksum_chunks(&store, &mut manifest, &parts);
     let res = store.memory.publish(&manifest).and_then(|_| store.memory.try_commit(step, store.world_size));
     // Published (a leftover of ours no more) or failed: retention may have the step now.
     drop(lease);
-    match res {
-        Ok(committed) => {
-            if !committed {
-                // Another rank of this host commits it when it finishes: let the handle see.
-                let (memory, rank, generation) = (Arc::downgrade(&store.memory), store.rank, manifest.generation.clone());
-                let probe = move || probe_commit(memory.upgrade().as_deref().map(|m| m as &dyn Tier), step, rank, &generation);
-                handle.set_probe(&mem_name, Box::new(probe), true);
-            }
-            store.metrics.tier(MEMORY_SLOT).written(step, manifest.total_bytes(), started.elapsed());
-            handle.set(&mem_name, if committed { TierState::Done } else { TierState::Written })
-        }
-        Err(e) => {
-            let e = e.context(format!("step {step} rank {}", store.rank)).with_tier(&mem_name).at(step, store.rank);
-            log::error!("{e}");
-            store.metrics.tier(MEMORY_SLOT).failed();
-            for (_, slot) in store.later_slots() {
-                handle.set(&slot.config.name, TierState::Skipped(format!("the memory tier failed: {}", e.message)));
-            }
-            handle.set(&mem_name, TierState::Failed(e));
-            return;
-        }
+    if !memory_outcome(&store, &handle, &manifest, res, started) {
+        return;
     }
     let manifest = Arc::new(manifest);
     let (store1, parts1) = (store.clone(), parts.clone());
-    let queue_later = move || queue_later_tiers(&store1, &handle, &manifest, &parts1, order);
+    // Planned when the persists are queued: a tier degraded meanwhile is skipped.
+    let queue_later = move || {
+        let plan = persist::plan(step, order, store1.persist_facts(manifest.total_bytes()));
+        store1.queue_persists(plan, &handle, &manifest, &parts1)
+    };
     if crate::failpoint::armed_at("persist_late", order) {
         // The test of save order: this save's persists reach the scheduler only after a
         // later save's (as when two flushes on two workers finish in the other order).
@@ -355,107 +308,51 @@ fn flush_step(
     }
 }
 
-/// Hands a step flushed to the memory tier to every later tier whose `every` selects it: one
-/// job per tier, which a later save's job for the tier replaces while it waits.
-fn queue_later_tiers(store: &Arc<Store>, handle: &Arc<SaveHandle>, manifest: &Arc<Manifest>, parts: &[Arc<Segment>], order: u64) {
-    let step = manifest.step;
-    for (idx, slot) in store.later_slots() {
-        if !step.is_multiple_of(slot.config.every) {
-            handle.set(&slot.config.name, TierState::NotScheduled);
-            continue;
-        }
-        if let Some(why) = store.degraded(&slot.config.name) {
-            store.metrics.tier(idx).skipped();
-            handle.set(&slot.config.name, TierState::Skipped(why));
-            continue;
-        }
-        if let Some(plan) = store.traffic_plan(slot, manifest.total_bytes()) {
-            // Learned schedule: a checkpoint that does not fit one iteration's idle time
-            // reaches the tier less often than `every` (the newer save supersedes the queued).
-            store.metrics.tier(idx).set_interval(plan.effective_interval);
-            if let Some(note) = &plan.note {
-                handle.note(&slot.config.name, plan.effective_interval, note);
+/// Sets every chunk's CRC32C in `manifest` from its bytes in `parts`, in parallel on the
+/// copy threads.
+fn checksum_chunks(store: &Store, manifest: &mut Manifest, parts: &[Arc<Segment>]) {
+    let work = manifest.chunk_refs();
+    let crcs: Vec<u32> = store.copy_pool.install(|| {
+        work.par_iter()
+            .map(|&(i, c)| {
+                let ch = &manifest.items[i].chunks[c];
+                let start = ch.stored_offset as usize;
+                crate::checksum::crc32c(&parts[ch.object as usize].bytes()[start..start + ch.len as usize])
+            })
+            .collect()
+    });
+    for (&(i, c), crc) in work.iter().zip(crcs) {
+        manifest.items[i].chunks[c].crc32c = crc;
+    }
+}
+
+/// Records how the step's publish and commit on the memory tier went (`res`: committed or
+/// not): its state on `handle`, its metrics, a probe for the commit that another rank of this
+/// host makes. False when it failed: the later tiers are skipped, for they copy from memory.
+fn memory_outcome(store: &Arc<Store>, handle: &SaveHandle, manifest: &Manifest, res: Result<bool>, started: Instant) -> bool {
+    let (step, mem_name) = (manifest.step, &store.memory_slot().config.name);
+    match res {
+        Ok(committed) => {
+            if !committed {
+                // Another rank of this host commits it when it finishes: let the handle see.
+                let (memory, rank, generation) = (Arc::downgrade(&store.memory), store.rank, manifest.generation.clone());
+                let probe = move || probe_commit(memory.upgrade().as_deref().map(|m| m as &dyn Tier), step, rank, &generation);
+                handle.set_probe(mem_name, Box::new(probe), true);
             }
+            store.metrics.tier(MEMORY_SLOT).written(step, manifest.total_bytes(), started.elapsed());
+            handle.set(mem_name, if committed { TierState::Done } else { TierState::Written });
+            true
         }
-        let (store2, handle2, manifest2, parts2) = (store.clone(), handle.clone(), manifest.clone(), parts.to_vec());
-        let name = slot.config.name.clone();
-        store.metrics.tier(idx).queue(1);
-        store.metrics.tier(idx).scheduled(step);
-        store.scheduler.submit(Job {
-            link: slot.link.clone(),
-            priority: slot.tier.priority(),
-            size: manifest.total_bytes(),
-            label: format!("step {step}"),
-            supersede: Some(Supersede { key: format!("persist:{name}"), order }),
-            run: Box::new(move |start| {
-                let counters = store2.metrics.tier(idx);
-                counters.queue(-1);
-                match start {
-                    Start::Run => {}
-                    Start::Superseded { by } => {
-                        let why = format!("a newer save ({by}) replaced it while it waited");
-                        store2.skip_logged(idx, step, &why);
-                        handle2.set(&name, TierState::Skipped(why));
-                        return;
-                    }
-                    Start::Abandoned => {
-                        handle2.set(&name, TierState::Skipped("the store was closed before it ran".into()));
-                        return;
-                    }
-                }
-                handle2.set(&name, TierState::Running);
-                let slot = &store2.slots[idx];
-                let src = SegmentSource { manifest: &manifest2, segments: &parts2 };
-                let started = Instant::now();
-                let write =
-                    || slot.tier.write_rank(&manifest2, &src, &slot.link).and_then(|_| slot.tier.try_commit(step, store2.world_size));
-                let res = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(write)) {
-                    Ok(res) => res,
-                    Err(p) if p.is::<LinkClosed>() => {
-                        // The store closed without waiting: cut off between two chunks.
-                        handle2.set(&name, TierState::Skipped("the store was closed before it finished".into()));
-                        return;
-                    }
-                    Err(p) => std::panic::resume_unwind(p),
-                };
-                drop(parts2);
-                match res {
-                    Ok(committed) => {
-                        let took = started.elapsed();
-                        counters.written(step, manifest2.total_bytes(), took);
-                        log::info!(
-                            "tier '{name}': step {step} of rank {} {} ({} bytes in {:.2} s)",
-                            store2.rank,
-                            if committed { "committed" } else { "written" },
-                            manifest2.total_bytes(),
-                            took.as_secs_f64()
-                        );
-                        if !committed {
-                            // The last rank to write commits it: `wait(commit)` looks for that.
-                            let (weak, rank, generation) = (Arc::downgrade(&store2), store2.rank, manifest2.generation.clone());
-                            let probe = move || {
-                                let store = weak.upgrade();
-                                probe_commit(store.as_ref().map(|s| &*s.slots[idx].tier), step, rank, &generation)
-                            };
-                            handle2.set_probe(&name, Box::new(probe), false);
-                        }
-                        handle2.set(&name, if committed { TierState::Done } else { TierState::Written });
-                        if let Err(e) = store2.retain(slot) {
-                            log::warn!("tier '{name}': retention after step {step} failed: {e}");
-                        }
-                    }
-                    Err(e) => {
-                        let e = e
-                            .context(format!("persisting step {step} of rank {} to tier '{name}'", store2.rank))
-                            .with_tier(&name)
-                            .at(step, store2.rank);
-                        log::error!("{e}");
-                        counters.failed();
-                        handle2.set(&name, TierState::Failed(e));
-                    }
-                }
-            }),
-        });
+        Err(e) => {
+            let e = e.context(format!("step {step} rank {}", store.rank)).with_tier(mem_name).at(step, store.rank);
+            log::error!("{e}");
+            store.metrics.tier(MEMORY_SLOT).failed();
+            for (_, slot) in store.later_slots() {
+                handle.set(&slot.config.name, TierState::Skipped(format!("the memory tier failed: {}", e.message)));
+            }
+            handle.set(mem_name, TierState::Failed(e));
+            false
+        }
     }
 }
 

@@ -8,11 +8,12 @@ use std::time::Duration;
 
 use super::{Guard, Rules};
 use crate::blobs::{Blobs, FsBlobs};
+use crate::codec::{Codec, Compression};
+use crate::lease::WriterLease;
 use crate::object::{Env, ObjectBlobs};
 use crate::placement::Strategy;
-use crate::policy::{Codec, Compression, Policy, TierKind, TierSpec};
+use crate::policy::{Policy, TierKind, TierSpec};
 use crate::tier::blob::BlobTier;
-use crate::tier::lease::WriterLease;
 use crate::tier::memory::MemoryTier;
 use crate::tier::peer::{PeerOptions, PeerTier, REPLICA_DIR};
 use crate::tier::Tier;
@@ -53,7 +54,7 @@ fn temp_base() -> String {
 
 /// A memory tier with a live writer, as a running job's: the subject holds rank 0's writer
 /// lease on its root (a Store takes it at its first save), so an uncommitted step newer than
-/// every committed one is a save in progress, not a dead writer's leftover (`tier::gc`).
+/// every committed one is a save in progress, not a dead writer's leftover (`gc`).
 pub fn memory_tier() -> TierSubject {
     let dir = tempdir_in("/dev/shm");
     let tier: Arc<dyn Tier> = MemoryTier::open("ram", dir.path(), None).expect("open memory tier");

@@ -10,10 +10,11 @@ use super::subjects::TierSubject;
 use super::{always, floats, noise, Case, Rules};
 use crate::blobs::Blobs;
 use crate::error::{Error, ErrorKind, Result};
+use crate::format::ChunkSource;
 use crate::format::{self, ChunkMeta, ItemMeta, Manifest, ObjectMeta};
+use crate::gc::{self, GcOptions};
 use crate::scheduler::Link;
-use crate::tier::gc::{self, GcOptions};
-use crate::tier::{read_chunk, ChunkSource, Tier};
+use crate::tier::{read_chunk, Tier};
 
 // ---------------------------------------------------------------------------------------------
 // Test data: one rank's manifest over in-memory items

@@ -3,13 +3,13 @@
 
 use std::sync::Arc;
 
-use super::gc::{GcOptions, Removal};
 use super::layout::{self, StepLayout};
-use super::{encode_rank, ChunkSource, Tier};
+use super::{encode_rank, Tier};
 use crate::blobs::Blobs;
+use crate::codec::Compression;
 use crate::error::Result;
-use crate::format::{self, ChunkMeta, CommitRecord, Manifest};
-use crate::policy::Compression;
+use crate::format::{self, ChunkMeta, ChunkSource, CommitRecord, Manifest};
+use crate::gc::{GcOptions, Removal};
 use crate::scheduler::Link;
 
 pub struct BlobTier {
@@ -39,7 +39,7 @@ impl Tier for BlobTier {
 
     fn write_rank(&self, logical: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<Manifest> {
         // Replicated items are stored once per replica group, by its primary rank.
-        let logical = &crate::replica::share(logical);
+        let logical = &crate::tier::replica::share(logical);
         if logical.items.iter().any(|i| i.replica.is_some()) {
             let mut r = self.replicated.lock();
             r.insert(logical.step);
@@ -101,7 +101,7 @@ impl Tier for BlobTier {
         if (0..world_size).any(|r| ranks.binary_search(&r).is_err()) {
             return Ok(false);
         }
-        crate::replica::check_copies(self, step, &ranks)?;
+        crate::tier::replica::check_copies(self, step, &ranks)?;
         self.layout.try_commit(step, world_size, None)
     }
 

@@ -5,10 +5,10 @@
 
 use std::sync::Arc;
 
-use super::gc::{self, GcOptions, Removal, Target};
 use crate::blobs::Blobs;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{self, ChunkMeta, CommitRecord, JobId, Manifest};
+use crate::gc::{self, GcOptions, Removal, Target};
 
 pub struct StepLayout {
     tier: String,
@@ -191,7 +191,7 @@ impl StepLayout {
         }
     }
 
-    /// The gc plan of this layout: steps by the rule of `tier::gc`, then what dead writers
+    /// The gc plan of this layout: steps by the rule of `gc`, then what dead writers
     /// left in the objects underneath (temporary files, abandoned uploads), except inside
     /// steps the plan removes anyway.
     pub fn gc_plan(&self, opts: &GcOptions) -> Result<Vec<Removal>> {

@@ -19,72 +19,18 @@ use parking_lot::Mutex;
 
 use crate::blobs::FsBlobs;
 use crate::error::{Error, Result};
+use crate::format::ChunkSource;
 use crate::format::{self, ChunkMeta, CommitRecord, Manifest, ObjectMeta};
+use crate::gc::{self, GcOptions, Removal, Target};
+use crate::lease::{self, Lease};
 use crate::policy::format_size;
 use crate::scheduler::Link;
-use crate::tier::gc::{self, GcOptions, Removal, Target};
+use crate::shm::root::{dir_bytes, RootLock};
+use crate::shm::{Segment, View};
 use crate::tier::layout::StepLayout;
-use crate::tier::lease::{self, Lease};
-use crate::tier::shm::{dir_bytes, RootLock};
-use crate::tier::{ChunkSource, Tier};
+use crate::tier::Tier;
 
 const POOL_DIR: &str = ".pool";
-
-/// A writable shared mapping of one shared-memory file.
-pub struct Segment {
-    path: Mutex<PathBuf>,
-    map: MmapMut,
-}
-
-impl Segment {
-    pub fn len(&self) -> usize {
-        self.map.len()
-    }
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
-    /// Base pointer for the parallel copy. Writers touch disjoint ranges only.
-    pub fn ptr(&self) -> *mut u8 {
-        self.map.as_ptr() as *mut u8
-    }
-    pub fn bytes(&self) -> &[u8] {
-        &self.map
-    }
-    pub fn path(&self) -> PathBuf {
-        self.path.lock().clone()
-    }
-}
-
-/// A read view of a stored object, private (copy-on-write): a user writing into a restored
-/// array never changes the checkpoint. It holds a read lease on the file (`tier::lease`), so
-/// no writer in any process recycles the file under it.
-pub struct View {
-    map: MmapMut,
-    _lease: Option<Lease>,
-}
-
-impl View {
-    /// Maps the pages of bytes `range` (clamped to the view) for reading ahead of use, in one
-    /// call rather than one fault per few pages, without copying them (MADV_POPULATE_READ,
-    /// Linux 5.14+; on older kernels a harmless no-op, and the pages fault in on first touch).
-    pub fn populate(&self, range: std::ops::Range<usize>) {
-        const MADV_POPULATE_READ: libc::c_int = 22;
-        const PAGE: usize = 4096;
-        let end = range.end.min(self.map.len());
-        // madvise takes a page-aligned start; the map itself is.
-        let start = range.start / PAGE * PAGE;
-        if start < end {
-            unsafe { libc::madvise(self.map.as_ptr().add(start) as *mut libc::c_void, end - start, MADV_POPULATE_READ) };
-        }
-    }
-}
-
-impl std::ops::Deref for View {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        &self.map
-    }
-}
 
 pub struct MemoryTier {
     name: String,
@@ -99,7 +45,7 @@ pub struct MemoryTier {
     /// The ranks that share this host's root, once known; a step commits here when all of
     /// them have written it. Unknown: every rank of the job (one host).
     local_ranks: parking_lot::RwLock<Option<Vec<u32>>>,
-    /// The root's huge-page setting (`shm::huge_pages`), for the log and `tiercel ls`.
+    /// The root's huge-page setting (`shm::root::huge_pages`), for the log and `tiercel ls`.
     huge_pages: Option<String>,
 }
 
@@ -113,7 +59,7 @@ const META_RESERVE: u64 = 2 * 4096;
 
 impl MemoryTier {
     pub fn open(name: &str, root: &Path, capacity: Option<u64>) -> Result<Arc<MemoryTier>> {
-        crate::tier::shm::check_root(name, root)?;
+        crate::shm::root::check_root(name, root)?;
         fs::DirBuilder::new().recursive(true).mode(0o700).create(root.join(POOL_DIR)).map_err(|e| Error::io(name, root, e))?;
         let t = MemoryTier {
             name: name.into(),
@@ -123,7 +69,7 @@ impl MemoryTier {
             pool: Mutex::new(vec![]),
             owned: Mutex::new(BTreeMap::new()),
             local_ranks: parking_lot::RwLock::new(None),
-            huge_pages: crate::tier::shm::huge_pages(root),
+            huge_pages: crate::shm::root::huge_pages(root),
         };
         match &t.huge_pages {
             Some(h) => log::info!("tier '{name}': memory root {} is backed by huge pages ({h})", root.display()),
@@ -151,7 +97,7 @@ impl MemoryTier {
         self.capacity
     }
 
-    /// The root's huge-page setting (`shm::huge_pages`): `None` for 4 KiB pages.
+    /// The root's huge-page setting (`shm::root::huge_pages`): `None` for 4 KiB pages.
     pub fn huge_pages(&self) -> Option<&str> {
         self.huge_pages.as_deref()
     }
@@ -215,7 +161,7 @@ impl MemoryTier {
         } else {
             unsafe { MmapOptions::new().len(size as usize).populate().map_mut(&f) }.map_err(|e| Error::io(&self.name, &path, e))?
         };
-        crate::tier::shm::advise_huge(&map);
+        crate::shm::root::advise_huge(&map);
         Ok(Arc::new(Segment { path: Mutex::new(path), map }))
     }
 
@@ -386,7 +332,7 @@ impl MemoryTier {
         // copies every page. `View::populate` maps the shared pages without copying.
         let map = if meta.len() == 0 { MmapMut::map_anon(0) } else { unsafe { MmapOptions::new().map_copy(&f) } }
             .map_err(|e| Error::io(&self.name, &path, e))?;
-        crate::tier::shm::advise_huge(&map);
+        crate::shm::root::advise_huge(&map);
         Ok(Arc::new(View { map, _lease: Some(lease) }))
     }
 

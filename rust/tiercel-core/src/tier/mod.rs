@@ -1,17 +1,18 @@
 //! The `Tier` trait and what every tier shares: reading a chunk (decode, verify) and encoding
 //! a rank for a compressed tier. `layout` is the step layout that the blob-backed tiers
-//! (memory, fs, s3, gcs) keep their steps in, `gc` the one retention and cleanup rule, `open`
-//! turns a policy's tiers into `Tier`s.
+//! (memory, fs, s3, gcs) keep their steps in, `replica` how a step's shared (replicated)
+//! items are stored once and checked at commit, `open` turns a policy's tiers into `Tier`s.
+//! The retention and cleanup rule every tier applies is `crate::gc`.
 
 pub mod blob;
 pub mod external;
-pub mod gc;
+#[cfg(test)]
+mod gc_tests;
 pub mod layout;
-pub mod lease;
 pub mod memory;
 pub mod open;
 pub mod peer;
-pub mod shm;
+pub mod replica;
 
 use std::sync::Arc;
 
@@ -19,23 +20,10 @@ use rayon::prelude::*;
 
 use crate::codec;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{self, CommitRecord, Manifest};
+use crate::format::{self, ChunkSource, CommitRecord, Manifest};
+use crate::gc::{GcOptions, Removal};
 use crate::scheduler::{Link, Priority};
-use gc::{GcOptions, Removal};
-use memory::View;
-
-/// Raw bytes of one rank's step, chunk by chunk: where a tier copies from when it writes.
-pub trait ChunkSource: Sync {
-    /// Fills `dst` with the raw bytes of chunk `chunk` of item `item` (indices into the
-    /// manifest the writer was given); `dst.len()` is that chunk's raw length.
-    fn read_raw(&self, item: usize, chunk: usize, dst: &mut [u8]) -> Result<()>;
-
-    /// The chunk's raw bytes in place, when the source holds them in memory (a shared-memory
-    /// segment): a writer then sends them without copying.
-    fn raw_slice(&self, _item: usize, _chunk: usize) -> Option<&[u8]> {
-        None
-    }
-}
+use crate::shm::View;
 
 /// One storage tier. The Store reaches every tier through this trait only; every kind passes
 /// the conformance suite in `testing::tiers`.
@@ -108,7 +96,7 @@ pub trait Tier: Send + Sync {
     /// Removes a step, so that no reader sees it half-deleted.
     fn delete_step(&self, step: u64) -> Result<()>;
 
-    /// What gc would remove now, and why (see `tier::gc`).
+    /// What gc would remove now, and why (see `gc`).
     fn gc_plan(&self, opts: &GcOptions) -> Result<Vec<Removal>>;
 
     /// Removes what a plan lists; returns what was removed.
@@ -222,7 +210,7 @@ pub fn encode_rank(
     tier_name: &str,
     logical: &Manifest,
     src: &dyn ChunkSource,
-    compression: crate::policy::Compression,
+    compression: crate::codec::Compression,
     object_name: &str,
     link: &Link,
     sink: &mut dyn FnMut(&[u8]) -> Result<()>,

@@ -97,7 +97,7 @@ fn open_peer(cfg: &TierConfig, p: &PeerConfig, rank: u32, memory: &MemoryTier) -
         (Some(s), _) => Some(s.clone().into_bytes()),
         (None, Some(v)) => {
             let v = v.into_encoded_bytes();
-            crate::transport::check_secret(&v, "$TIERCEL_PEER_SECRET").map_err(|e| opening(cfg, e))?;
+            crate::policy::check_secret(&v, "$TIERCEL_PEER_SECRET").map_err(|e| opening(cfg, e))?;
             Some(v)
         }
         (None, None) => None,

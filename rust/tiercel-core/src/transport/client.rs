@@ -10,9 +10,8 @@ use serde::{Deserialize, Serialize};
 use super::frame::*;
 use super::messages::{Ident, Reply, Request};
 use crate::error::{Error, Result};
-use crate::format::Manifest;
+use crate::format::{ChunkSource, Manifest};
 use crate::scheduler::Link;
-use crate::tier::ChunkSource;
 
 /// A blocking, authenticated client connection (the client side runs on the scheduler's
 /// and the copy pool's threads, which block anyway).

@@ -22,9 +22,6 @@ pub const MAC_LEN: usize = 32;
 /// Before authentication a side reads no frame longer than this (the AUTH frame is 64
 /// bytes; an ERROR explaining a refusal fits easily): a stranger cannot make it buffer more.
 pub const MAX_PREAUTH: u64 = 4096;
-/// The shortest shared secret accepted (bytes): an empty or guessable key would let anyone
-/// who reaches the port read and forge replicas.
-pub const MIN_SECRET_LEN: usize = 16;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -188,20 +185,6 @@ pub fn verify_mac(secret: &[u8], role: &[u8], a: &[u8], b: &[u8], got: &[u8]) ->
     m.verify_slice(got).is_ok()
 }
 
-/// Refuses an empty or short shared secret; `source` says where it came from (policy key,
-/// environment variable, coordinator) so the message tells what to fix.
-pub fn check_secret(secret: &[u8], source: &str) -> Result<()> {
-    if secret.len() < MIN_SECRET_LEN {
-        return Err(Error::config(format!(
-            "the peer secret from {source} is {} bytes; at least {MIN_SECRET_LEN} are required (an empty or short \
-             secret lets anyone who reaches the peer port read and forge replicas): set a long random value, \
-             e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`, or leave it unset so rank 0 makes one",
-            secret.len()
-        )));
-    }
-    Ok(())
-}
-
 pub fn nonce() -> [u8; NONCE_LEN] {
     let mut n = [0u8; NONCE_LEN];
     getrandom::fill(&mut n).expect("the OS random source works");
@@ -235,13 +218,6 @@ mod tests {
         assert!(decode_header(&encode_header(Kind::Request, MAX_CONTROL + 1)).is_err());
         assert!(decode_header(&encode_header(Kind::Hello, 33)).is_err());
         assert!(decode_header(&encode_header(Kind::Data, 3)).is_err());
-    }
-
-    #[test]
-    fn short_secrets_are_refused() {
-        assert!(check_secret(b"", "TIERCEL_PEER_SECRET").unwrap_err().message.contains("TIERCEL_PEER_SECRET"));
-        assert!(check_secret(&[b'x'; MIN_SECRET_LEN - 1], "policy").is_err());
-        assert!(check_secret(&[b'x'; MIN_SECRET_LEN], "policy").is_ok());
     }
 
     #[test]

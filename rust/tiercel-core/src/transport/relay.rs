@@ -27,6 +27,7 @@ use super::frame::*;
 use super::messages::{Ident, Reply, Request};
 use super::Conn;
 use crate::error::{Error, ErrorKind, Result};
+use crate::policy::check_secret;
 use crate::scheduler::Link;
 
 /// One chunk of one shared item of one step: by the rank whose copy it is (`owner`) and the

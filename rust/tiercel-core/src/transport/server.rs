@@ -23,7 +23,7 @@ use super::messages::{Ident, Reply, Request};
 use super::throttle::Throttle;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::Manifest;
-use crate::tier::memory::{Segment, View};
+use crate::shm::{Segment, View};
 
 /// What the server stores and serves: the replicas a host holds for other hosts.
 pub trait Handler: Send + Sync + 'static {

@@ -5,7 +5,7 @@ use super::super::source::{Node, Value};
 use super::super::units::parse_bandwidth;
 use super::Checker;
 use crate::error::Result;
-use crate::scheduler::{Mode, TrafficConfig};
+use crate::policy::{TrafficConfig, TrafficMode};
 
 pub(in crate::policy) const TRAFFIC_KEYS: &[&str] = &["mode", "mu", "floor", "warmup"];
 /// More warmup iterations than this profile a job that has long changed its pace.
@@ -21,8 +21,8 @@ impl Checker<'_> {
             match key.as_str() {
                 "mode" => {
                     let s = self.string(value, &path)?;
-                    cfg.mode =
-                        Mode::parse(s).ok_or_else(|| self.expected(value, &path, "\"off\", \"signals\" (the default) or \"learned\""))?;
+                    cfg.mode = TrafficMode::parse(s)
+                        .ok_or_else(|| self.expected(value, &path, "\"off\", \"signals\" (the default) or \"learned\""))?;
                 }
                 "mu" => {
                     let mu = match value.value {

@@ -27,14 +27,15 @@ use parking_lot::{Mutex, RwLock};
 use tokio::net::TcpListener;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{ChunkMeta, CommitRecord, Manifest};
+use crate::format::{ChunkMeta, ChunkSource, CommitRecord, Manifest};
+use crate::gc::{GcOptions, Removal};
 use crate::placement::{Placement, Strategy};
+use crate::policy::check_secret;
 use crate::scheduler::{Link, Priority};
-use crate::tier::gc::{GcOptions, Removal};
 use crate::tier::memory::MemoryTier;
-use crate::tier::{ChunkSource, Tier};
+use crate::tier::Tier;
 use crate::transport::server::{self, Limits, Stats};
-use crate::transport::{check_secret, Conn, Ident};
+use crate::transport::{Conn, Ident};
 use replicas::ReplicaStore;
 
 pub use replicas::REPLICA_DIR;
@@ -137,7 +138,7 @@ pub struct PeerOptions {
     pub replicas: usize,
     pub strategy: Strategy,
     pub keep: usize,
-    /// Checked by the caller (`transport::check_secret`, naming where it came from).
+    /// Checked by the caller (`policy::check_secret`, naming where it came from).
     pub secret: Option<Vec<u8>>,
     /// The progress deadline of every transfer (and the connect timeout).
     pub timeout: Duration,

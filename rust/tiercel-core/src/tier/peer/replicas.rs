@@ -11,8 +11,9 @@ use parking_lot::{Mutex, RwLock};
 use super::Cluster;
 use crate::error::{Error, Result};
 use crate::format::{self, Manifest};
-use crate::tier::gc;
-use crate::tier::memory::{MemoryTier, Segment, View};
+use crate::gc;
+use crate::shm::{Segment, View};
+use crate::tier::memory::MemoryTier;
 use crate::tier::Tier;
 use crate::transport::server::Handler;
 use crate::transport::Ident;
@@ -50,7 +51,7 @@ impl ReplicaStore {
         f(c.as_ref().ok_or_else(|| Error::unavailable(format!("tier '{}': this peer does not know its job's members yet", self.tier)))?)
     }
 
-    /// The retention rule of every tier (`tier::gc`), on replica steps: a step counts as
+    /// The retention rule of every tier (`gc`), on replica steps: a step counts as
     /// committed here once some rank's replica of it is complete (its manifest is there);
     /// steps still being received are never removed.
     fn retain(&self) -> Result<Vec<u64>> {

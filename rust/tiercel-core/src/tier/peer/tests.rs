@@ -232,10 +232,11 @@ fn a_chunk_damaged_on_its_holder_is_refused_on_arrival() {
 
 #[test]
 fn only_pushes_over_a_paced_link_cap_their_send_buffer() {
-    use crate::scheduler::{LinkKind, Mode, SystemClock, Traffic, TrafficConfig};
+    use crate::policy::{TrafficConfig, TrafficMode};
+    use crate::scheduler::{LinkKind, SystemClock, Traffic};
     let (_dir, a, b) = pair();
     let data = vec![vec![9u8; 8 << 20]];
-    for (step, mode) in [(1, Mode::Off), (2, Mode::Signals), (3, Mode::Learned)] {
+    for (step, mode) in [(1, TrafficMode::Off), (2, TrafficMode::Signals), (3, TrafficMode::Learned)] {
         let traffic = Traffic::new(TrafficConfig { mode, ..Default::default() }, SystemClock::shared());
         let link = Link::with_traffic("peer", None, LinkKind::Network, traffic);
         a.idle.lock().clear(); // a fresh connection for each mode
@@ -243,7 +244,7 @@ fn only_pushes_over_a_paced_link_cap_their_send_buffer() {
         let bufs: Vec<i32> = a.idle.lock().values().flatten().map(|c| c.send_buffer()).collect();
         assert_eq!(bufs.len(), 1);
         let capped = transport::client::SEND_BUFFER;
-        if mode == Mode::Off {
+        if mode == TrafficMode::Off {
             // The kernel's autotuning grew it while 8 MiB went out: nothing paces the chunks.
             assert!(bufs[0] > 2 * capped, "{mode:?}: {bufs:?}");
         } else {

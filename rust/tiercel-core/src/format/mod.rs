@@ -11,10 +11,16 @@
 //! ```
 //! A rank's manifest is written after its data (atomically), so a manifest present means the
 //! rank's data is complete; COMMIT present means every rank's is.
+//!
+//! `source` is the other side of a write: a `ChunkSource` hands a tier the raw bytes of a
+//! rank's chunks, by the indices of this manifest.
+
+mod source;
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+pub use source::ChunkSource;
 
 pub const FORMAT_VERSION: u32 = 2;
 /// The version written when no item is stored by reference (`Replica::shared`): readers of
@@ -111,7 +117,7 @@ pub struct Replica {
     pub primary: u32,
     /// The bytes are not in this rank's objects on this tier: the chunk table holds offsets,
     /// lengths and checksums only, and the stored bytes are the primary's, located by the
-    /// primary's manifest of the same step on the same tier (`crate::replica::link_shared`).
+    /// primary's manifest of the same step on the same tier (`link_shared` of the tier module `replica`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub shared: bool,
 }

@@ -1,0 +1,268 @@
+//! The persist half of a save: once the memory tier holds a step, which later tiers get it
+//! and how. `plan` decides, as a pure function of plain facts about each tier (`TierFacts`),
+//! so that tests call it without a store; `Store::queue_persists` carries a plan out: the
+//! states and metrics of the tiers it skips, and one scheduler job per tier it queues, which
+//! writes the step from the memory tier's segments and commits it there.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::save::probe_commit;
+use super::{SaveHandle, Store, TierSlot, TierState};
+use crate::error::Result;
+use crate::format::{ChunkSource, Manifest};
+use crate::scheduler::{Job, LinkClosed, Priority, Start, Supersede, SupersedeKey};
+use crate::shm::Segment;
+
+/// What a persist plan reads about one later tier at the time of a save.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierFacts {
+    /// The tier's slot in the store (policy order).
+    pub slot: usize,
+    pub name: String,
+    /// The tier's `every`: it gets the steps that are multiples of it.
+    pub every: u64,
+    /// The scheduler priority of jobs that write to the tier (`Tier::priority`).
+    pub priority: Priority,
+    /// Why the tier is degraded now (`Store::degraded`: a peer tier short of hosts), if it is.
+    pub degraded: Option<String>,
+    /// The learned schedule of the tier's link for this checkpoint (`Store::traffic_plan`).
+    pub learned: Option<LearnedInterval>,
+}
+
+/// What the learned schedule says of a tier: the checkpoint reaches it every `interval`
+/// iterations (`every`, or more where the checkpoint does not fit one iteration's idle time:
+/// the saves in between are superseded while they wait), and why, when more.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LearnedInterval {
+    pub interval: u64,
+    pub note: Option<String>,
+}
+
+/// One save's persists: what happens on each tier after the memory tier, in policy order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PersistPlan {
+    pub step: u64,
+    pub tiers: Vec<TierPersist>,
+}
+
+/// What happens to one save on one later tier.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierPersist {
+    pub slot: usize,
+    pub name: String,
+    pub action: PersistAction,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum PersistAction {
+    /// The tier's `every` does not select this step.
+    NotScheduled,
+    /// The tier is degraded: the step is skipped there, for this reason.
+    Degraded(String),
+    /// A job for the scheduler: it replaces a job of an earlier save with the same key that
+    /// still waits (and is skipped itself when a later save's came first).
+    Queue { priority: Priority, supersede: Supersede, learned: Option<LearnedInterval> },
+}
+
+/// The persist plan of `step`, the save at `order` in this process's save order, over the
+/// later tiers' `facts`. `every` comes first (a step it does not select is not the tier's,
+/// degraded or not), then a degraded tier's skip.
+pub fn plan(step: u64, order: u64, facts: Vec<TierFacts>) -> PersistPlan {
+    let tiers = facts
+        .into_iter()
+        .map(|f| {
+            let action = if !step.is_multiple_of(f.every) {
+                PersistAction::NotScheduled
+            } else if let Some(why) = f.degraded {
+                PersistAction::Degraded(why)
+            } else {
+                let supersede = Supersede { key: SupersedeKey::Persist { tier: f.name.clone() }, order };
+                PersistAction::Queue { priority: f.priority, supersede, learned: f.learned }
+            };
+            TierPersist { slot: f.slot, name: f.name, action }
+        })
+        .collect();
+    PersistPlan { step, tiers }
+}
+
+impl Store {
+    /// The facts a persist plan reads about every later tier, for a checkpoint of `bytes`.
+    pub(super) fn persist_facts(&self, bytes: u64) -> Vec<TierFacts> {
+        self.later_slots()
+            .map(|(slot, s)| TierFacts {
+                slot,
+                name: s.config.name.clone(),
+                every: s.config.every,
+                priority: s.tier.priority(),
+                degraded: self.degraded(&s.config.name),
+                learned: self.traffic_plan(s, bytes).map(|p| LearnedInterval { interval: p.effective_interval, note: p.note }),
+            })
+            .collect()
+    }
+
+    /// Carries out `plan` for a step the memory tier holds in `parts`, described by
+    /// `manifest`: a tier it skips is told so on `handle` (and in its metrics); each queued
+    /// tier gets one scheduler job.
+    pub(super) fn queue_persists(
+        self: &Arc<Self>,
+        plan: PersistPlan,
+        handle: &Arc<SaveHandle>,
+        manifest: &Arc<Manifest>,
+        parts: &[Arc<Segment>],
+    ) {
+        for t in plan.tiers {
+            let counters = self.metrics.tier(t.slot);
+            let (priority, supersede) = match t.action {
+                PersistAction::NotScheduled => {
+                    handle.set(&t.name, TierState::NotScheduled);
+                    continue;
+                }
+                PersistAction::Degraded(why) => {
+                    counters.skipped();
+                    handle.set(&t.name, TierState::Skipped(why));
+                    continue;
+                }
+                PersistAction::Queue { priority, supersede, learned } => {
+                    if let Some(l) = learned {
+                        counters.set_interval(l.interval);
+                        if let Some(note) = &l.note {
+                            handle.note(&t.name, l.interval, note);
+                        }
+                    }
+                    (priority, supersede)
+                }
+            };
+            counters.queue(1);
+            counters.scheduled(plan.step);
+            let job =
+                PersistJob { store: self.clone(), handle: handle.clone(), manifest: manifest.clone(), parts: parts.to_vec(), slot: t.slot };
+            self.scheduler.submit(Job {
+                link: self.slots[t.slot].link.clone(),
+                priority,
+                size: manifest.total_bytes(),
+                label: format!("step {}", plan.step),
+                supersede: Some(supersede),
+                run: Box::new(move |start| job.run(start)),
+            });
+        }
+    }
+}
+
+/// One queued persist: the step in the memory tier's segments, bound for one tier.
+struct PersistJob {
+    store: Arc<Store>,
+    handle: Arc<SaveHandle>,
+    manifest: Arc<Manifest>,
+    parts: Vec<Arc<Segment>>,
+    slot: usize,
+}
+
+impl PersistJob {
+    fn run(self, start: Start) {
+        let PersistJob { store, handle, manifest, parts, slot: idx } = self;
+        let slot = &store.slots[idx];
+        let (name, step) = (&slot.config.name, manifest.step);
+        store.metrics.tier(idx).queue(-1);
+        match start {
+            Start::Run => {}
+            Start::Superseded { by } => {
+                let why = format!("a newer save ({by}) replaced it while it waited");
+                store.skip_logged(idx, step, &why);
+                handle.set(name, TierState::Skipped(why));
+                return;
+            }
+            Start::Abandoned => {
+                handle.set(name, TierState::Skipped("the store was closed before it ran".into()));
+                return;
+            }
+        }
+        handle.set(name, TierState::Running);
+        let started = Instant::now();
+        let res = match write_and_commit(&store, slot, &manifest, &parts) {
+            Some(res) => res,
+            None => {
+                // The store closed without waiting: cut off between two chunks.
+                handle.set(name, TierState::Skipped("the store was closed before it finished".into()));
+                return;
+            }
+        };
+        drop(parts);
+        match res {
+            Ok(committed) => {
+                let took = started.elapsed();
+                store.metrics.tier(idx).written(step, manifest.total_bytes(), took);
+                log::info!(
+                    "tier '{name}': step {step} of rank {} {} ({} bytes in {:.2} s)",
+                    store.rank,
+                    if committed { "committed" } else { "written" },
+                    manifest.total_bytes(),
+                    took.as_secs_f64()
+                );
+                if !committed {
+                    // The last rank to write commits it: `wait(commit)` looks for that.
+                    let (weak, rank, generation) = (Arc::downgrade(&store), store.rank, manifest.generation.clone());
+                    let probe = move || {
+                        let store = weak.upgrade();
+                        probe_commit(store.as_ref().map(|s| &*s.slots[idx].tier), step, rank, &generation)
+                    };
+                    handle.set_probe(name, Box::new(probe), false);
+                }
+                handle.set(name, if committed { TierState::Done } else { TierState::Written });
+                if let Err(e) = store.retain(slot) {
+                    log::warn!("tier '{name}': retention after step {step} failed: {e}");
+                }
+            }
+            Err(e) => {
+                let e = e
+                    .context(format!("persisting step {step} of rank {} to tier '{name}'", store.rank))
+                    .with_tier(name)
+                    .at(step, store.rank);
+                log::error!("{e}");
+                store.metrics.tier(idx).failed();
+                handle.set(name, TierState::Failed(e));
+            }
+        }
+    }
+}
+
+/// Writes the step to `slot`'s tier and tries its commit: whether it committed; None when the
+/// store closed without waiting and cut the write off (`LinkClosed`).
+fn write_and_commit(store: &Store, slot: &TierSlot, manifest: &Manifest, parts: &[Arc<Segment>]) -> Option<Result<bool>> {
+    let src = SegmentSource { manifest, segments: parts };
+    let write = || slot.tier.write_rank(manifest, &src, &slot.link).and_then(|_| slot.tier.try_commit(manifest.step, store.world_size));
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(write)) {
+        Ok(res) => Some(res),
+        Err(p) if p.is::<LinkClosed>() => None,
+        Err(p) => std::panic::resume_unwind(p),
+    }
+}
+
+/// Raw bytes of chunks stored raw in memory-tier segments.
+struct SegmentSource<'a> {
+    manifest: &'a Manifest,
+    segments: &'a [Arc<Segment>],
+}
+
+impl ChunkSource for SegmentSource<'_> {
+    fn read_raw(&self, item: usize, chunk: usize, dst: &mut [u8]) -> Result<()> {
+        dst.copy_from_slice(self.raw(item, chunk));
+        Ok(())
+    }
+
+    fn raw_slice(&self, item: usize, chunk: usize) -> Option<&[u8]> {
+        Some(self.raw(item, chunk))
+    }
+}
+
+impl SegmentSource<'_> {
+    fn raw(&self, item: usize, chunk: usize) -> &[u8] {
+        let c = &self.manifest.items[item].chunks[chunk];
+        let start = c.stored_offset as usize;
+        &self.segments[c.object as usize].bytes()[start..start + c.len as usize]
+    }
+}
+
+#[cfg(test)]
+#[path = "persist_tests.rs"]
+mod tests;
