@@ -287,6 +287,18 @@ def test_an_fsspec_restore_in_a_new_process_is_bit_identical(tmp_path, shm):
     assert np.load(out).tobytes() == want["model"]["w"].tobytes() + want["model"]["b"]
 
 
+def test_the_store_says_what_each_tier_is(tmp_path, shm):
+    p = policy(shm, tmp_path / "blobs.db", disk=tmp_path / "disk")
+    p["tier"].append({"name": "local", "kind": "fsspec", "url": f"file://{tmp_path}/fsspec"})
+    with tiercel.Store(p, rank=0, world_size=1) as store:
+        caps = {t["name"]: (t["network"], t["persists"], t["commit_records"], t["memory_layout"], t["cluster"], t["directory"])
+                for t in store.tiers()}
+    assert caps == {"ram": (False, False, True, True, False, str(shm)),
+                    "archive": (True, True, True, False, False, None),
+                    "disk": (False, True, True, False, False, str(tmp_path / "disk")),
+                    "local": (False, True, True, False, False, None)}
+
+
 # --- the policy -----------------------------------------------------------------------
 
 

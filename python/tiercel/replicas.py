@@ -19,10 +19,6 @@ if TYPE_CHECKING:
     from .step import Reader
     from .store import Store
 
-#: Tier kinds a broadcast is not worth it for: each rank reads its own host's memory.
-FAST_KINDS = ("memory", "peer")
-
-
 def replica_group_of(spec: Sequence[int] | Sequence[Sequence[int]] | None, rank: int, world_size: int) -> list[int]:
     """This rank's replica group, sorted: `spec` is None (all ranks), this rank's group (a
     list of ranks) or every group (a list of lists, one of which holds this rank)."""
@@ -106,8 +102,9 @@ def _shares(store: Store) -> bool:
 
 def _slow(store: Store, reader: Reader) -> bool:
     """Whether `reader` reads from a tier that a broadcast is worth it for."""
-    kinds = {t["name"]: t["kind"] for t in store.tiers()}
-    return kinds.get(reader._core.tiers()[0]) not in FAST_KINDS
+    # Not for a tier in memory's layout (memory, peer): each rank reads its own host's memory.
+    fast = {t["name"]: t["memory_layout"] for t in store.tiers()}
+    return not fast.get(reader._core.tiers()[0], False)
 
 
 def _meet(store: Store, wants: bool, step: int | None, *extra: Any) -> list[tuple[Any, ...]]:

@@ -18,7 +18,7 @@ mod units;
 use std::path::Path;
 
 pub use tier::{
-    check_secret, ObjectOptions, ObjectSpec, PeerConfig, PythonSpec, TierConfig, TierKind, TierSpec, DEFAULT_CONCURRENCY,
+    check_secret, Capabilities, ObjectOptions, ObjectSpec, PeerConfig, PythonSpec, TierConfig, TierKind, TierSpec, DEFAULT_CONCURRENCY,
     DEFAULT_PART_SIZE, DEFAULT_PEER_LISTEN, DEFAULT_PYTHON_CONCURRENCY, DEFAULT_REPLICAS, MIN_SECRET_LEN,
 };
 pub use traffic::{TrafficConfig, TrafficMode, DEFAULT_MU, DEFAULT_WARMUP};

@@ -82,6 +82,30 @@ pub enum TierSpec {
     Python(PythonSpec),
 }
 
+/// What a tier is, beyond its name and kind (`TierSpec::capabilities`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities<'a> {
+    /// Its link shares the network with the training job's communication (the scheduler's
+    /// traffic gate applies); else it is local.
+    pub network: bool,
+    /// It keeps steps beyond this host's memory: part of the job's fingerprint, a target of
+    /// `every`'s persists.
+    pub persists: bool,
+    /// A step on it is committed by a commit record once every rank wrote it, which it lists
+    /// and keeps (false: per rank, by acknowledgements; no other job's steps to find there).
+    pub commit_records: bool,
+    /// Raw chunks laid out as in shared memory: a restore from it pre-faults the next save's
+    /// segments.
+    pub memory_layout: bool,
+    /// It joins the job's cluster at open (addresses and a secret through the coordinator).
+    pub cluster: bool,
+    /// It may fail and fall behind (degraded) without failing a save; the memory tier, which
+    /// every save copies into, may not.
+    pub degradable: bool,
+    /// A directory on this host: where a saving rank takes its writer lease.
+    pub directory: Option<&'a str>,
+}
+
 /// A tier the core opens through `tier::external` (in practice: the Python bindings).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PythonSpec {
@@ -137,6 +161,32 @@ impl TierSpec {
         }
     }
 
+    /// What the tier is, as the Store and the Python side ask it: the one place besides
+    /// `tier::open` that tells kinds apart. A new kind answers here and nowhere else.
+    pub fn capabilities(&self) -> Capabilities<'_> {
+        let base = Capabilities {
+            network: false,
+            persists: true,
+            commit_records: true,
+            memory_layout: false,
+            cluster: false,
+            degradable: true,
+            directory: None,
+        };
+        match self {
+            TierSpec::Memory { root } => {
+                Capabilities { persists: false, memory_layout: true, degradable: false, directory: Some(root), ..base }
+            }
+            TierSpec::Fs { path } => Capabilities { directory: Some(path), ..base },
+            TierSpec::S3(_) | TierSpec::Gcs(_) => Capabilities { network: true, ..base },
+            TierSpec::Peer(_) => {
+                Capabilities { network: true, persists: false, commit_records: false, memory_layout: true, cluster: true, ..base }
+            }
+            // A Python tier is taken to be remote unless its url names a local directory.
+            TierSpec::Python(p) => Capabilities { network: !p.url.as_deref().is_some_and(|u| u.starts_with("file://")), ..base },
+        }
+    }
+
     /// The kind as the policy names it (a plugin's own name for a Python tier).
     pub fn kind_name(&self) -> &str {
         match self {
@@ -157,6 +207,10 @@ impl TierConfig {
 
     pub fn kind_name(&self) -> &str {
         self.spec.kind_name()
+    }
+
+    pub fn capabilities(&self) -> Capabilities<'_> {
+        self.spec.capabilities()
     }
 }
 

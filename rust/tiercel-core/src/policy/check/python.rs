@@ -156,6 +156,39 @@ mod tests {
     }
 
     #[test]
+    fn every_kind_answers_what_it_is() {
+        let p = Policy::from_toml(
+            &format!(
+                "{RAM}[[tier]]\nname = \"peer\"\nkind = \"peer\"\n\n[[tier]]\nname = \"disk\"\nkind = \"fs\"\nurl = \"/d\"\n\n\
+                 [[tier]]\nname = \"s3\"\nkind = \"s3\"\nurl = \"s3://bkt/p\"\n\n[[tier]]\nname = \"local\"\nkind = \"fsspec\"\nurl = \"file:///l\"\n\n\
+                 [[tier]]\nname = \"far\"\nkind = \"fsspec\"\nurl = \"memory://m\"\n"
+            ),
+            "p.toml",
+        )
+        .unwrap();
+        // (network, persists, commit records, memory layout, cluster, degradable, directory)
+        let caps: Vec<_> = p
+            .tiers
+            .iter()
+            .map(|t| {
+                let c = t.capabilities();
+                (c.network, c.persists, c.commit_records, c.memory_layout, c.cluster, c.degradable, c.directory)
+            })
+            .collect();
+        assert_eq!(
+            caps,
+            [
+                (false, false, true, true, false, false, Some("/dev/shm/t")),
+                (true, false, false, true, true, true, None),
+                (false, true, true, false, false, true, Some("/d")),
+                (true, true, true, false, false, true, None),
+                (false, true, true, false, false, true, None),
+                (true, true, true, false, false, true, None),
+            ]
+        );
+    }
+
+    #[test]
     fn without_the_python_package_a_python_tier_says_where_to_open_it() {
         // The core alone (no bindings registered): opening names the policy's place.
         let p = parse("kind = \"python\"\nfactory = \"m:f\"\n").unwrap();
