@@ -233,40 +233,6 @@ impl StepLayout {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::blobs::FsBlobs;
-
-    fn manifest(step: u64, rank: u32, generation: &str) -> Manifest {
-        let mut m = Manifest::new(step, rank, 2, "t", 64);
-        m.generation = Some(generation.into());
-        m
-    }
-
-    /// A step saved again by rank 0 while rank 1's manifest is still of the earlier save
-    /// does not commit (it used to: old and new ranks under one commit); it commits, with
-    /// the new generation, once rank 1's manifest is of the same save.
-    #[test]
-    fn commits_only_the_manifests_of_one_save() {
-        let dir = tempfile::tempdir().unwrap();
-        let layout = StepLayout::new("t", Arc::new(FsBlobs::new("t", dir.path()).unwrap()));
-        layout.write_manifest(&manifest(5, 0, "a.1")).unwrap();
-        layout.write_manifest(&manifest(5, 1, "a.1")).unwrap();
-        assert!(layout.try_commit(5, 2, None).unwrap());
-        assert_eq!(layout.commit_record(5).unwrap().generation.as_deref(), Some("a.1"));
-        // Rank 0 saves step 5 again.
-        layout.uncommit(5, 0).unwrap();
-        layout.write_manifest(&manifest(5, 0, "a.2")).unwrap();
-        assert!(!layout.try_commit(5, 2, None).unwrap(), "committed rank 0's new part with rank 1's old one");
-        assert!(layout.commit_record(5).is_err());
-        layout.uncommit(5, 1).unwrap();
-        layout.write_manifest(&manifest(5, 1, "a.2")).unwrap();
-        assert!(layout.try_commit(5, 2, None).unwrap());
-        assert_eq!(layout.commit_record(5).unwrap().generation.as_deref(), Some("a.2"));
-    }
-}
-
 /// The `Tier` methods a tier whose steps live in a `StepLayout` (its field `layout`) hands to
 /// the layout unchanged: reads of stored bytes, the job, steps, commit records, manifests and
 /// ranks. The memory and blob tiers both say `forward_to_layout!();` in their `impl Tier`,
@@ -314,3 +280,37 @@ macro_rules! forward_to_layout {
     };
 }
 pub(crate) use forward_to_layout;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::blobs::FsBlobs;
+
+    fn manifest(step: u64, rank: u32, generation: &str) -> Manifest {
+        let mut m = Manifest::new(step, rank, 2, "t", 64);
+        m.generation = Some(generation.into());
+        m
+    }
+
+    /// A step saved again by rank 0 while rank 1's manifest is still of the earlier save
+    /// does not commit (it used to: old and new ranks under one commit); it commits, with
+    /// the new generation, once rank 1's manifest is of the same save.
+    #[test]
+    fn commits_only_the_manifests_of_one_save() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = StepLayout::new("t", Arc::new(FsBlobs::new("t", dir.path()).unwrap()));
+        layout.write_manifest(&manifest(5, 0, "a.1")).unwrap();
+        layout.write_manifest(&manifest(5, 1, "a.1")).unwrap();
+        assert!(layout.try_commit(5, 2, None).unwrap());
+        assert_eq!(layout.commit_record(5).unwrap().generation.as_deref(), Some("a.1"));
+        // Rank 0 saves step 5 again.
+        layout.uncommit(5, 0).unwrap();
+        layout.write_manifest(&manifest(5, 0, "a.2")).unwrap();
+        assert!(!layout.try_commit(5, 2, None).unwrap(), "committed rank 0's new part with rank 1's old one");
+        assert!(layout.commit_record(5).is_err());
+        layout.uncommit(5, 1).unwrap();
+        layout.write_manifest(&manifest(5, 1, "a.2")).unwrap();
+        assert!(layout.try_commit(5, 2, None).unwrap());
+        assert_eq!(layout.commit_record(5).unwrap().generation.as_deref(), Some("a.2"));
+    }
+}
