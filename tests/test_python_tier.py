@@ -34,9 +34,9 @@ class SqliteTier:
     (a quota); `pause` (a path) makes data writes touch that file and hang, so that a test
     can kill the writer mid-save."""
 
-    def __init__(self, path: str, fail: bool = False, pause: str | None = None) -> None:
+    def __init__(self, path: str, fail: bool = False, pause: str | None = None, pause_seconds: float = 60) -> None:
         self.location = f"sqlite://{path}"
-        self.fail, self.pause = fail, pause
+        self.fail, self.pause, self.pause_seconds = fail, pause, pause_seconds
         self.lock = threading.Lock()
         self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
         self.db.execute("CREATE TABLE IF NOT EXISTS blobs (key TEXT PRIMARY KEY, data BLOB NOT NULL)")
@@ -46,7 +46,7 @@ class SqliteTier:
             raise OSError(f"quota exceeded writing {key}")
         if self.pause and key.endswith(".data"):
             Path(self.pause).touch()
-            time.sleep(60)
+            time.sleep(self.pause_seconds)
 
     def put(self, key: str, data: bytes) -> None:
         self._check(key)
@@ -285,6 +285,26 @@ def test_an_fsspec_restore_in_a_new_process_is_bit_identical(tmp_path, shm):
     assert r.returncode == 0, r.stderr
     want = state(7)
     assert np.load(out).tobytes() == want["model"]["w"].tobytes() + want["model"]["b"]
+
+
+def test_a_process_that_exits_mid_persist_exits_cleanly(tmp_path, shm):
+    """A background persist into a Python tier still running when the interpreter exits must
+    not call into a finalizing interpreter (CPython would end the thread inside Rust and
+    abort the process): the call in flight returns, later calls fail as the tier's failure,
+    and the exit status is the script's."""
+    marker = tmp_path / "in-put"
+    script = textwrap.dedent("""
+        import json, sys, time, tiercel, test_python_tier as t
+        store = tiercel.Store(json.loads(sys.argv[1]), rank=0, world_size=1)
+        store.save(1, t.state(1))
+        while not __import__("os").path.exists(sys.argv[2]):
+            time.sleep(0.01)
+    """)
+    p = policy(shm, tmp_path / "blobs.db", pause=str(marker), pause_seconds=3)
+    r = subprocess.run([PYTHON, "-c", script, json.dumps(p), str(marker)], env=env_with_tests(), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "FATAL" not in r.stderr, (r.returncode, r.stderr)
+    assert "the Python interpreter is exiting" in r.stderr, r.stderr
 
 
 def test_the_store_says_what_each_tier_is(tmp_path, shm):

@@ -22,11 +22,13 @@ as keywords, plus `url` where the tier has one.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.metadata
 import json
 from typing import Any, Callable
 
+from .. import _core
 from ..errors import ConfigError
 
 #: The entry point group through which a package adds a kind of tier.
@@ -34,6 +36,11 @@ ENTRY_POINTS = "tiercel.tiers"
 
 #: The methods every tier's object has.
 REQUIRED = ("put", "put_if_absent", "get_range", "list", "delete")
+
+
+# Background threads call into Python tiers; once the interpreter exits they must not (see
+# `pytier::exiting`): registered at import, which is when the first Python tier is opened.
+atexit.register(_core.exiting)
 
 
 def plugin_kinds() -> list[str]:

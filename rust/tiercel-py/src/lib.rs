@@ -107,6 +107,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(step_dir_name, m)?)?;
     m.add_function(wrap_pyfunction!(kinds::conformance_cases, m)?)?;
     m.add_function(wrap_pyfunction!(kinds::run_conformance_case, m)?)?;
+    m.add_function(wrap_pyfunction!(pytier::exiting, m)?)?;
     // Tiers of kind "python", "fsspec" or a plugin's are built through tiercel.tiers.
     tiercel_core::tier::external::register(Box::new(kinds::PythonKinds));
     Ok(())

@@ -5,7 +5,9 @@
 //! core treats like any other tier's failure (falls back, never fails the other tiers).
 //! The protocol itself is documented in docs/tiers.md.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 use pyo3::buffer::PyBuffer;
@@ -19,6 +21,45 @@ use tiercel_core::error::{Error, Result};
 /// The first read of an object of unknown size (`get` without the optional `get` method);
 /// each further read asks for twice as much.
 const FIRST_READ: usize = 1 << 20;
+
+/// Set once the interpreter begins to exit (`tiercel.tiers` registers `exiting` with
+/// `atexit`): a thread that asked for the GIL after that would be ended by CPython inside
+/// Rust, which aborts the process; calls from then on fail as the tier's failure instead.
+static EXITING: AtomicBool = AtomicBool::new(false);
+/// Calls into Python tiers in flight (waiting for the GIL or holding it), in all tiers.
+static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+
+/// The interpreter is exiting: refuse new calls into Python tiers, and let those in flight
+/// return before finalization starts (a call cut off there would abort the process).
+#[pyfunction]
+pub fn exiting(py: Python<'_>) {
+    EXITING.store(true, Ordering::SeqCst);
+    py.allow_threads(|| {
+        let (start, mut told) = (Instant::now(), false);
+        while IN_FLIGHT.load(Ordering::SeqCst) > 0 {
+            if !told && start.elapsed() > Duration::from_secs(5) {
+                told = true;
+                log::warn!("exiting: waiting for {} call(s) into Python tiers to return", IN_FLIGHT.load(Ordering::SeqCst));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
+}
+
+struct InFlight;
+
+impl InFlight {
+    fn enter() -> InFlight {
+        IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
+        InFlight
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+    }
+}
 
 /// Counts calls in flight.
 struct Gate {
@@ -120,6 +161,15 @@ impl Inner {
     /// the core's error, naming what `op` did to `key`.
     fn call<T>(&self, op: &str, key: &str, f: impl FnOnce(Python<'_>, &Bound<'_, PyAny>) -> PyResult<T>) -> Result<T> {
         let _permit = self.gate.enter();
+        let _in_flight = InFlight::enter();
+        if EXITING.load(Ordering::SeqCst) {
+            return Err(Error::unavailable(format!(
+                "tier '{}': {op} {}: not called, the Python interpreter is exiting",
+                self.tier,
+                self.describe(key)
+            ))
+            .with_tier(&self.tier));
+        }
         Python::with_gil(|py| f(py, self.obj.bind(py)).map_err(|e| self.error(py, op, key, &e)))
     }
 
