@@ -1,8 +1,9 @@
 //! tiercel-core: the byte-moving core of tiercel, a tiered checkpoint store for distributed
 //! training. Pure Rust; the Python bindings live in tiercel-py and hold no logic of their own.
 //!
-//! The modules form layers, and a module imports only from the layers below its own (no
-//! import runs up, none runs in a circle); docs/architecture.md draws the map.
+//! The modules form layers, listed below from the ground up: a module imports only from the
+//! layers below its own or from its own layer, never round a circle. docs/architecture.md
+//! draws the map; tests/layers.rs fails on an import that breaks it.
 
 // The ground: what everything uses.
 pub mod checksum;

@@ -1,9 +1,9 @@
 //! Object stores (S3 and S3-compatible servers, Google Cloud Storage) as `Blobs`, on the
 //! `object_store` crate, driven from one small shared tokio runtime. `settings` reads
-//! credentials and options, `bucket` is the `Blobs` implementation, `writer` the streaming
-//! multipart writer, `uploads` the markers of running uploads and the removal of abandoned ones,
-//! `server_uploads` S3's own list of the uploads under a prefix (what a writer killed before
-//! its marker leaves).
+//! credentials and options, `inner` holds what every request needs and makes the requests,
+//! `bucket` is the `Blobs` implementation, `writer` the streaming multipart writer, `uploads`
+//! the markers of running uploads and the removal of abandoned ones, `server_uploads` S3's own
+//! list of the uploads under a prefix (what a writer killed before its marker leaves).
 //!
 //! - `put` is one PUT; `put_if_absent` a PUT with `If-None-Match: *` (S3) or
 //!   `x-goog-if-generation-match: 0` (GCS); a store that says it cannot do that gets a HEAD
@@ -25,6 +25,7 @@
 //! (`endpoint`, `region`, `allow_http`, `timeout`). No message ever carries a credential.
 
 mod bucket;
+mod inner;
 mod server_uploads;
 mod settings;
 mod uploads;

@@ -19,10 +19,9 @@ use object_store::{ObjectStore, ObjectStoreExt};
 
 use std::collections::HashSet;
 
-use super::bucket::{Inner, ObjectBlobs};
+use super::inner::Inner;
 use super::server_uploads::S3Uploads;
 use super::settings::sanitize;
-use crate::blobs::Blobs;
 use crate::error::Result;
 use crate::gc::{self, Removal, Target};
 
@@ -71,6 +70,19 @@ pub(super) struct UploadMarker {
 }
 
 impl Inner {
+    /// The multipart uploads recorded under `.uploads/` (running, or left by a killed
+    /// writer): (marker key, object key, upload id).
+    pub(super) async fn recorded_uploads(&self) -> Result<Vec<(String, String, String)>> {
+        let mut out = vec![];
+        for name in self.list(UPLOADS_DIR).await? {
+            let key = format!("{UPLOADS_DIR}/{name}");
+            if let Ok(m) = serde_json::from_slice::<UploadMarker>(&self.get(&key).await?) {
+                out.push((key, m.key, m.upload_id));
+            }
+        }
+        Ok(out)
+    }
+
     /// Records upload `id` of `key` in a new marker; returns the marker's key.
     pub(super) async fn record_upload(&self, key: &str, id: &str) -> Result<String> {
         // Letters, digits, `.`, `-` only: a key that no store escapes.
@@ -195,20 +207,5 @@ impl Inner {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(true),
             Err(e) => Err(self.err("DELETE", marker, e)),
         }
-    }
-}
-
-impl ObjectBlobs {
-    /// The multipart uploads recorded under `.uploads/` (running, or left by a killed
-    /// writer): (marker key, object key, upload id).
-    pub fn uploads(&self) -> Result<Vec<(String, String, String)>> {
-        let mut out = vec![];
-        for name in self.list(UPLOADS_DIR)? {
-            let key = format!("{UPLOADS_DIR}/{name}");
-            if let Ok(m) = serde_json::from_slice::<UploadMarker>(&self.get(&key)?) {
-                out.push((key, m.key, m.upload_id));
-            }
-        }
-        Ok(out)
     }
 }

@@ -11,7 +11,7 @@ use object_store::path::Path as ObjPath;
 use object_store::{ObjectStoreExt, PutPayload};
 use tokio::task::JoinHandle;
 
-use super::bucket::Inner;
+use super::inner::Inner;
 use super::settings::sanitize;
 use super::uploads::active_uploads;
 use super::{block_on, runtime};

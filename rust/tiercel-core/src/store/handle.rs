@@ -1,4 +1,5 @@
-//! What a save has done where: one `TierState` per tier, waited on through a `SaveHandle`.
+//! What a save has done where: one `TierState` per tier, waited on through a `SaveHandle`;
+//! `probe_commit` asks a tier whether a save left `written` there has committed since.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -7,6 +8,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::TierSlot;
 use crate::error::Error;
+use crate::tier::Tier;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TierState {
@@ -194,5 +196,24 @@ impl SaveHandle {
 
     pub fn elapsed(&self) -> Duration {
         self.started.elapsed()
+    }
+}
+
+/// Where this rank's save of `step` (of `generation`) stands on `tier`, whose commit the
+/// last rank to finish writes (on the memory tier, the last of the host): committed (a commit
+/// of this save, not of a later save of the step), pending, or gone (retention removed this
+/// rank's part as an uncommitted leftover, or a later save replaced it) and never to commit.
+pub(super) fn probe_commit(tier: Option<&dyn Tier>, step: u64, rank: u32, generation: &Option<String>) -> Probed {
+    let Some(t) = tier else { return Probed::Gone("the store was closed".into()) };
+    if t.commit_record(step).is_ok_and(|r| &r.generation == generation) {
+        return Probed::Committed;
+    }
+    match t.read_manifest(step, rank) {
+        Ok(mine) if &mine.generation == generation => Probed::Pending,
+        Ok(_) => Probed::Gone(format!("step {step} was saved again before the other ranks saved this save of it")),
+        Err(e) if e.kind == crate::error::ErrorKind::NotFound => {
+            Probed::Gone(format!("step {step} was removed before the other ranks saved it (retention keeps newer steps)"))
+        }
+        Err(_) => Probed::Pending, // unreadable for a moment (being replaced, a server down): look again
     }
 }

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::save::probe_commit;
+use super::handle::probe_commit;
 use super::{SaveHandle, Store, TierSlot, TierState};
 use crate::error::Result;
 use crate::format::{ChunkSource, Manifest};

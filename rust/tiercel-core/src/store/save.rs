@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use super::handle::Probed;
+use super::handle::probe_commit;
 use super::{persist, SaveHandle, Store, TierState, MEMORY_SLOT};
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkMeta, ItemMeta, Manifest, ObjectMeta, ShardInfo};
@@ -238,25 +238,6 @@ impl StepWriter {
             run: Box::new(move |_| flush_step(store2, handle2, manifest, parts, lease, order)),
         });
         Ok(handle)
-    }
-}
-
-/// Where this rank's save of `step` (of `generation`) stands on `tier`, whose commit the
-/// last rank to finish writes (on the memory tier, the last of the host): committed (a commit
-/// of this save, not of a later save of the step), pending, or gone (retention removed this
-/// rank's part as an uncommitted leftover, or a later save replaced it) and never to commit.
-pub(super) fn probe_commit(tier: Option<&dyn Tier>, step: u64, rank: u32, generation: &Option<String>) -> Probed {
-    let Some(t) = tier else { return Probed::Gone("the store was closed".into()) };
-    if t.commit_record(step).is_ok_and(|r| &r.generation == generation) {
-        return Probed::Committed;
-    }
-    match t.read_manifest(step, rank) {
-        Ok(mine) if &mine.generation == generation => Probed::Pending,
-        Ok(_) => Probed::Gone(format!("step {step} was saved again before the other ranks saved this save of it")),
-        Err(e) if e.kind == crate::error::ErrorKind::NotFound => {
-            Probed::Gone(format!("step {step} was removed before the other ranks saved it (retention keeps newer steps)"))
-        }
-        Err(_) => Probed::Pending, // unreadable for a moment (being replaced, a server down): look again
     }
 }
 
