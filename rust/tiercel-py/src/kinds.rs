@@ -37,18 +37,17 @@ fn open_error(py: Python<'_>, at: &str, e: PyErr) -> Error {
     }
 }
 
-impl ExternalKinds for PythonKinds {
-    fn plugin_kinds(&self) -> Vec<String> {
-        Python::with_gil(|py| {
-            py.import(TIERS_MODULE).and_then(|m| m.call_method0("plugin_kinds")).and_then(|k| k.extract::<Vec<String>>()).unwrap_or_else(
-                |e| {
-                    log::warn!("cannot list the tier kinds installed packages register: {e}");
-                    vec![]
-                },
-            )
+/// The kinds installed packages register (entry point group `tiercel.tiers`), for the policy.
+pub fn plugin_kinds() -> Vec<String> {
+    Python::with_gil(|py| {
+        py.import(TIERS_MODULE).and_then(|m| m.call_method0("plugin_kinds")).and_then(|k| k.extract::<Vec<String>>()).unwrap_or_else(|e| {
+            log::warn!("cannot list the tier kinds installed packages register: {e}");
+            vec![]
         })
-    }
+    })
+}
 
+impl ExternalKinds for PythonKinds {
     fn open(&self, name: &str, spec: &PythonSpec) -> Result<Arc<dyn Blobs>> {
         Python::with_gil(|py| {
             let opened = py.import(TIERS_MODULE).and_then(|m| {

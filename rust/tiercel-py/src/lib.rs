@@ -110,5 +110,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pytier::exiting, m)?)?;
     // Tiers of kind "python", "fsspec" or a plugin's are built through tiercel.tiers.
     tiercel_core::tier::external::register(Box::new(kinds::PythonKinds));
+    tiercel_core::policy::register_plugin_kinds(kinds::plugin_kinds);
     Ok(())
 }

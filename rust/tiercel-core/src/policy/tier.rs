@@ -293,3 +293,18 @@ pub fn check_secret(secret: &[u8], source: &str) -> Result<()> {
     }
     Ok(())
 }
+
+/// Where the names of kinds that installed packages register come from: the Python bindings
+/// register a function (it reads the entry points of group `tiercel.tiers`); without one
+/// there are none. A hook, so that the policy asks no layer above its own.
+static PLUGIN_KINDS: std::sync::OnceLock<fn() -> Vec<String>> = std::sync::OnceLock::new();
+
+/// Registers where plugin kind names come from; false if that was registered already.
+pub fn register_plugin_kinds(kinds: fn() -> Vec<String>) -> bool {
+    PLUGIN_KINDS.set(kinds).is_ok()
+}
+
+/// The kinds installed packages register (none where no source is registered).
+pub fn plugin_kinds() -> Vec<String> {
+    PLUGIN_KINDS.get().map(|f| f()).unwrap_or_default()
+}

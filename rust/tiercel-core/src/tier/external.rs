@@ -10,10 +10,9 @@ use crate::blobs::Blobs;
 use crate::error::{Error, Result};
 use crate::policy::PythonSpec;
 
-/// Builds the tiers of kinds outside the core.
+/// Builds the tiers of kinds outside the core. (Which kind names are such tiers is the
+/// policy's question: `policy::register_plugin_kinds`.)
 pub trait ExternalKinds: Send + Sync {
-    /// The kinds installed packages register (beyond "python" and "fsspec"), for the policy.
-    fn plugin_kinds(&self) -> Vec<String>;
     /// Opens tier `name`; errors name where it stands in the policy (`spec.at`).
     fn open(&self, name: &str, spec: &PythonSpec) -> Result<Arc<dyn Blobs>>;
 }
@@ -23,11 +22,6 @@ static REGISTERED: OnceLock<Box<dyn ExternalKinds>> = OnceLock::new();
 /// Registers the builder of external kinds; false if one was registered already.
 pub fn register(kinds: Box<dyn ExternalKinds>) -> bool {
     REGISTERED.set(kinds).is_ok()
-}
-
-/// The kinds installed packages register; none where no builder is registered.
-pub fn plugin_kinds() -> Vec<String> {
-    REGISTERED.get().map(|k| k.plugin_kinds()).unwrap_or_default()
 }
 
 /// Opens a tier of an external kind through the registered builder.

@@ -14,14 +14,14 @@ const MAX_PYTHON_CONCURRENCY: usize = 64;
 
 /// Whether `name` is a kind of Python tier: "python", "fsspec", or one a plugin registers.
 pub(super) fn is_python_kind(name: &str) -> bool {
-    name == "python" || name == "fsspec" || crate::tier::external::plugin_kinds().iter().any(|k| k == name)
+    name == "python" || name == "fsspec" || super::super::tier::plugin_kinds().iter().any(|k| k == name)
 }
 
 /// Every kind a policy may name, quoted, for "unknown kind" messages.
 pub(super) fn known_kinds() -> String {
     let mut names: Vec<String> = TierKind::ALL.iter().map(|k| k.as_str().to_string()).collect();
     names.push("fsspec".into());
-    names.extend(crate::tier::external::plugin_kinds());
+    names.extend(super::super::tier::plugin_kinds());
     names.iter().map(|n| format!("{n:?}")).collect::<Vec<_>>().join(", ")
 }
 
