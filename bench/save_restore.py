@@ -5,7 +5,7 @@ Measured side by side in one run:
     on each memory-tier root, mapping a stored file's pages and reading its bytes once
     (the least a restore from RAM that copies nothing and verifies every byte can do);
   - tiercel: the blocking part of save() (copy into the memory tier), the background
-    persist to an fs tier, restore() from the memory tier and from the fs tier;
+    persist to an fs tier and to an fsspec file:// tier (the Python-tier path), restore() from the memory tier and from the fs tier;
   - what a user would otherwise do: torch.save / torch.load to the same directory and to
     /dev/shm.
 Goals (issue 12): save blocking <= 1.05x memcpy, the first save of a run <= 1.5x, restore
@@ -195,6 +195,19 @@ def tiercel_rows(state: dict, args: argparse.Namespace, ram: Path, disk: Path, l
     last = args.repeat + 1
     if not label:
         record("tiercel save, until on disk (fs tier)", statistics.median(persists), persists, "background: checksum + write + fsync")
+        # The same persist through the Python-tier path (docs/tiers.md): goal >= 0.7x the rate.
+        py_policy = {"tier": [{"name": "ram", "kind": "memory", "root": str(ram / "fsspec"), "keep": 2},
+                              {"name": "disk", "kind": "fsspec", "url": f"file://{disk}/fsspec", "keep": 1, "compression": "none"}]}
+        with tiercel.Store(py_policy, rank=0, world_size=1) as py_store:
+            py_store.save(0, state).wait(commit=True)
+            py_persists = []
+            for step in range(1, args.repeat + 1):
+                h = py_store.save(step, state)
+                t0 = time.perf_counter()
+                h.wait(commit=True)
+                py_persists.append(h.blocking_seconds + time.perf_counter() - t0)
+        record("tiercel save, until on disk (fsspec file:// tier)", statistics.median(py_persists), py_persists,
+               "the Python-tier path: checksum + write + fsync in Python calls")
 
     # The last save's background work (its persist, the next step's pre-fault) is over, as
     # it is by the time a job restores: it would take cores from the restore.

@@ -55,6 +55,7 @@ DOCS = [
     "docs/reliability.md",
     "docs/restore.md",
     "docs/scale.md",
+    "docs/tiers.md",
     "docs/traffic.md",
     "docs/troubleshooting.md",
 ]

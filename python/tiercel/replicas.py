@@ -20,10 +20,6 @@ if TYPE_CHECKING:
     from .step import Reader
     from .store import Store
 
-#: Tier kinds a broadcast is not worth it for: each rank reads its own host's memory.
-FAST_KINDS = ("memory", "peer")
-
-
 @dataclass
 class Sharing:
     """What one Store keeps from one shared restore for the next (`Store._sharing`)."""
@@ -119,8 +115,9 @@ def _shares(store: Store) -> bool:
 
 def _slow(store: Store, reader: Reader) -> bool:
     """Whether `reader` reads from a tier that a broadcast is worth it for."""
-    kinds = {t["name"]: t["kind"] for t in store.tiers()}
-    return kinds.get(reader._core.tiers()[0]) not in FAST_KINDS
+    # Not for a tier in memory's layout (memory, peer): each rank reads its own host's memory.
+    fast = {t["name"]: t["memory_layout"] for t in store.tiers()}
+    return not fast.get(reader._core.tiers()[0], False)
 
 
 def _meet(store: Store, wants: bool, step: int | None, *extra: Any) -> list[tuple[Any, ...]]:

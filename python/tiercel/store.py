@@ -105,7 +105,7 @@ class Store:
         # does for the CLI, which opens the store as a single process).
         if self.world_size == 1:
             return
-        has_peer = any(t["kind"] == "peer" for t in self._core.tiers())
+        has_peer = any(t["cluster"] for t in self._core.tiers())
         if self.coordinator is None:
             if has_peer:
                 raise InvalidArgumentError(

@@ -74,7 +74,7 @@ class Ctx:
 
     def reachable(self, name: str) -> str:
         """A tier named on the command line that the command can work on: not a peer tier."""
-        if self.tier(name)["kind"] == "peer":
+        if self.tier(name)["cluster"]:
             raise UsageError(f"tier '{name}' is a peer tier: {PEER_SKIPPED}", tier=name)
         return name
 
@@ -82,7 +82,7 @@ class Ctx:
         """`--tier NAME`, or every tier the command can look at (no peer tier)."""
         if name:
             return [self.reachable(name)]
-        return [t["name"] for t in self.tiers if t["kind"] != "peer"]
+        return [t["name"] for t in self.tiers if not t["cluster"]]
 
     def scan(self, tier: str) -> list[StepInfo]:
         """Every step directory on a tier, oldest first, with its commit record if any."""
@@ -142,10 +142,8 @@ class Ctx:
 
 
 def local_dir(tier: dict) -> str | None:
-    """The directory a memory or fs tier lives in; None for kinds that are not directories."""
-    if tier["kind"] in ("memory", "fs") and tier["location"]:
-        return tier["location"]
-    return None
+    """The directory a tier lives in (memory, fs); None for tiers that are not directories."""
+    return tier["directory"] or None
 
 
 def uncommitted_details(core: Any, tier: dict, step: int) -> dict:

@@ -38,7 +38,7 @@ def cmd_gc(ctx: Ctx) -> int:
     for n, t in enumerate(ctx.tiers):
         entry: dict[str, Any] = {"name": t["name"], "error": None, "skipped": None, "removals": []}
         doc["tiers"].append(entry)
-        if t["kind"] == "peer":
+        if t["cluster"]:
             entry["skipped"] = PEER_SKIPPED + " (its holders apply `keep` themselves)"
         else:
             try:

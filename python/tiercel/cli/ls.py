@@ -23,7 +23,7 @@ def _tier_summary(t: dict) -> str:
 def _scan(ctx: Ctx, t: dict) -> tuple[list[StepInfo], str | None, str | None]:
     """(steps, why the tier could not be listed, why it was not looked at): one tier that
     cannot be reached does not hide the others."""
-    if t["kind"] == "peer":
+    if t["cluster"]:
         return [], None, PEER_SKIPPED
     try:
         return ctx.scan(t["name"]), None, None

@@ -1,11 +1,13 @@
 //! PyO3 bindings of tiercel-core as `tiercel._core`: conversions, GIL release and the one
 //! mapping of core errors to Python exceptions (`errors`). No logic of its own lives here.
-//! `store` binds the Store, `traffic` its training-communication signals, `step` a step being written or read, `buffer` the memory handed
+//! `store` binds the Store, `kinds` and `pytier` the tiers written in Python, `traffic` its training-communication signals, `step` a step being written or read, `buffer` the memory handed
 //! to Python, `metrics` the core's metrics.
 
 mod buffer;
 mod errors;
+mod kinds;
 mod metrics;
+mod pytier;
 mod step;
 mod store;
 mod traffic;
@@ -105,5 +107,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     metrics::add(m)?;
     m.add_function(wrap_pyfunction!(placement, m)?)?;
     m.add_function(wrap_pyfunction!(step_dir_name, m)?)?;
+    m.add_function(wrap_pyfunction!(kinds::conformance_cases, m)?)?;
+    m.add_function(wrap_pyfunction!(kinds::run_conformance_case, m)?)?;
+    m.add_function(wrap_pyfunction!(pytier::exiting, m)?)?;
+    // Tiers of kind "python", "fsspec" or a plugin's are built through tiercel.tiers.
+    tiercel_core::tier::external::register(Box::new(kinds::PythonKinds));
+    tiercel_core::policy::register_plugin_kinds(kinds::plugin_kinds);
     Ok(())
 }

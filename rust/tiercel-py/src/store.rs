@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use tiercel_core::gc::Removal;
-use tiercel_core::policy::{Policy, TierKind};
+use tiercel_core::policy::Policy;
 use tiercel_core::store as core;
 
 use crate::errors::{invalid, TcResult};
@@ -95,14 +95,22 @@ impl Store {
                 let c = &s.config;
                 let d = PyDict::new(py);
                 d.set_item("name", &c.name)?;
-                d.set_item("kind", c.kind().as_str())?;
+                d.set_item("kind", c.kind_name())?;
                 d.set_item("location", c.location())?;
                 d.set_item("every", c.every)?;
                 d.set_item("keep", c.keep)?;
                 d.set_item("compression", c.compression.to_string())?;
                 d.set_item("bandwidth", c.bandwidth)?;
                 d.set_item("capacity", c.capacity)?;
-                if c.kind() == TierKind::Memory {
+                // What the tier is, so that Python asks rather than matching kind names.
+                let caps = c.capabilities();
+                d.set_item("network", caps.network)?;
+                d.set_item("persists", caps.persists)?;
+                d.set_item("commit_records", caps.commit_records)?;
+                d.set_item("memory_layout", caps.memory_layout)?;
+                d.set_item("cluster", caps.cluster)?;
+                d.set_item("directory", caps.directory)?;
+                if c.name == tiercel_core::tier::Tier::name(&**self.inner.memory()) {
                     d.set_item("huge_pages", self.inner.memory().huge_pages())?;
                 }
                 Ok(d)

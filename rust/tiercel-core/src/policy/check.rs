@@ -13,6 +13,7 @@ use super::{
 use crate::codec::{Compression, DEFAULT_ZSTD_LEVEL};
 use crate::error::{Error, Result};
 
+mod python;
 mod traffic;
 
 const TOP_KEYS: &[&str] = &["tier", "restore", "store", "traffic"];
@@ -37,9 +38,11 @@ pub(super) const TIER_KEYS: &[&str] = &[
     "concurrency",
     "timeout",
     "retries",
+    "factory",
+    "options",
 ];
 /// Keys that only object-store tiers (s3, gcs) take.
-const OBJECT_KEYS: &[&str] = &["endpoint", "region", "allow_http", "part_size", "concurrency", "timeout", "retries"];
+pub(super) const OBJECT_KEYS: &[&str] = &["endpoint", "region", "allow_http", "part_size", "concurrency", "timeout", "retries"];
 /// Keys that only a peer tier takes.
 const PEER_KEYS: &[&str] = &["replicas", "placement", "listen", "secret"];
 const RESTORE_KEYS: &[&str] = &["order", "resume_from", "replicated", "relay_window", "relay_timeout"];
@@ -268,11 +271,22 @@ impl Checker<'_> {
         self.check_keys(entries, &path, TIER_KEYS)?;
         let t = TierTable { node, entries, path };
 
-        let known_kinds = TierKind::ALL.iter().map(|k| format!("{:?}", k.as_str())).collect::<Vec<_>>().join(", ");
-        let kind_node = t.get("kind").ok_or_else(|| t.missing(self, "kind", &format!("one of {known_kinds}")))?;
+        let kind_node = t.get("kind").ok_or_else(|| t.missing(self, "kind", &format!("one of {}", python::known_kinds())))?;
         let kind_name = self.string(kind_node, &t.key_path("kind"))?;
-        let kind = TierKind::from_name(kind_name)
-            .ok_or_else(|| self.at(kind_node, &t.key_path("kind"), format!("unknown kind {kind_name:?}; known kinds: {known_kinds}")))?;
+        let kind = match TierKind::from_name(kind_name) {
+            Some(k) => k,
+            None if python::is_python_kind(kind_name) => TierKind::Python,
+            None => {
+                return Err(self.at(
+                    kind_node,
+                    &t.key_path("kind"),
+                    format!(
+                    "unknown kind {kind_name:?}; known kinds: {} (a package adds kinds through the entry point group \"tiercel.tiers\")",
+                    python::known_kinds()
+                ),
+                ))
+            }
+        };
         // The blocking part of a save copies into shared memory, so that tier comes first, once.
         match (i, kind) {
             (0, TierKind::Memory) => {}
@@ -298,7 +312,18 @@ impl Checker<'_> {
             }
         }
 
+        if kind != TierKind::Python {
+            if let Some(key) = python::PYTHON_KEYS.iter().find(|k| t.get(k).is_some()) {
+                return Err(self.at(
+                    t.get(key).unwrap(),
+                    &t.key_path(key),
+                    format!("`{key}` is only valid for Python tiers (kind \"python\", \"fsspec\" or a plugin's)"),
+                ));
+            }
+        }
+
         let spec = match kind {
+            TierKind::Python => TierSpec::Python(self.python_tier(&t, kind_name)?),
             TierKind::Peer => TierSpec::Peer(self.peer(&t)?),
             TierKind::Memory => {
                 let (n, root) = self.location(&t, kind_name, "the shared-memory directory, e.g. \"/dev/shm/tiercel\"")?;
@@ -357,7 +382,7 @@ impl Checker<'_> {
         // keep everything and compress.
         let (default_keep, default_compression) = match kind {
             TierKind::Memory | TierKind::Peer => (Some(DEFAULT_MEMORY_KEEP), Compression::none()),
-            TierKind::Fs | TierKind::S3 | TierKind::Gcs => (None, Compression::zstd(DEFAULT_ZSTD_LEVEL)),
+            TierKind::Fs | TierKind::S3 | TierKind::Gcs | TierKind::Python => (None, Compression::zstd(DEFAULT_ZSTD_LEVEL)),
         };
         Ok(TierConfig {
             every: t.optional("every").map_or(Ok(1), |(n, p)| self.positive_int(n, &p))?,

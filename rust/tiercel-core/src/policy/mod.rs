@@ -18,8 +18,9 @@ mod units;
 use std::path::Path;
 
 pub use tier::{
-    check_secret, ObjectOptions, ObjectSpec, PeerConfig, TierConfig, TierKind, TierSpec, DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE,
-    DEFAULT_PEER_LISTEN, DEFAULT_REPLICAS, MIN_SECRET_LEN,
+    check_secret, plugin_kinds, register_plugin_kinds, Capabilities, ObjectOptions, ObjectSpec, PeerConfig, PythonSpec, TierConfig,
+    TierKind, TierSpec, DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, DEFAULT_PEER_LISTEN, DEFAULT_PYTHON_CONCURRENCY, DEFAULT_REPLICAS,
+    MIN_SECRET_LEN,
 };
 pub use traffic::{TrafficConfig, TrafficMode, DEFAULT_MU, DEFAULT_WARMUP};
 pub use units::{format_size, parse_bandwidth, parse_size};

@@ -155,3 +155,20 @@ pub(super) fn line_of(text: &str, pos: usize) -> usize {
     let end = pos.min(text.len());
     text.as_bytes()[..end].iter().filter(|&&b| b == b'\n').count() + 1
 }
+
+impl Node {
+    /// The value as JSON (a Python tier's `[tier.options]`, handed to its factory as keywords;
+    /// a date-time becomes its text).
+    pub(super) fn to_json(&self) -> serde_json::Value {
+        use serde_json::Value as J;
+        match &self.value {
+            Value::Str(s) | Value::Datetime(s) => J::String(s.clone()),
+            Value::Int(n) => J::from(*n),
+            Value::Float(x) => serde_json::Number::from_f64(*x).map_or(J::Null, J::Number),
+            Value::Bool(b) => J::Bool(*b),
+            Value::Null => J::Null,
+            Value::List(items) => J::Array(items.iter().map(Node::to_json).collect()),
+            Value::Table(entries) => J::Object(entries.iter().map(|(k, n)| (k.clone(), n.to_json())).collect()),
+        }
+    }
+}

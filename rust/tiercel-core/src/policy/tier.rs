@@ -15,11 +15,15 @@ pub enum TierKind {
     S3,
     /// Google Cloud Storage: `url = "gs://bucket/prefix"`.
     Gcs,
+    /// A tier built outside the core (`tier::external`): `kind = "python"` with a `factory`,
+    /// `kind = "fsspec"` with a `url`, or the kind name an installed plugin registers.
+    Python,
 }
 
 impl TierKind {
     /// Every kind a policy may name, in the order error messages list them.
-    pub(super) const ALL: &'static [TierKind] = &[TierKind::Memory, TierKind::Fs, TierKind::Peer, TierKind::S3, TierKind::Gcs];
+    pub(super) const ALL: &'static [TierKind] =
+        &[TierKind::Memory, TierKind::Fs, TierKind::Peer, TierKind::S3, TierKind::Gcs, TierKind::Python];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -28,6 +32,7 @@ impl TierKind {
             TierKind::Peer => "peer",
             TierKind::S3 => "s3",
             TierKind::Gcs => "gcs",
+            TierKind::Python => "python",
         }
     }
 
@@ -73,7 +78,55 @@ pub enum TierSpec {
     Gcs(ObjectSpec),
     /// Replicas in the memory of m-1 peer hosts (GEMINI).
     Peer(PeerConfig),
+    /// A tier written in Python (`kind = "python"`, `"fsspec"` or a plugin's kind).
+    Python(PythonSpec),
 }
+
+/// What a tier is, beyond its name and kind (`TierSpec::capabilities`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities<'a> {
+    /// Its link shares the network with the training job's communication (the scheduler's
+    /// traffic gate applies); else it is local.
+    pub network: bool,
+    /// It keeps steps beyond this host's memory: part of the job's fingerprint, a target of
+    /// `every`'s persists.
+    pub persists: bool,
+    /// A step on it is committed by a commit record once every rank wrote it, which it lists
+    /// and keeps (false: per rank, by acknowledgements; no other job's steps to find there).
+    pub commit_records: bool,
+    /// Raw chunks laid out as in shared memory: a restore from it pre-faults the next save's
+    /// segments.
+    pub memory_layout: bool,
+    /// It joins the job's cluster at open (addresses and a secret through the coordinator).
+    pub cluster: bool,
+    /// It may fail and fall behind (degraded) without failing a save; the memory tier, which
+    /// every save copies into, may not.
+    pub degradable: bool,
+    /// A directory on this host: where a saving rank takes its writer lease.
+    pub directory: Option<&'a str>,
+}
+
+/// A tier the core opens through `tier::external` (in practice: the Python bindings).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PythonSpec {
+    /// The kind as the policy names it: "python", "fsspec", or a plugin's (entry point group
+    /// `tiercel.tiers`).
+    pub kind: String,
+    /// `factory = "module:callable"` (kind "python" only).
+    pub factory: Option<String>,
+    /// `url`, handed to the factory as the keyword `url` (required for "fsspec").
+    pub url: Option<String>,
+    /// `[tier.options]` as a JSON object: the factory's other keywords.
+    pub options: String,
+    /// `concurrency`: calls into the tier's object in flight at once.
+    pub concurrency: usize,
+    /// Where the tier stands in the policy (`tiercel.toml:12: tier[1] ("archive")`), so that
+    /// a failure to open it (a module that does not import) names the file and line.
+    pub at: String,
+}
+
+/// Calls into a Python tier at once, unless `concurrency` says otherwise.
+pub const DEFAULT_PYTHON_CONCURRENCY: usize = 4;
 
 /// An object-store tier: its bucket and how to reach it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,17 +144,54 @@ impl TierSpec {
             TierSpec::S3(_) => TierKind::S3,
             TierSpec::Gcs(_) => TierKind::Gcs,
             TierSpec::Peer(_) => TierKind::Peer,
+            TierSpec::Python(_) => TierKind::Python,
         }
     }
 
     /// Where the tier lives, as messages and `tiercel ls` show it: the memory root, the fs
-    /// directory, the bucket URL, or the peer tier's listen address.
+    /// directory, the bucket URL, the peer tier's listen address, or a Python tier's url (else
+    /// its factory, else its kind).
     pub fn location(&self) -> &str {
         match self {
             TierSpec::Memory { root } => root,
             TierSpec::Fs { path } => path,
             TierSpec::S3(o) | TierSpec::Gcs(o) => &o.url,
             TierSpec::Peer(p) => &p.listen,
+            TierSpec::Python(p) => p.url.as_deref().or(p.factory.as_deref()).unwrap_or(&p.kind),
+        }
+    }
+
+    /// What the tier is, as the Store and the Python side ask it: the one place besides
+    /// `tier::open` that tells kinds apart. A new kind answers here and nowhere else.
+    pub fn capabilities(&self) -> Capabilities<'_> {
+        let base = Capabilities {
+            network: false,
+            persists: true,
+            commit_records: true,
+            memory_layout: false,
+            cluster: false,
+            degradable: true,
+            directory: None,
+        };
+        match self {
+            TierSpec::Memory { root } => {
+                Capabilities { persists: false, memory_layout: true, degradable: false, directory: Some(root), ..base }
+            }
+            TierSpec::Fs { path } => Capabilities { directory: Some(path), ..base },
+            TierSpec::S3(_) | TierSpec::Gcs(_) => Capabilities { network: true, ..base },
+            TierSpec::Peer(_) => {
+                Capabilities { network: true, persists: false, commit_records: false, memory_layout: true, cluster: true, ..base }
+            }
+            // A Python tier is taken to be remote unless its url names a local directory.
+            TierSpec::Python(p) => Capabilities { network: !p.url.as_deref().is_some_and(|u| u.starts_with("file://")), ..base },
+        }
+    }
+
+    /// The kind as the policy names it (a plugin's own name for a Python tier).
+    pub fn kind_name(&self) -> &str {
+        match self {
+            TierSpec::Python(p) => &p.kind,
+            other => other.kind().as_str(),
         }
     }
 }
@@ -113,6 +203,14 @@ impl TierConfig {
 
     pub fn location(&self) -> &str {
         self.spec.location()
+    }
+
+    pub fn kind_name(&self) -> &str {
+        self.spec.kind_name()
+    }
+
+    pub fn capabilities(&self) -> Capabilities<'_> {
+        self.spec.capabilities()
     }
 }
 
@@ -194,4 +292,19 @@ pub fn check_secret(secret: &[u8], source: &str) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Where the names of kinds that installed packages register come from: the Python bindings
+/// register a function (it reads the entry points of group `tiercel.tiers`); without one
+/// there are none. A hook, so that the policy asks no layer above its own.
+static PLUGIN_KINDS: std::sync::OnceLock<fn() -> Vec<String>> = std::sync::OnceLock::new();
+
+/// Registers where plugin kind names come from; false if that was registered already.
+pub fn register_plugin_kinds(kinds: fn() -> Vec<String>) -> bool {
+    PLUGIN_KINDS.set(kinds).is_ok()
+}
+
+/// The kinds installed packages register (none where no source is registered).
+pub fn plugin_kinds() -> Vec<String> {
+    PLUGIN_KINDS.get().map(|f| f()).unwrap_or_default()
 }

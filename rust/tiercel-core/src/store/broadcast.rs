@@ -330,7 +330,7 @@ impl super::Store {
         }
         let me = crate::transport::Ident { job: job.into(), host: host.into(), rank: self.rank };
         // Chunks between hosts go over the peer tier's network: under its link and limit.
-        let link = match self.slots.iter().find(|s| matches!(s.config.spec, crate::policy::TierSpec::Peer(_))) {
+        let link = match self.slots.iter().find(|s| s.config.capabilities().cluster) {
             Some(s) => s.link.clone(),
             None => crate::scheduler::Link::with_traffic("relay", None, crate::scheduler::LinkKind::Network, self.traffic().clone()),
         };

@@ -13,7 +13,7 @@ use super::{Store, TierSlot};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{CommitRecord, JobId};
 use crate::lease::WriterLease;
-use crate::policy::{Policy, TierKind, TierSpec};
+use crate::policy::Policy;
 
 /// Environment variables that name a run, in the order they are consulted after the
 /// policy's `[store] run`. Each stays the same across restarts of one job.
@@ -27,12 +27,12 @@ pub fn job_of(policy: &Policy, world_size: u32, env: impl Fn(&str) -> Option<Str
     JobId { run, world_size, policy: fingerprint(policy) }
 }
 
-/// A fingerprint of where a policy persists steps: kind and location of each fs, s3 and gcs
-/// tier, in order. Retention, schedules and compression may change between restarts of one
+/// A fingerprint of where a policy persists steps: kind and location of each tier that
+/// persists (fs, s3, gcs, Python tiers), in order. Retention, schedules and compression may change between restarts of one
 /// job, and so may the memory root (a replaced host); these not.
 fn fingerprint(policy: &Policy) -> String {
     let mut text = String::new();
-    for t in policy.tiers.iter().filter(|t| !matches!(t.kind(), TierKind::Peer | TierKind::Memory)) {
+    for t in policy.tiers.iter().filter(|t| t.capabilities().persists) {
         text.push_str(&format!("{}:{}\n", t.kind().as_str(), t.spec.location()));
     }
     format!("{:08x}", crate::checksum::crc32c(text.as_bytes()))
@@ -160,11 +160,7 @@ impl Store {
         );
         let mut leases = vec![];
         for slot in &self.slots {
-            let root = match &slot.config.spec {
-                TierSpec::Memory { root } => Path::new(root),
-                TierSpec::Fs { path } => Path::new(path),
-                _ => continue,
-            };
+            let Some(root) = slot.config.capabilities().directory.map(Path::new) else { continue };
             let name = &slot.config.name;
             let at = crate::lease::writer_path(root, self.rank);
             let taken = match WriterLease::take(root, self.rank, &who) {
@@ -172,7 +168,7 @@ impl Store {
                 // A persistent tier that cannot be written now (a full or read-only disk, an
                 // NFS server away) fails its persists in the background, as before; it must
                 // not fail the save into memory. The memory tier's own trouble does.
-                Err(e) if slot.config.kind() != TierKind::Memory => {
+                Err(e) if slot.config.capabilities().degradable => {
                     let e = Error::io(name, &at, e);
                     warn_once(&format!(
                         "{}; saves go on without this rank's writer lease there (a second writer is not detected)",
@@ -247,7 +243,7 @@ impl Store {
 
     /// The committed steps of other jobs on `slot`'s tier.
     pub fn foreign_steps(&self, slot: &TierSlot) -> Vec<u64> {
-        if slot.config.kind() == TierKind::Peer {
+        if !slot.config.capabilities().commit_records {
             return vec![]; // replicas carry no commit record of their own
         }
         let steps = slot.tier.committed_steps().unwrap_or_default();
@@ -265,7 +261,7 @@ impl Store {
             return;
         }
         let mut seen = vec![];
-        for slot in self.slots.iter().filter(|s| s.config.kind() != TierKind::Peer) {
+        for slot in self.slots.iter().filter(|s| s.config.capabilities().commit_records) {
             let steps = slot.tier.committed_steps().unwrap_or_default();
             // The newest step says which job a restore would continue from.
             let Some(&last) = steps.last() else { continue };

@@ -99,12 +99,13 @@ pub fn launch_token() -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// Peer and object-store tiers share the network with the training job's collectives; the
-/// memory and fs tiers are taken to be local (an fs tier on NFS is not told apart).
+/// Whether a tier's link shares the network with the training job's collectives (its
+/// capabilities say; an fs tier on NFS is not told apart).
 fn link_kind(spec: &TierSpec) -> LinkKind {
-    match spec {
-        TierSpec::Peer(_) | TierSpec::S3(_) | TierSpec::Gcs(_) => LinkKind::Network,
-        TierSpec::Memory { .. } | TierSpec::Fs { .. } => LinkKind::Local,
+    if spec.capabilities().network {
+        LinkKind::Network
+    } else {
+        LinkKind::Local
     }
 }
 

@@ -12,7 +12,6 @@ use rayon::prelude::*;
 use super::{JobFilter, Store};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{ChunkMeta, ItemMeta, Manifest};
-use crate::policy::TierSpec;
 use crate::shm::View;
 use crate::tier::read_chunk;
 
@@ -177,7 +176,7 @@ impl StepReader {
         super::job::warn_per_cause(&warnings);
         // Queued when the reader is done (dropped), not now: the pre-fault would take cores
         // from the restore it follows, which a restarted job waits for.
-        let memory_layout = |i: usize| matches!(store.slots[i].config.spec, TierSpec::Memory { .. } | TierSpec::Peer(_));
+        let memory_layout = |i: usize| store.slots[i].config.capabilities().memory_layout;
         let prefault_after =
             if rank == store.rank { sources.iter().find(|(i, _)| memory_layout(*i)).map(|(_, m)| m.clone()) } else { None };
         Ok(StepReader {

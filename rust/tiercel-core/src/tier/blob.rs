@@ -8,7 +8,7 @@ use super::{encode_rank, Tier};
 use crate::blobs::Blobs;
 use crate::codec::Compression;
 use crate::error::Result;
-use crate::format::{self, ChunkMeta, ChunkSource, CommitRecord, Manifest};
+use crate::format::{self, ChunkMeta, ChunkSource, Manifest};
 use crate::gc::{GcOptions, Removal};
 use crate::scheduler::Link;
 
@@ -33,6 +33,8 @@ impl BlobTier {
 }
 
 impl Tier for BlobTier {
+    super::layout::forward_to_layout!();
+
     fn name(&self) -> &str {
         &self.name
     }
@@ -64,24 +66,12 @@ impl Tier for BlobTier {
         Ok(manifest)
     }
 
-    fn read_stored(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8]) -> Result<()> {
-        self.layout.read_stored(m, c, dst)
-    }
-
-    fn read_stored_blocks(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8], each: &mut dyn FnMut(&[u8])) -> Result<()> {
-        self.layout.read_stored_blocks(m, c, dst, each)
-    }
-
     fn merged_reads(&self) -> Option<crate::blobs::MergedReads> {
         self.layout.blobs().merged_reads()
     }
 
     fn read_stored_run(&self, m: &Manifest, chunks: &[ChunkMeta], dst: &mut [u8]) -> Result<()> {
         self.layout.read_stored_run(m, chunks, dst)
-    }
-
-    fn set_job(&self, job: &crate::format::JobId) {
-        self.layout.set_job(job);
     }
 
     fn try_commit(&self, step: u64, world_size: u32) -> Result<bool> {
@@ -103,26 +93,6 @@ impl Tier for BlobTier {
         }
         crate::tier::replica::check_copies(self, step, &ranks)?;
         self.layout.try_commit(step, world_size, None)
-    }
-
-    fn all_steps(&self) -> Result<Vec<u64>> {
-        self.layout.all_steps()
-    }
-
-    fn committed_steps(&self) -> Result<Vec<u64>> {
-        self.layout.committed_steps()
-    }
-
-    fn commit_record(&self, step: u64) -> Result<CommitRecord> {
-        self.layout.commit_record(step)
-    }
-
-    fn read_manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
-        self.layout.read_manifest(step, rank)
-    }
-
-    fn ranks_written(&self, step: u64) -> Result<Vec<u32>> {
-        self.layout.ranks(step)
     }
 
     fn delete_step(&self, step: u64) -> Result<()> {

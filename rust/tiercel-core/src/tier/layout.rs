@@ -233,6 +233,54 @@ impl StepLayout {
     }
 }
 
+/// The `Tier` methods a tier whose steps live in a `StepLayout` (its field `layout`) hands to
+/// the layout unchanged: reads of stored bytes, the job, steps, commit records, manifests and
+/// ranks. The memory and blob tiers both say `forward_to_layout!();` in their `impl Tier`,
+/// so a new kind built on a `Blobs` writes only what differs (its `write_rank`, commit and
+/// gc rules).
+macro_rules! forward_to_layout {
+    () => {
+        fn read_stored(&self, m: &crate::format::Manifest, c: &crate::format::ChunkMeta, dst: &mut [u8]) -> crate::error::Result<()> {
+            self.layout.read_stored(m, c, dst)
+        }
+
+        fn read_stored_blocks(
+            &self,
+            m: &crate::format::Manifest,
+            c: &crate::format::ChunkMeta,
+            dst: &mut [u8],
+            each: &mut dyn FnMut(&[u8]),
+        ) -> crate::error::Result<()> {
+            self.layout.read_stored_blocks(m, c, dst, each)
+        }
+
+        fn set_job(&self, job: &crate::format::JobId) {
+            self.layout.set_job(job);
+        }
+
+        fn all_steps(&self) -> crate::error::Result<Vec<u64>> {
+            self.layout.all_steps()
+        }
+
+        fn committed_steps(&self) -> crate::error::Result<Vec<u64>> {
+            self.layout.committed_steps()
+        }
+
+        fn commit_record(&self, step: u64) -> crate::error::Result<crate::format::CommitRecord> {
+            self.layout.commit_record(step)
+        }
+
+        fn read_manifest(&self, step: u64, rank: u32) -> crate::error::Result<crate::format::Manifest> {
+            self.layout.read_manifest(step, rank)
+        }
+
+        fn ranks_written(&self, step: u64) -> crate::error::Result<Vec<u32>> {
+            self.layout.ranks(step)
+        }
+    };
+}
+pub(crate) use forward_to_layout;
+
 #[cfg(test)]
 mod tests {
     use super::*;

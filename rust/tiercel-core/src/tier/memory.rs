@@ -20,7 +20,7 @@ use parking_lot::Mutex;
 use crate::blobs::FsBlobs;
 use crate::error::{Error, Result};
 use crate::format::ChunkSource;
-use crate::format::{self, ChunkMeta, CommitRecord, Manifest, ObjectMeta};
+use crate::format::{self, Manifest, ObjectMeta};
 use crate::gc::{self, GcOptions, Removal, Target};
 use crate::lease::{self, Lease};
 use crate::policy::format_size;
@@ -414,6 +414,8 @@ impl MemoryTier {
 }
 
 impl Tier for MemoryTier {
+    super::layout::forward_to_layout!();
+
     fn name(&self) -> &str {
         &self.name
     }
@@ -447,42 +449,10 @@ impl Tier for MemoryTier {
         Ok(m)
     }
 
-    fn read_stored(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8]) -> Result<()> {
-        self.layout.read_stored(m, c, dst)
-    }
-
-    fn read_stored_blocks(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8], each: &mut dyn FnMut(&[u8])) -> Result<()> {
-        self.layout.read_stored_blocks(m, c, dst, each)
-    }
-
-    fn set_job(&self, job: &crate::format::JobId) {
-        self.layout.set_job(job);
-    }
-
     /// Commits once every rank that shares this host's root has written the step.
     fn try_commit(&self, step: u64, world_size: u32) -> Result<bool> {
         let local = self.local_ranks.read().clone();
         self.layout.try_commit(step, world_size, local)
-    }
-
-    fn all_steps(&self) -> Result<Vec<u64>> {
-        self.layout.all_steps()
-    }
-
-    fn committed_steps(&self) -> Result<Vec<u64>> {
-        self.layout.committed_steps()
-    }
-
-    fn commit_record(&self, step: u64) -> Result<CommitRecord> {
-        self.layout.commit_record(step)
-    }
-
-    fn read_manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
-        self.layout.read_manifest(step, rank)
-    }
-
-    fn ranks_written(&self, step: u64) -> Result<Vec<u32>> {
-        self.layout.ranks(step)
     }
 
     fn delete_step(&self, step: u64) -> Result<()> {

@@ -5,6 +5,7 @@
 //! The retention and cleanup rule every tier applies is `crate::gc`.
 
 pub mod blob;
+pub mod external;
 #[cfg(test)]
 mod gc_tests;
 pub mod layout;

@@ -64,6 +64,10 @@ pub fn open_tier(cfg: &TierConfig) -> Result<Arc<dyn Tier>> {
             blobs.check_bucket()?;
             Arc::new(BlobTier::new(&cfg.name, Arc::new(blobs), cfg.compression))
         }
+        TierSpec::Python(spec) => {
+            let blobs = super::external::open(&cfg.name, spec).map_err(at)?;
+            Arc::new(BlobTier::new(&cfg.name, blobs, cfg.compression))
+        }
         TierSpec::Peer(_) => {
             return Err(Error::invalid(format!("tier '{}': a peer tier is opened by its Store (it needs the rank)", cfg.name)))
         }
