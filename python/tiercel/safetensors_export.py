@@ -169,13 +169,10 @@ def _plain(store: Store, step: int | str) -> Collected:
 def _deepspeed(store: Store, step: int | str) -> Collected:
     from .deepspeed.exporter import select, step_files
 
-    layout, saves = select(store, step)
+    _, saves, view = select(store, step)
     out = Collected(f"step {step}")
-    readers: dict[int, Reader] = {}
     for rel, (rank, put) in sorted(step_files(saves).items()):
-        if rank not in readers:
-            readers[rank] = Reader(store, layout.step, rank)
-        _put(out, readers[rank], put, f"{rel}/", [])  # the put's own name is the file's
+        _put(out, view.reader(rank), put, f"{rel}/", [])  # the put's own name is the file's
     return out
 
 

@@ -28,6 +28,7 @@ from typing import Any
 from . import exports
 from .exports import Progress
 from .step import Reader
+from .step_view import StepView
 from .store import PolicyLike, Store
 
 #: Written last: what the directory holds.
@@ -88,8 +89,8 @@ def write(store: Store, step: int | str, out: Path, *, progress: Progress | None
 
 def rank_readers(store: Store, step: int) -> list[Reader]:
     """A reader of every rank that saved `step`, in rank order (rank 0's manifest says how many)."""
-    rank0 = Reader(store, step, rank=0)
-    return [rank0, *(Reader(store, step, rank=r) for r in range(1, rank0.manifest.world_size))]
+    view = StepView(store, step)  # every rank's part of one save of the step
+    return [view.reader(r) for r in range(view.reader(0).manifest.world_size)]
 
 
 def _own(value: Any, torch: Any) -> Any:

@@ -17,7 +17,7 @@ from pathlib import Path
 from .. import exports
 from ..errors import InvalidArgumentError
 from ..exports import Progress
-from ..step import Reader
+from ..step_view import StepView
 from ..store import PolicyLike, Store
 from .layout import Layout, Save
 from .resolve import find_local, merged_layout
@@ -40,15 +40,9 @@ def export(store: Store | PolicyLike, step_or_tag: int | str, out_dir: str | os.
 
 def write(store: Store, step_or_tag: int | str, out: Path, *, progress: Progress | None = None) -> Path:
     """The registry's exporter (tiercel.exports): `out` is new or empty."""
-    layout, saves = select(store, step_or_tag)
+    _, saves, view = select(store, step_or_tag)
     files = step_files(saves)
-    readers: dict[int, Reader] = {}
-
-    def reader(rank: int) -> Reader:
-        if rank not in readers:
-            readers[rank] = Reader(store, layout.step, rank, trust_pickles=True)
-        return readers[rank]
-
+    reader = view.reader
     sizes = {rel: sum(it.nbytes for it in reader(rank).items(put)) for rel, (rank, put) in files.items()}
     total = sum(sizes.values())
     import torch
@@ -84,15 +78,18 @@ def step_files(saves: list[Save]) -> dict[str, tuple[int, str]]:
     return files
 
 
-def select(store: Store, step_or_tag: int | str) -> tuple[Layout, list[Save]]:
-    """The layout and the saves to export: every save of a step, or the newest of a tag."""
+def select(store: Store, step_or_tag: int | str) -> tuple[Layout, list[Save], StepView]:
+    """The layout and the saves to export (every save of a step, or the newest of a tag),
+    and the step's view, whose per-rank readers (opened once) read the files."""
     if isinstance(step_or_tag, bool) or not isinstance(step_or_tag, (int, str)):
         raise InvalidArgumentError(f"export takes a step number or a DeepSpeed tag, got {step_or_tag!r}")
     if isinstance(step_or_tag, int) or step_or_tag.isdigit():
-        layout = merged_layout(store, int(step_or_tag))
-        return layout, layout.saves
+        view = StepView(store, int(step_or_tag), trust_pickles=True)
+        layout = merged_layout(store, int(step_or_tag), view)
+        return layout, layout.saves, view
     found = find_local(store, step_or_tag, checkpoints_only=False)
-    return found.layout, [s for s in found.layout.saves if s.tag == step_or_tag and s.dir == found.save.dir]
+    saves = [s for s in found.layout.saves if s.tag == step_or_tag and s.dir == found.save.dir]
+    return found.layout, saves, StepView(store, found.layout.step, trust_pickles=True)
 
 
 def _copy_recovery_scripts(out: Path) -> None:
