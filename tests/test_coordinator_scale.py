@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from conftest import PYTHON, child_env
+from conftest import PYTHON, child_env, make_policy
 
 td = pytest.importorskip("torch.distributed")
 
@@ -288,3 +288,94 @@ def test_torch_coordinator_reductions_on_gloo(tmp_path):
             "agree": [3]}
     for r in range(2):
         assert json.loads((tmp_path / f"torch-{r}.json").read_text()) == want
+
+
+AGREE_WORKER = r"""
+import datetime, json, os, sys, traceback
+import numpy as np
+import torch.distributed as td  # once, before the fork
+import tiercel
+from tiercel import coordinator as tc
+
+port, world, policy, out = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+
+
+class Counting:
+    # Forwards every call to the real store; notes, in order, each `get` and the bytes it
+    # returned: one per round per rank, a round's "out" key (its result: all that a rank that
+    # did not combine receives) or its "in" key (every rank's value: the combining rank).
+    def __init__(self, store):
+        self._store, self.gets = store, []
+
+    def __getattr__(self, name):
+        real = getattr(self._store, name)
+
+        def call(*args, **kwargs):
+            result = real(*args, **kwargs)
+            if name == "get":
+                self.gets.append((str(args[0]).rsplit("/", 1)[1], len(result)))
+            return result
+
+        return call
+
+
+def rank_main(rank):
+    real = td.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=60))
+    counting = Counting(real)
+    with tiercel.Store(policy, coordinator=tc.KVStoreCoordinator(counting, rank, world, prefix=f"agree{world}")) as s:
+        for step in (1, 2, 3):
+            s.save(step, {"x": np.full(4, rank)}).wait(60, commit=True)
+        tc.barrier(s.coordinator)
+        counting.gets = []
+        got = {"newest": s.latest_step(), "gets": list(counting.gets)}
+        tc.barrier(s.coordinator)
+    with open(f"{out}/agree{world}-{rank}.json", "w") as f:
+        json.dump(got, f)
+
+
+pids = []
+for rank in range(world):
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            rank_main(rank)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    pids.append(pid)
+failed = [r for r, pid in enumerate(pids) if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
+sys.exit(f"ranks {failed} failed" if failed else 0)
+"""
+
+
+def agree_at(tmp_path, shm_root, world: int) -> list[dict]:
+    """`world` ranks (processes) save steps 1-3 to a memory tier through a KVStoreCoordinator on
+    a real TCPStore, then agree on the newest step; per rank the step and its `get`s during
+    the agreement, per round ("in" or "out", bytes)."""
+    master = td.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
+    policy = json.dumps(make_policy(shm_root / f"world{world}", None))
+    proc = subprocess.run([PYTHON, "-c", AGREE_WORKER, str(master.port), str(world), policy, str(tmp_path)],
+                          env=child_env({"OMP_NUM_THREADS": "1"}), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [json.loads((tmp_path / f"agree{world}-{r}.json").read_text()) for r in range(world)]
+
+
+def test_step_agreement_hands_each_rank_the_same_bytes_whatever_the_world_size(tmp_path, shm_root):
+    """Restore agreement (newest.agree, through `Store.latest_step`) is a reduction: a rank
+    that does not combine receives the combined result, the same bytes at 2 ranks as at 6,
+    where an all-gather of the ranks' steps and reports hands each rank N of them."""
+    sizes = {}
+    for world in (2, 6):
+        got = agree_at(tmp_path, shm_root, world)
+        assert [g["newest"] for g in got] == [3] * world, got
+        rounds = {len(g["gets"]) for g in got}
+        assert len(rounds) == 1, f"{world} ranks: the ranks took part in different numbers of rounds: {got}"
+        # Per round, the bytes each rank that did not combine it read: one size, its result's.
+        sizes[world] = [sorted({g["gets"][i][1] for g in got if g["gets"][i][0] == "out"}) for i in range(rounds.pop())]
+        assert all(len(s) == 1 for s in sizes[world]), f"{world} ranks: result sizes per round {sizes[world]}"
+    assert sizes[2] == sizes[6], f"bytes of each round's result that a rank that did not combine received, by world size: {sizes}"
+    assert sum(s[0] for s in sizes[6]) < 600, sizes
+    print(sizes)

@@ -4,12 +4,14 @@ this world size, all of one save of it, agreed by all ranks. `agree` is the one 
 (tiercel.kit.agree: DeepSpeed's load_checkpoint, tiercel.dcp's Reader), with the adapter's
 own test of a candidate step where it has one.
 
-Collective when the job has several ranks: one all-gather of the steps each rank has
-committed (in restore order, other jobs' steps left out), then one per candidate step,
-newest first (usually just the first), in which every rank says which save of the step it
-would read, or that it cannot. Every rank walks the same list in the same order and decides
-on the same gathered values, so all of them pick the same step, raise the same error, or
-fall back together. A step whose ranks would read different saves of it (saved again, and
+Collective when the job has several ranks: one reduction (`coordinator.agree`) of the steps
+each rank has committed (in restore order, other jobs' steps left out) to the steps all of
+them have, then one per candidate step, newest first (usually just the first), in which
+every rank says which save of the step it would read, or that it cannot, reduced to one
+verdict. One rank combines; every other rank sends its own value and receives that small
+result, not every rank's (docs/scale.md). Every rank walks the same list in the same order
+and decides on the same combined values, so all of them pick the same step, raise the same
+error, or fall back together. A step whose ranks would read different saves of it (saved again, and
 the new save not on every rank's tiers) is passed over (`one_save`), never mixed.
 
 The world size is part of the rule. A plain restore reads each rank's own part, so a step
@@ -24,13 +26,17 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from . import coordinator as coordination
 from .errors import InvalidArgumentError, TiercelError, WorldSizeError
 
 if TYPE_CHECKING:
     from . import _core
+    from .coordinator import Coordinator
     from .store import Store
+
+T = TypeVar("T")
 
 #: What a rank reports about a candidate step: the world size that saved it (None when no
 #: commit record could be read) and the saves of it it would read (their generations), or
@@ -78,41 +84,69 @@ def agree(store: Store, need: Need, *, below: int | None = None, only: Callable[
     skipped: list[str] = []
     mine = [s for s in store._core.restorable_steps()
             if (below is None or s < below) and (only is None or only(s))]
-    everyone = gather(store, mine)
-    common = sorted(set(everyone[0]).intersection(*map(set, everyone[1:])), reverse=True)
+    common, lacking = combined(store, mine, _steps_in_common)
     chosen = Agreement(None, None, skipped)
     for step in common:
         readers: dict[int, _core.StepReader] = {}
-        reports: list[Report] = gather(store, _report(store, step, need, skipped, readers))
-        worlds = sorted({w for w, _ in reports if w is not None})
-        if not need.reshard and need.rank is None and any(w != store.world_size for w in worlds):
-            raise world_size_error(store, step, worlds[0], common)
-        bad = [r for r, (_, o) in enumerate(reports) if o is False]
-        if bad:
-            skipped.append(f"step {step} passed over: rank(s) {bad} cannot restore it")
+        verdict = combined(store, _report(store, step, need, skipped, readers), _verdict)
+        if not need.reshard and need.rank is None and any(w != store.world_size for w in verdict.worlds):
+            raise world_size_error(store, step, verdict.worlds[0], common)
+        if verdict.bad:
+            skipped.append(f"step {step} passed over: rank(s) {verdict.bad} cannot restore it")
             continue
-        saves = [o for _, o in reports if o is not False]
-        if not one_save(saves):
+        if verdict.mixed is not None:
             # Each rank's part is whole, but not of one save: the step was saved again and
             # some rank's new part is not on the tier it reads from (never mixed).
             skipped.append(
                 f"step {step} passed over: the ranks hold different saves of it "
-                f"({', '.join(f'rank {r}: {o}' for r, (_, o) in enumerate(reports))}): a save of it again did not finish")
+                f"({verdict.mixed}): a save of it again did not finish")
             continue
         why = accept(step) if accept is not None else None
         if why is not None:
             skipped.append(f"step {step} passed over: {why}")
             continue
-        chosen.step, chosen.save, chosen.readers = step, next((g for o in saves for g in o), None), readers
+        chosen.step, chosen.save, chosen.readers = step, verdict.save, readers
         break
     # Newer steps that some ranks have and others not: every rank says which and why.
-    for step in sorted(set().union(*map(set, everyone)) - set(common), reverse=True):
+    for step, missing in lacking:
         if chosen.step is None or step > chosen.step:
-            missing = [r for r, steps in enumerate(everyone) if step not in steps]
             skipped.append(
                 f"step {step} passed over: rank(s) {missing} have it committed on none of the tiers "
                 f"{store._core.restore_order} (lost with their host, or never saved there)")
     return chosen
+
+
+def _steps_in_common(everyone: list[list[int]]) -> tuple[list[int], list[tuple[int, list[int]]]]:
+    """Combines every rank's committed steps (on one rank): the steps all ranks have, newest
+    first, and each step that only some have with the ranks that lack it, newest first (the
+    steps passed over that `agree` names: empty when the ranks have the same steps)."""
+    have = [set(steps) for steps in everyone]
+    common = set.intersection(*have)
+    lacking = sorted(set().union(*have) - common, reverse=True)
+    return sorted(common, reverse=True), [(s, [r for r, h in enumerate(have) if s not in h]) for s in lacking]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Every rank's `Report` on a candidate step, combined on one rank: the world sizes that
+    saved it (sorted), the ranks that cannot open what they need, the ranks' saves when they
+    are not all one (what the message names; else None), and that one save."""
+
+    worlds: list[int]
+    bad: list[int]
+    mixed: str | None
+    save: str | None
+
+
+def _verdict(reports: list[Report]) -> Verdict:
+    saves = [o for _, o in reports if o is not False]
+    mixed = None if one_save(saves) else ", ".join(f"rank {r}: {o}" for r, (_, o) in enumerate(reports))
+    return Verdict(
+        worlds=sorted({w for w, _ in reports if w is not None}),
+        bad=[r for r, (_, o) in enumerate(reports) if o is False],
+        mixed=mixed,
+        save=next((g for o in saves for g in o), None),
+    )
 
 
 def one_save(saves: Sequence[Sequence[str | None]]) -> bool:
@@ -190,12 +224,27 @@ def _report(store: Store, step: int, need: Need, skipped: list[str], opened: dic
 
 
 def gather(store: Store, value: Any) -> list[Any]:
-    """Every rank's `value`, by rank (one all-gather; none for a job of one process)."""
+    """Every rank's `value`, by rank (one all-gather; none for a job of one process). Where
+    only a result of them all is needed, `combined` costs the ranks less."""
     if store.world_size == 1:
         return [value]
+    return _coordinator(store).all_gather(value)
+
+
+def combined(store: Store, value: Any, combine: Callable[[list[Any]], T]) -> T:
+    """`combine(every rank's value, by rank)`, computed on one rank and handed to all
+    (`coordinator.agree`: O(1) bytes to each other rank when the result is small; no
+    exchange for a job of one process). `combine` must be the same on every rank."""
+    if store.world_size == 1:
+        return combine([value])
+    result: T = coordination.agree(_coordinator(store), value, combine)
+    return result
+
+
+def _coordinator(store: Store) -> Coordinator:
     if store.coordinator is None:
         raise InvalidArgumentError(
             "a job of several ranks needs a coordinator to agree on the step: initialize torch.distributed "
             "before opening the Store, pass coordinator=, or restore(step=N)"
         )
-    return store.coordinator.all_gather(value)
+    return store.coordinator

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .advertise import advertised_address
+from .coordinator import broadcast
 from .errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -56,8 +57,8 @@ def replica_group_of(spec: Sequence[int] | Sequence[Sequence[int]] | None, rank:
 def share_replicated(store: Store, reader: Reader | None) -> dict[str, Any] | None:
     """Before `reader` reads its puts: reads its replicated items with the rest of its replica
     group, if the policy says so and they come from a slow tier. Collective over all ranks
-    (two all-gathers) unless `[restore] replicated = "all"`; a rank whose reader could not be
-    opened passes None and only takes part in the all-gathers. Returns the broadcast's
+    (two collectives) unless `[restore] replicated = "all"`; a rank whose reader could not be
+    opened passes None and only takes part in them. Returns the broadcast's
     statistics, or None when this rank reads on its own."""
     if not _shares(store):
         return None
@@ -82,7 +83,7 @@ def share_pieces(store: Store, step: int, wanted: dict[tuple[int, int], Reader])
     data-parallel replicas each need the shards replica 0 saved): every piece that two or
     more processes read whole from a slow tier is read from it once between them and passed
     on over the relay. `wanted`: this process's whole-piece reads, (saved rank, item index) ->
-    the reader of that rank. Collective over all processes (two all-gathers) unless
+    the reader of that rank. Collective over all processes (two collectives) unless
     `[restore] replicated = "all"`; returns the broadcast's statistics or None."""
     if not _shares(store):
         return None
@@ -121,7 +122,7 @@ def _slow(store: Store, reader: Reader) -> bool:
 
 
 def _meet(store: Store, wants: bool, step: int | None, *extra: Any) -> list[tuple[Any, ...]]:
-    """The two all-gathers before a broadcast: rank 0's secret and job name for the relays
+    """The two collectives before a broadcast: rank 0's secret and job name for the relays
     (agreed on at the first restore and kept: the relay is started once per store), then
     every rank's (wants, host, relay address, step, its `auto` choice, *extra); this rank's
     relay is started first if it `wants`."""
@@ -129,7 +130,7 @@ def _meet(store: Store, wants: bool, step: int | None, *extra: Any) -> list[tupl
     if mine is None and store.rank == 0:
         mine = (secrets.token_hex(32), store.run_id or secrets.token_hex(8))
     assert store.coordinator is not None
-    secret, job = store.coordinator.all_gather(mine)[0]
+    secret, job = broadcast(store.coordinator, mine, 0)
     shared = store._sharing.relay = (secret, job)
     addr = None
     if wants:

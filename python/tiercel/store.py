@@ -15,10 +15,10 @@ from typing import Any, Mapping, Sequence
 
 from . import _core
 from .advertise import advertised_address, is_loopback
-from .coordinator import Coordinator, default_coordinator
+from .coordinator import Coordinator, barrier, default_coordinator
 from .errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
 from .metrics import Metrics
-from .newest import Need, agree, check_world_size, gather, world_size_error
+from .newest import Need, agree, check_world_size, combined, world_size_error
 from .replicas import Sharing, replica_group_of, share_replicated
 from .step import Reader, RestoreInfo, SaveHandle, Writer
 from .traffic import Traffic
@@ -140,7 +140,7 @@ class Store:
                 )
             self._core.connect_peers(job, hosts, [e[1] for e in everyone], shared.encode() if shared else None)
             # No rank pushes a replica before every peer server knows the job's members.
-            self.coordinator.all_gather(None)
+            barrier(self.coordinator)
 
     @property
     def run_id(self) -> str | None:
@@ -256,7 +256,7 @@ class Store:
 
         Without `step`, collective over the job's ranks: the newest step that every rank can
         read, verified. When a rank finds a chunk of the newest step damaged on every tier,
-        all ranks fall back together to the step before (one extra all-gather), and
+        all ranks fall back together to the step before (one extra reduction), and
         `last_restore.warnings` (and the log) say which steps were skipped and why. With
         `step`, that step or an IntegrityError.
 
@@ -289,7 +289,7 @@ class Store:
             result = None
             try:
                 result = self._read_step(step, None, rank, opened.get(self._rank(rank)))
-            except Exception as e:  # every rank takes part in the all-gather below first
+            except Exception as e:  # every rank takes part in the reduction below first
                 error = e
             failed = self._failures(error)
             damaged = all(kind == "IntegrityError" for kind, _ in failed.values())
@@ -327,9 +327,9 @@ class Store:
 
     def _failures(self, error: Exception | None) -> dict[int, tuple[str, str]]:
         """{rank: (error class, message)} of the ranks whose read of the chosen step failed
-        (one all-gather when the job has several ranks)."""
+        (one reduction when the job has several ranks: each rank gets only the failures)."""
         mine = None if error is None else (type(error).__name__, str(error))
-        return {r: f for r, f in enumerate(gather(self, mine)) if f is not None}
+        return combined(self, mine, _failed)
 
     def _rank(self, rank: int | None) -> int:
         """The saved rank a read of `rank` (None: this rank's own part) reads."""
@@ -414,6 +414,11 @@ class Store:
         except Exception:
             pass
 
+
+
+def _failed(failures: list[tuple[str, str] | None]) -> dict[int, tuple[str, str]]:
+    """{rank: (error class, message)} of the ranks whose read failed, of every rank's."""
+    return {r: f for r, f in enumerate(failures) if f is not None}
 
 
 def _no_job_without_step(job: str | None) -> None:
