@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .. import _dtypes, kit
-from ..coordinator import all_gather_flags
+from ..coordinator import agree_min, all_true, broadcast
 from ..errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
 from ..manifest import Item
 from ..step import Reader as StepReader
@@ -147,8 +147,10 @@ class Reader(StorageReader):
 
     def _shared_metadata(self, step: int) -> Metadata:
         """DCP's Metadata of `step`, read by this rank if it can, else handed over by the
-        lowest rank that could. Every rank takes part in the same all-gathers whatever it
-        found, so a failure raises on all ranks instead of hanging some."""
+        lowest rank that could. Every rank takes part in the same collectives whatever it
+        found, so a failure raises on all ranks instead of hanging some: whether all read it
+        (`all_true`), and only when some could not, the lowest rank that did (`agree_min`)
+        and a broadcast from it: O(1) bytes per rank besides the metadata."""
         data: bytes | None = None
         error = ""
         try:
@@ -157,12 +159,11 @@ class Reader(StorageReader):
             error = str(e)
         coord = self.store.coordinator
         if self.store.world_size > 1 and coord is not None:
-            ok = all_gather_flags(coord, data is not None)
-            if not all(ok):
-                giver = ok.index(True) if any(ok) else None
-                shared = coord.all_gather(data if self.store.rank == giver else None)
-                if data is None and giver is not None:
-                    data = shared[giver]
+            world = self.store.world_size
+            if not all_true(coord, data is not None):
+                giver = agree_min(coord, self.store.rank if data is not None else world)
+                if giver < world:
+                    data = broadcast(coord, data if self.store.rank == giver else None, giver)
         if data is None:
             raise NotFoundError(f"step {step}: no rank can read the DCP metadata: {error}")
         return unpickle_metadata(data, step)
@@ -269,3 +270,4 @@ def unpickle_metadata(data: bytes, step: int) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise IntegrityError(f"step {step}: '{PUT_METADATA}' holds a {type(metadata).__name__}, not DCP metadata")
     return metadata
+
