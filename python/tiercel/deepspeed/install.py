@@ -37,12 +37,13 @@ from typing import Any, Callable, Iterator
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from .. import kit
+from ..coordinator import agree, all_true, barrier, broadcast
 from ..errors import InvalidArgumentError, TierUnavailableError
 from ..store import PolicyLike, Store
 from .engine import Loading, TiercelCheckpointEngine
 from .layout import norm_dir
 from .mirror import Mirror, enabled
-from .resolve import committed_steps, gather, may_hold_dir, not_found, resolve
+from .resolve import committed_steps, coordinator_of, may_hold_dir, not_found, resolve
 from .snapshot import updated_by_step
 
 log = logging.getLogger("tiercel.deepspeed")
@@ -71,7 +72,7 @@ def attach(engine: Any, policy: PolicyLike | None = None, *, mirror: bool | None
     if enabled(mirror):
         # The save ids of this launch, the same on every rank: a staging folder of another
         # launch is a leftover.
-        ce.mirror = Mirror(store, gather(store, secrets.token_hex(4) if store.rank == 0 else None)[0])
+        ce.mirror = Mirror(store, broadcast(coordinator_of(store), secrets.token_hex(4) if store.rank == 0 else None))
         engine.save_checkpoint = functools.update_wrapper(
             functools.partial(_save_checkpoint, ce, engine.save_checkpoint), engine.save_checkpoint)
     return engine
@@ -120,7 +121,7 @@ def load_checkpoint(engine: Any, original: Callable[..., Any], load_dir: str, ta
     found, notes = resolve(store, load_dir, tag)
     if found is None:
         on_disk = _on_disk(engine, load_dir, tag)
-        if all(gather(store, on_disk is not None)):
+        if all_true(coordinator_of(store), on_disk is not None):
             # A checkpoint DeepSpeed wrote without tiercel (before the job adopted it): read
             # by DeepSpeed's own engine, as it would have been.
             log.warning("tiercel holds no checkpoint of %s: DeepSpeed loads '%s' from disk", load_dir, on_disk)
@@ -129,7 +130,7 @@ def load_checkpoint(engine: Any, original: Callable[..., Any], load_dir: str, ta
                 return original(*bound.args, **bound.kwargs)
             finally:
                 engine.checkpoint_engine = ce
-        if tag is None and not any(gather(store, may_hold_dir(store, load_dir))):
+        if tag is None and all_true(coordinator_of(store), not may_hold_dir(store, load_dir)):
             # As stock DeepSpeed does where `load_dir` has no `latest` file: a fresh start.
             # Only where no rank sees a step that holds (or might hold) a checkpoint of
             # `load_dir`: one that some rank cannot restore is an error, never "nothing saved".
@@ -211,11 +212,16 @@ def _placeholders(store: Store, paths: list[str]) -> Iterator[None]:
             except FileExistsError:
                 pass  # a real file, or another rank's placeholder
         yield
-        gather(store, None)  # no placeholder goes while another rank of this host may check it
+        barrier(coordinator_of(store))  # no placeholder goes while another rank of this host may check it
         _remove(files, [])
-        gather(store, None)  # ... nor a folder that another rank's placeholder is still in
+        barrier(coordinator_of(store))  # ... nor a folder that another rank's placeholder is still in
     finally:
         _remove(files, dirs)
+
+
+def _union(missing: list[list[tuple[int, str]]]) -> list[tuple[int, str]]:
+    """Every rank's (owner, put) that it cannot read, once each, sorted: what is sent."""
+    return sorted({m for ms in missing for m in ms})
 
 
 def _remove(files: list[str], dirs: list[str]) -> None:
@@ -243,7 +249,7 @@ def _fetch_unreadable(loading: Loading, wanted: list[str]) -> None:
         except Exception as e:  # noqa: BLE001 - any failure to open the writer's manifest
             log.info("rank %d cannot read %s from rank %d's copies (%s): rank %d sends it", store.rank, path, hit[2], e, hit[2])
             missing.append((hit[2], hit[3]))
-    plan = sorted({m for ms in gather(store, missing) for m in ms})
+    plan: list[tuple[int, str]] = agree(coordinator_of(store), missing, _union)
     if not plan:
         return
     import torch

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import kit
+from ..coordinator import Coordinator, LocalCoordinator
 from ..errors import InvalidArgumentError, NotFoundError, TiercelError
 from ..step import Reader
 from ..step_view import StepView
@@ -80,13 +81,21 @@ def tier_names(store: Store) -> list[str]:
     return [t["name"] for t in store.tiers()]
 
 
-def gather(store: Store, value: Any) -> list[Any]:
-    if store.world_size == 1:
-        return [value]
+def coordinator_of(store: Store) -> Coordinator:
+    """The store's coordinator, for the collectives of loading (tiercel.coordinator's cheap
+    ones where only a combined answer is needed)."""
+    if store.coordinator is None and store.world_size == 1:
+        return LocalCoordinator()
     if store.coordinator is None:
         raise InvalidArgumentError("loading a DeepSpeed checkpoint with several ranks needs torch.distributed "
                                    "initialized before tiercel.deepspeed.attach()")
-    return store.coordinator.all_gather(value)
+    return store.coordinator
+
+
+def gather(store: Store, value: Any) -> list[Any]:
+    if store.world_size == 1:
+        return [value]
+    return coordinator_of(store).all_gather(value)
 
 
 def _own_layout(store: Store, step: int) -> tuple[dict | None, str]:
