@@ -2,7 +2,7 @@
 was saved, and the bytes handed to the tier that it does not have yet, in `store.metrics()`,
 the Prometheus text and `tiercel stats`.
 
-A real slow tier: an fs tier at 256 KB/s, so that a 256 KiB persist takes ~1 s while the
+A real slow tier: an fs tier at 128 KB/s, so that a 256 KiB persist takes ~2 s while the
 memory tier has the step in milliseconds: the disk tier visibly falls behind, then catches up.
 """
 
@@ -26,8 +26,8 @@ def state(step: int) -> dict:
 
 @pytest.fixture
 def slow(shm_root, disk_root, make_store):
-    """ram, then disk with every = 1 at 256 KB/s: a 256 KiB persist takes ~1 s."""
-    return make_store(make_policy(shm_root, disk_root, every=1, compression="none", disk_opts={"bandwidth": "256KB/s"}))
+    """ram, then disk with every = 1 at 128 KB/s: a 256 KiB persist takes ~2 s."""
+    return make_store(make_policy(shm_root, disk_root, every=1, compression="none", disk_opts={"bandwidth": "128KB/s"}))
 
 
 def test_the_recovery_point_moves_as_saves_persist_and_fall_behind(slow, capsys):
@@ -42,7 +42,7 @@ def test_the_recovery_point_moves_as_saves_persist_and_fall_behind(slow, capsys)
     later = slow.metrics()["disk"]
     assert later["committed_age_seconds"] >= first["disk"]["committed_age_seconds"] + 0.3, (first, later)
 
-    # Step 2 is in memory at once; the disk tier takes ~1 s to get it.
+    # Step 2 is in memory at once; the disk tier takes ~2 s to get it.
     h = slow.save(2, state(2))
     deadline = time.monotonic() + 60
     while h.states()["ram"] != "committed":
