@@ -8,6 +8,7 @@ memory tier has the step in milliseconds: the disk tier visibly falls behind, th
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -82,3 +83,41 @@ def test_the_recovery_point_moves_as_saves_persist_and_fall_behind(slow, capsys)
     assert [(done[t]["committed_step"], done[t]["unwritten_bytes"]) for t in ("ram", "disk")] == [(2, 0), (2, 0)], done
     # Both tiers now hold step 2: the same recovery point.
     assert abs(done["disk"]["committed_age_seconds"] - done["ram"]["committed_age_seconds"]) < 0.05, done
+
+
+TWO_RANKS = r"""
+import json, os, sys, time
+from datetime import timedelta
+import numpy as np
+import torch.distributed as dist
+import tiercel
+
+policy, out_dir = json.loads(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
+rank = dist.get_rank()
+store = tiercel.Store(policy)
+if rank == 1:
+    time.sleep(0.5)  # rank 0 writes first: rank 1, the last, makes the commits
+states = store.save(1, {"w": np.full(1000, rank, dtype=np.float32)}).wait(60, commit=True)
+m = store.metrics()
+report = {"states": states, **{t: (m[t]["committed_step"], m[t]["unwritten_bytes"]) for t in ("ram", "disk")}}
+dist.barrier()
+store.close()
+dist.destroy_process_group()
+with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
+    json.dump(report, f)
+"""
+
+
+def test_a_rank_that_did_not_commit_learns_the_commit(tmp_path, shm_root, disk_root):
+    """The last rank to write a step commits it; the other learns it when its wait for the
+    commit sees it, and counts it as its tiers' committed step too."""
+    from test_multirank import run_ranks
+
+    out_dir = tmp_path / "reports"
+    out_dir.mkdir()
+    run_ranks(TWO_RANKS, [json.dumps(make_policy(shm_root, disk_root, every=1)), str(out_dir)], tmp_path, world=2)
+    for rank in (0, 1):
+        r = json.loads((out_dir / f"rank-{rank}.json").read_text())
+        assert r["states"] == {"ram": "committed", "disk": "committed"}, r
+        assert (r["ram"], r["disk"]) == ([1, 0], [1, 0]), (rank, r)
