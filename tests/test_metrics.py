@@ -158,6 +158,15 @@ def test_failures_are_counted_and_logged(make_store, policy, monkeypatch, capfd)
     assert len([l for l in err.splitlines() if l.startswith("tiercel error: persisting step")]) == 2, err
 
 
+#: Gauges that are ages, which grow between two scrapes of the same state.
+AGES = ("committed_age_seconds",)
+
+
+def steady(text: str) -> str:
+    """A Prometheus text without its age samples: the same for two scrapes of one state."""
+    return "\n".join(l for l in text.splitlines() if not l.startswith(tuple(f"tiercel_{a}{{" for a in AGES)))
+
+
 def test_prometheus_text_serve_and_tiercel_stats(slow, capsys):
     slow.save(2, state(2)).wait(60)
     text = metrics.prometheus_text(slow)
@@ -165,21 +174,23 @@ def test_prometheus_text_serve_and_tiercel_stats(slow, capsys):
     assert 'tiercel_steps_written_total{tier="disk",rank="0"} 1.0' in text
     parsed = metrics.parse_prometheus(text)
     for tier, m in slow.metrics().items():
-        assert parsed[(tier, 0)] == {k: float(v) for k, v in m.items() if v is not None}
+        assert {k: v for k, v in parsed[(tier, 0)].items() if k not in AGES} == \
+            {k: float(v) for k, v in m.items() if v is not None and k not in AGES}
+        assert parsed[(tier, 0)]["committed_age_seconds"] <= m["committed_age_seconds"]  # the text was taken first
 
     server = metrics.serve(slow)
     try:
         url = f"127.0.0.1:{server.port}"
         with urllib.request.urlopen(f"http://{url}/metrics", timeout=10) as r:
             assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-            assert r.read().decode() == metrics.prometheus_text(slow)
+            assert steady(r.read().decode()) == steady(metrics.prometheus_text(slow))
         with pytest.raises(urllib.error.HTTPError, match="404"):
             urllib.request.urlopen(f"http://{url}/other", timeout=10)
 
         assert cli.main(["stats", "--url", url]) == 0
         out = capsys.readouterr().out.splitlines()
-        assert out[0].split() == ["TIER", "RANK", "STEPS", "WRITTEN", "RATE", "LAST", "LAG", "LAG", "S", "QUEUE", "SKIPS",
-                                  "FAILS", "READ"]
+        assert out[0].split() == ["TIER", "RANK", "STEPS", "WRITTEN", "RATE", "LAST", "LAG", "LAG", "S", "COMMITTED",
+                                  "AGE", "S", "UNWRITTEN", "QUEUE", "SKIPS", "FAILS", "READ"]
         assert [l.split()[:3] for l in out[1:]] == [["ram", "0", "1"], ["disk", "0", "1"]]
         assert cli.main(["stats", "--json", "--url", f"http://{url}/metrics"]) == 0
         rows = json.loads(capsys.readouterr().out)["tiers"]

@@ -1,5 +1,6 @@
 """`tiercel stats --url URL`: a running job's metrics (what `tiercel.metrics.serve` serves),
-per tier and rank: written, rate, last step, lag, queue, skips, failures."""
+per tier and rank: written, rate, last step, lag, what is at risk (the newest committed step,
+how long ago it was saved, bytes not on the tier yet), queue, skips, failures."""
 
 from __future__ import annotations
 
@@ -40,13 +41,15 @@ def cmd_stats(ctx: Ctx) -> int:
         return fmt_bytes(int(v)) if v is not None else "-"
 
     lines = table(
-        ["TIER", "RANK", "STEPS", "WRITTEN", "RATE", "LAST", "LAG", "LAG S", "QUEUE", "SKIPS", "FAILS", "READ"],
+        ["TIER", "RANK", "STEPS", "WRITTEN", "RATE", "LAST", "LAG", "LAG S", "COMMITTED", "AGE S", "UNWRITTEN", "QUEUE",
+         "SKIPS", "FAILS", "READ"],
         [[r["tier"], r["rank"], fmt_number(r.get("steps_written")), b(r.get("bytes_written")),
           b(r.get("write_bytes_per_second")) + "/s" if r.get("write_bytes_per_second") is not None else "-",
           fmt_number(r.get("last_step")), fmt_number(r.get("lag_steps")), fmt_number(r.get("lag_seconds")),
+          fmt_number(r.get("committed_step")), fmt_number(r.get("committed_age_seconds")), b(r.get("unwritten_bytes")),
           fmt_number(r.get("queue_depth")), fmt_number(r.get("skips")), fmt_number(r.get("failures")),
           b(r.get("bytes_read"))] for r in rows],
-        right=set(range(1, 12)),
+        right=set(range(1, 15)),
     )
     print("\n".join(lines))
     return EXIT_OK

@@ -32,9 +32,12 @@ pub struct TierCounters {
     failures: AtomicU64,
     queued: AtomicI64,
     last_step: Mutex<Option<u64>>,
-    /// Steps handed to the tier that it has not written yet, nor any later step: the tier's
-    /// lag counts from the oldest (a tier that never finishes a write still lags).
-    outstanding: Mutex<std::collections::BTreeSet<u64>>,
+    /// The newest step this rank knows committed on the tier.
+    committed_step: Mutex<Option<u64>>,
+    /// Steps handed to the tier that it has not written yet, nor any later step, with their
+    /// raw bytes: the tier's lag counts from the oldest (a tier that never finishes a write
+    /// still lags), and their bytes are what is not on the tier yet.
+    outstanding: Mutex<BTreeMap<u64, u64>>,
     /// The learned traffic schedule's checkpoint interval (0: none planned).
     interval: AtomicU64,
 }
@@ -52,9 +55,15 @@ impl TierCounters {
         let mut out = self.outstanding.lock();
         *out = out.split_off(&(step + 1));
     }
-    /// `step` was handed to the tier (queued for it): it lags until the tier has it.
-    pub fn scheduled(&self, step: u64) {
-        self.outstanding.lock().insert(step);
+    /// `step` (`bytes` raw) was handed to the tier (queued for it): it lags until the tier has it.
+    pub fn scheduled(&self, step: u64, bytes: u64) {
+        self.outstanding.lock().insert(step, bytes);
+    }
+    /// `step` is committed on the tier (this rank's commit, or another rank's it saw): a
+    /// restart from the tier gets it.
+    pub fn committed(&self, step: u64) {
+        let mut c = self.committed_step.lock();
+        *c = Some(c.map_or(step, |s| s.max(step)));
     }
     pub fn failed(&self) {
         self.failures.fetch_add(1, Relaxed);
@@ -177,6 +186,9 @@ snapshot! {
         steps_read: u64, Counter, "steps opened for reading with the tier first in restore order";
         bytes_read: u64, Counter, "bytes read from the tier";
         last_step: Option<u64>, Gauge, "the newest step this rank finished writing to the tier";
+        committed_step: Option<u64>, Gauge, "the newest step this rank knows committed on the tier (every rank's part there): what a restart from the tier gets";
+        committed_age_seconds: Option<f64>, Gauge, "seconds since committed_step was saved: the training a restart from the tier loses (the recovery point)";
+        unwritten_bytes: u64, Gauge, "raw bytes of this rank's saves handed to the tier that it has not written, nor a later step (on a persistent tier: not durable yet)";
         lag_steps: Option<u64>, Gauge, "steps the tier is behind the newest save (before its first write: from its oldest save)";
         lag_seconds: Option<f64>, Gauge, "seconds since the oldest save the tier has not written was made (0: caught up)";
         queue_depth: u64, Gauge, "background jobs for the tier waiting in the queue";
@@ -291,7 +303,13 @@ impl Metrics {
                 let bytes_written = c.bytes_written.load(Relaxed);
                 let write_seconds = c.write_nanos.load(Relaxed) as f64 / 1e9;
                 let last_step = *c.last_step.lock();
-                let oldest = c.outstanding.lock().first().copied();
+                let (oldest, unwritten_bytes) = {
+                    let out = c.outstanding.lock();
+                    (out.first_key_value().map(|(s, _)| *s), out.values().sum())
+                };
+                let committed_step = *c.committed_step.lock();
+                // A step saved before this process (restored) or forgotten has no known age.
+                let committed_age_seconds = committed_step.and_then(|s| saves.get(&s)).map(|then| (at_now - then).max(0.0));
                 let lag_steps = match (newest, last_step, oldest) {
                     (Some((n, _)), Some(l), _) => Some(n.saturating_sub(l)),
                     (Some((n, _)), None, Some(o)) => Some(n.saturating_sub(o) + 1),
@@ -312,6 +330,9 @@ impl Metrics {
                     steps_read: c.steps_read.load(Relaxed),
                     bytes_read: c.bytes_read.load(Relaxed),
                     last_step,
+                    committed_step,
+                    committed_age_seconds,
+                    unwritten_bytes,
                     lag_steps,
                     lag_seconds,
                     queue_depth: c.queued.load(Relaxed).max(0) as u64,
@@ -379,9 +400,9 @@ mod tests {
         let m = Metrics::new(["ram".to_string(), "bucket".to_string()]);
         let save = |s| {
             m.saved(s);
-            m.tier(0).scheduled(s);
+            m.tier(0).scheduled(s, 1);
             m.tier(0).written(s, 1, Duration::ZERO);
-            m.tier(1).scheduled(s);
+            m.tier(1).scheduled(s, 1);
         };
         save(2);
         save(4);
@@ -398,5 +419,40 @@ mod tests {
         let after = m.snapshot()[1].clone();
         assert_eq!((after.last_step, after.lag_steps), (Some(4), Some(2)));
         assert!(after.lag_seconds.unwrap() < later.lag_seconds.unwrap());
+    }
+
+    /// What is at risk (issue 32, 3): a tier's newest committed step, how old its save is,
+    /// and the bytes handed to it that it does not have yet.
+    #[test]
+    fn the_newest_commit_ages_and_unwritten_bytes_clear_when_written() {
+        let m = Metrics::new(["ram".to_string(), "disk".to_string()]);
+        assert_eq!(
+            (m.snapshot()[1].committed_step, m.snapshot()[1].committed_age_seconds, m.snapshot()[1].unwritten_bytes),
+            (None, None, 0)
+        );
+        m.saved(1);
+        m.tier(1).scheduled(1, 100);
+        m.tier(1).written(1, 100, Duration::ZERO);
+        m.tier(1).committed(1);
+        std::thread::sleep(Duration::from_millis(30));
+        m.saved(2);
+        m.tier(1).scheduled(2, 100);
+        m.saved(3);
+        m.tier(1).scheduled(3, 120); // step 2 is skipped (superseded): it stays unwritten until 3 is written
+        let disk = m.snapshot()[1].clone();
+        assert_eq!((disk.committed_step, disk.unwritten_bytes), (Some(1), 220));
+        assert!(disk.committed_age_seconds.unwrap() >= 0.03, "{disk:?}");
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(m.snapshot()[1].committed_age_seconds.unwrap() >= disk.committed_age_seconds.unwrap() + 0.02);
+        // Written but not committed (another rank commits it): nothing unwritten, the commit unchanged.
+        m.tier(1).written(3, 120, Duration::ZERO);
+        let disk = m.snapshot()[1].clone();
+        assert_eq!((disk.committed_step, disk.unwritten_bytes, disk.last_step), (Some(1), 0, Some(3)));
+        m.tier(1).committed(3);
+        m.tier(1).committed(2); // an older commit seen late does not go back
+        let after = m.snapshot()[1].clone();
+        assert_eq!(after.committed_step, Some(3));
+        // Step 3 was saved 30 ms after step 1: the recovery point moved up.
+        assert!(after.committed_age_seconds.unwrap() + 0.025 < disk.committed_age_seconds.unwrap(), "{disk:?} {after:?}");
     }
 }

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::handle::probe_commit;
+use super::handle::{probe_commit, Probed};
 use super::{SaveHandle, Store, TierSlot, TierState};
 use crate::error::Result;
 use crate::format::{ChunkSource, Manifest};
@@ -134,7 +134,7 @@ impl Store {
                 }
             };
             counters.queue(1);
-            counters.scheduled(plan.step);
+            counters.scheduled(plan.step, manifest.total_bytes());
             let job =
                 PersistJob { store: self.clone(), handle: handle.clone(), manifest: manifest.clone(), parts: parts.to_vec(), slot: t.slot };
             self.scheduler.submit(Job {
@@ -192,6 +192,9 @@ impl PersistJob {
             Ok(committed) => {
                 let took = started.elapsed();
                 store.metrics.tier(idx).written(step, manifest.total_bytes(), took);
+                if committed {
+                    store.metrics.tier(idx).committed(step);
+                }
                 log::info!(
                     "tier '{name}': step {step} of rank {} {} ({} bytes in {:.2} s)",
                     store.rank,
@@ -204,7 +207,11 @@ impl PersistJob {
                     let (weak, rank, generation) = (Arc::downgrade(&store), store.rank, manifest.generation.clone());
                     let probe = move || {
                         let store = weak.upgrade();
-                        probe_commit(store.as_ref().map(|s| &*s.slots[idx].tier), step, rank, &generation)
+                        let probed = probe_commit(store.as_ref().map(|s| &*s.slots[idx].tier), step, rank, &generation);
+                        if let (Some(s), Probed::Committed) = (&store, &probed) {
+                            s.metrics.tier(idx).committed(step);
+                        }
+                        probed
                     };
                     handle.set_probe(name, Box::new(probe), false);
                 }

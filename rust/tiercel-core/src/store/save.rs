@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use super::handle::probe_commit;
+use super::handle::{probe_commit, Probed};
 use super::{persist, SaveHandle, Store, TierState, MEMORY_SLOT};
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkMeta, ItemMeta, Manifest, ObjectMeta, ShardInfo};
@@ -225,7 +225,7 @@ impl StepWriter {
         // follows it, never the order in which background flushes happen to finish.
         let order = store.save_order.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
         store.metrics.saved(manifest.step);
-        store.metrics.tier(MEMORY_SLOT).scheduled(manifest.step);
+        store.metrics.tier(MEMORY_SLOT).scheduled(manifest.step, manifest.total_bytes());
         // The flush pre-faults for the next save: a restore after this needs no pre-fault of its own.
         store.prefaulting.store(true, std::sync::atomic::Ordering::Relaxed);
         let (store2, handle2) = (store.clone(), handle.clone());
@@ -316,11 +316,21 @@ fn memory_outcome(store: &Arc<Store>, handle: &SaveHandle, manifest: &Manifest, 
         Ok(committed) => {
             if !committed {
                 // Another rank of this host commits it when it finishes: let the handle see.
-                let (memory, rank, generation) = (Arc::downgrade(&store.memory), store.rank, manifest.generation.clone());
-                let probe = move || probe_commit(memory.upgrade().as_deref().map(|m| m as &dyn Tier), step, rank, &generation);
+                let (weak, rank, generation) = (Arc::downgrade(store), store.rank, manifest.generation.clone());
+                let probe = move || {
+                    let store = weak.upgrade();
+                    let probed = probe_commit(store.as_ref().map(|s| &*s.memory as &dyn Tier), step, rank, &generation);
+                    if let (Some(s), Probed::Committed) = (&store, &probed) {
+                        s.metrics.tier(MEMORY_SLOT).committed(step);
+                    }
+                    probed
+                };
                 handle.set_probe(mem_name, Box::new(probe), true);
             }
             store.metrics.tier(MEMORY_SLOT).written(step, manifest.total_bytes(), started.elapsed());
+            if committed {
+                store.metrics.tier(MEMORY_SLOT).committed(step);
+            }
             handle.set(mem_name, if committed { TierState::Done } else { TierState::Written });
             true
         }
