@@ -6,6 +6,7 @@
 //! save has done where, `restore` the reader, `copy` the copy of a step between tiers.
 
 mod broadcast;
+mod cluster;
 mod copy;
 mod handle;
 mod job;
@@ -26,10 +27,10 @@ use crate::scheduler::plan::{self, Plan};
 use crate::scheduler::{Link, LinkKind, Scheduler, SystemClock, Traffic};
 use crate::tier::memory::MemoryTier;
 use crate::tier::open::{open_tiers, Tiers};
-use crate::tier::peer::PeerTier;
 use crate::tier::{run_gc, Tier};
 
 pub use broadcast::{BroadcastStats, Group, Member, SharedItem};
+pub use cluster::{Cluster, ServerStats};
 pub use copy::copy_step;
 pub use handle::{SaveHandle, TierState};
 pub use job::{job_of, JobFilter, RUN_ID_VARS};
@@ -54,7 +55,8 @@ pub struct Store {
     /// The training job's communication signals, and the gate of every link's chunks.
     traffic: Arc<Traffic>,
     copy_pool: rayon::ThreadPool,
-    peer: Option<Arc<PeerTier>>,
+    /// The handle on the tier that joins the job's cluster, when the policy has one.
+    cluster: Option<Cluster>,
     /// This process's saves whose memory-tier flush may not have finished, by step: a read
     /// of such a step waits for it (read-your-writes).
     recent: parking_lot::Mutex<std::collections::BTreeMap<u64, Arc<SaveHandle>>>,
@@ -146,10 +148,14 @@ impl Store {
         for s in &slots {
             s.tier.set_job(&job);
         }
-        if let (Some(p), 1) = (&peer, world_size) {
-            // A job of one process is on one host: fewer than any `replicas`, so the peer tier
-            // runs degraded from the start (a larger job learns its hosts in `set_cluster`).
-            p.set_cluster(&job.run.clone().unwrap_or_default(), &["this host".to_string()], &[p.local_addr().to_string()])?;
+        let cluster = peer.map(|tier| {
+            let link = slots.iter().find(|s| s.config.name == tier.name()).map(|s| s.link.clone());
+            Cluster::new(tier, link.expect("open_tiers opens one tier per policy tier"))
+        });
+        if let (Some(c), 1) = (&cluster, world_size) {
+            // A job of one process is on one host (a larger job learns its hosts through the
+            // coordinator: `Cluster::join`).
+            c.join_alone(&job.run.clone().unwrap_or_default())?;
         }
         let metrics = Metrics::new(policy.tiers.iter().map(|t| t.name.clone()));
         let store = Store {
@@ -161,7 +167,7 @@ impl Store {
             scheduler,
             traffic,
             copy_pool,
-            peer,
+            cluster,
             recent: Default::default(),
             job,
             foreign: Default::default(),
@@ -269,9 +275,10 @@ impl Store {
         Some(format!("{launch}.{n}"))
     }
 
-    /// The peer tier, when the policy has one.
-    pub fn peer(&self) -> Option<&Arc<PeerTier>> {
-        self.peer.as_ref()
+    /// The handle on the tier that joins the job's cluster (the peer tier), when the policy
+    /// has one.
+    pub fn cluster(&self) -> Option<&Cluster> {
+        self.cluster.as_ref()
     }
 
     /// What this process has done per tier, in policy order (see `metrics`).
@@ -292,7 +299,7 @@ impl Store {
     /// Why tier `name` cannot take a step now, if it cannot: a peer tier on fewer hosts than
     /// its `replicas` ("not enough hosts (1 < 2)"). Saves skip it with that reason.
     pub fn degraded(&self, name: &str) -> Option<String> {
-        self.peer.as_ref().filter(|p| p.name() == name).and_then(|p| p.degraded())
+        self.cluster.as_ref().filter(|c| c.name() == name).and_then(|c| c.degraded())
     }
 
     /// Committed steps per tier, in policy order.
@@ -363,11 +370,8 @@ impl Store {
 
     /// `drain`: a peer tier first waits for the replicas still coming to it (bounded).
     fn finish_close(&self, drain: bool) {
-        if let Some(p) = &self.peer {
-            if drain {
-                p.drain();
-            }
-            p.stop();
+        if let Some(c) = &self.cluster {
+            c.close(drain);
         }
         self.memory.release_pool();
         self.release_writer();
