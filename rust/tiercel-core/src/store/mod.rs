@@ -21,8 +21,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::gc::{self, GcOptions, Removal, Target};
-use crate::policy::TierSpec;
-use crate::policy::{Policy, TierConfig};
+use crate::policy::{Policy, Role, TierConfig, TierSpec};
 use crate::scheduler::plan::{self, Plan};
 use crate::scheduler::{Link, LinkKind, Scheduler, SystemClock, Traffic};
 use crate::tier::memory::MemoryTier;
@@ -49,7 +48,10 @@ pub struct Store {
     pub policy: Policy,
     pub rank: u32,
     pub world_size: u32,
+    /// The tier that plays `Role::Memory` (every save copies into it first), typed, and its
+    /// slot.
     memory: Arc<MemoryTier>,
+    memory_at: usize,
     slots: Vec<TierSlot>,
     scheduler: Arc<Scheduler>,
     /// The training job's communication signals, and the gate of every link's chunks.
@@ -111,10 +113,6 @@ fn link_kind(spec: &TierSpec) -> LinkKind {
     }
 }
 
-/// The slot of the memory tier, into which every save copies first: policy validation puts
-/// the one memory tier first (`Policy::memory_tier`).
-const MEMORY_SLOT: usize = 0;
-
 impl Store {
     pub fn open(policy: Policy, rank: u32, world_size: u32) -> Result<Arc<Store>> {
         Self::open_as(policy, rank, world_size, false)
@@ -126,7 +124,7 @@ impl Store {
         if world_size == 0 || rank >= world_size {
             return Err(Error::invalid(format!("rank {rank} is not in a world of size {world_size}")));
         }
-        let Tiers { all, memory, peer } = open_tiers(&policy, rank)?;
+        let Tiers { all, memory, memory_at, peer } = open_tiers(&policy, rank)?;
         let traffic = Traffic::new(policy.traffic.clone(), SystemClock::shared());
         let slots: Vec<TierSlot> = policy
             .tiers
@@ -148,10 +146,7 @@ impl Store {
         for s in &slots {
             s.tier.set_job(&job);
         }
-        let cluster = peer.map(|tier| {
-            let link = slots.iter().find(|s| s.config.name == tier.name()).map(|s| s.link.clone());
-            Cluster::new(tier, link.expect("open_tiers opens one tier per policy tier"))
-        });
+        let cluster = peer.zip(policy.tier_in(Role::Cluster)).map(|(tier, (at, _))| Cluster::new(tier, slots[at].link.clone()));
         if let (Some(c), 1) = (&cluster, world_size) {
             // A job of one process is on one host (a larger job learns its hosts through the
             // coordinator: `Cluster::join`).
@@ -163,6 +158,7 @@ impl Store {
             rank,
             world_size,
             memory,
+            memory_at,
             slots,
             scheduler,
             traffic,
@@ -206,13 +202,13 @@ impl Store {
 
     /// The memory tier's slot.
     fn memory_slot(&self) -> &TierSlot {
-        &self.slots[MEMORY_SLOT]
+        &self.slots[self.memory_at]
     }
 
     /// The slots a flushed step goes to next (every one but the memory tier's), with their
     /// indices.
     fn later_slots(&self) -> impl Iterator<Item = (usize, &TierSlot)> {
-        self.slots.iter().enumerate().filter(|(i, _)| *i != MEMORY_SLOT)
+        self.slots.iter().enumerate().filter(|(i, _)| *i != self.memory_at)
     }
 
     /// Remembers a save until its memory flush is over (see `await_own_save`).
