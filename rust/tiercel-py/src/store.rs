@@ -298,12 +298,12 @@ impl Store {
 
     /// The peer tier's server address ("ip:port" as bound), or None without a peer tier.
     fn peer_address(&self) -> Option<String> {
-        self.inner.peer().map(|p| p.local_addr().to_string())
+        self.inner.cluster().map(|c| c.local_addr().to_string())
     }
 
     /// Whether the peer tier already has its shared secret (from the policy or environment).
     fn peer_has_secret(&self) -> bool {
-        self.inner.peer().is_some_and(|p| p.has_secret())
+        self.inner.cluster().is_some_and(|c| c.has_secret())
     }
 
     /// Tells the peer tier its job (connections to or from another job are refused), where
@@ -311,27 +311,21 @@ impl Store {
     /// it was handed out through the coordinator.
     #[pyo3(signature = (job, hosts, addrs, secret=None))]
     fn connect_peers(&self, job: &str, hosts: Vec<String>, addrs: Vec<String>, secret: Option<Vec<u8>>) -> TcResult<()> {
-        let peer = self.inner.peer().ok_or_else(|| invalid("the policy has no peer tier"))?;
+        let cluster = self.inner.cluster().ok_or_else(|| invalid("the policy has no peer tier"))?;
         if let Some(s) = secret {
-            peer.set_secret(s)?;
+            cluster.set_secret(s)?;
         }
-        Ok(peer.set_cluster(job, &hosts, &addrs)?)
+        Ok(cluster.join(job, &hosts, &addrs)?)
     }
 
     /// The peer server's connection counters (open, unauthenticated, refused, idle_closed),
     /// or None without a peer tier.
     fn peer_server_stats(&self) -> Option<std::collections::HashMap<&'static str, u64>> {
-        use std::sync::atomic::Ordering::SeqCst;
-        self.inner.peer().map(|p| {
-            let s = p.server_stats();
-            [
-                ("open", s.open.load(SeqCst) as u64),
-                ("unauthenticated", s.unauthenticated.load(SeqCst) as u64),
-                ("refused", s.refused.load(SeqCst)),
-                ("idle_closed", s.idle_closed.load(SeqCst)),
-            ]
-            .into_iter()
-            .collect()
+        self.inner.cluster().map(|c| {
+            let s = c.server_stats();
+            [("open", s.open), ("unauthenticated", s.unauthenticated), ("refused", s.refused), ("idle_closed", s.idle_closed)]
+                .into_iter()
+                .collect()
         })
     }
 

@@ -18,7 +18,7 @@ mod units;
 use std::path::Path;
 
 pub use tier::{
-    check_secret, plugin_kinds, register_plugin_kinds, Capabilities, ObjectOptions, ObjectSpec, PeerConfig, PythonSpec, TierConfig,
+    check_secret, plugin_kinds, register_plugin_kinds, Capabilities, ObjectOptions, ObjectSpec, PeerConfig, PythonSpec, Role, TierConfig,
     TierKind, TierSpec, DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, DEFAULT_PEER_LISTEN, DEFAULT_PYTHON_CONCURRENCY, DEFAULT_REPLICAS,
     MIN_SECRET_LEN,
 };
@@ -196,9 +196,14 @@ impl Policy {
         self.tiers.iter().find(|t| t.name == name)
     }
 
-    /// The first tier, which validation guarantees is the one memory tier.
+    /// The tier that plays `role`, with its place in policy order, if one does.
+    pub fn tier_in(&self, role: Role) -> Option<(usize, &TierConfig)> {
+        self.tiers.iter().enumerate().find(|(_, t)| t.capabilities().plays(role))
+    }
+
+    /// The one memory tier (`Role::Memory`), which validation guarantees (first, once).
     pub fn memory_tier(&self) -> &TierConfig {
-        &self.tiers[0]
+        self.tier_in(Role::Memory).map(|(_, t)| t).expect("a validated policy has one memory tier")
     }
 }
 

@@ -474,3 +474,21 @@ fn short_secrets_are_refused() {
     assert!(check_secret(&[b'x'; MIN_SECRET_LEN - 1], "policy").is_err());
     assert!(check_secret(&[b'x'; MIN_SECRET_LEN], "policy").is_ok());
 }
+
+/// The Store's roles are found from capabilities: the peer tier holds the memory layout too,
+/// but may run degraded, so the one memory tier is still the only one in `Role::Memory`.
+#[test]
+fn roles_are_found_from_capabilities() {
+    let p = Policy::from_toml(
+        &format!("{MINIMAL}[[tier]]\nname = \"disk\"\nkind = \"fs\"\nurl = \"/d\"\n\n[[tier]]\nname = \"peer\"\nkind = \"peer\"\n"),
+        "p.toml",
+    )
+    .unwrap();
+    let playing = |role| p.tiers.iter().filter(|t| t.capabilities().plays(role)).map(|t| t.name.as_str()).collect::<Vec<_>>();
+    assert_eq!(playing(Role::Memory), ["ram"]);
+    assert_eq!(playing(Role::Cluster), ["peer"]);
+    assert_eq!(p.tier_in(Role::Memory).map(|(i, t)| (i, t.name.as_str())), Some((0, "ram")));
+    assert_eq!(p.tier_in(Role::Cluster).map(|(i, t)| (i, t.name.as_str())), Some((2, "peer")));
+    assert_eq!(p.memory_tier().name, "ram");
+    assert!(Policy::from_toml(MINIMAL, "p.toml").unwrap().tier_in(Role::Cluster).is_none());
+}

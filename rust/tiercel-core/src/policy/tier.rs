@@ -106,6 +106,27 @@ pub struct Capabilities<'a> {
     pub directory: Option<&'a str>,
 }
 
+/// A part a tier plays for the Store, found from its capabilities (`Capabilities::plays`),
+/// not from its kind's name or its place in the policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// The tier every save copies into first, its segments in this host's shared memory:
+    /// it holds the memory layout and may not run degraded. A policy has exactly one.
+    Memory,
+    /// The tier that joins the job's cluster (the Store's `Cluster` handle). At most one.
+    Cluster,
+}
+
+impl Capabilities<'_> {
+    /// Whether a tier with these capabilities plays `role`.
+    pub fn plays(&self, role: Role) -> bool {
+        match role {
+            Role::Memory => self.memory_layout && !self.degradable,
+            Role::Cluster => self.cluster,
+        }
+    }
+}
+
 /// A tier the core opens through `tier::external` (in practice: the Python bindings).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PythonSpec {

@@ -329,9 +329,9 @@ impl super::Store {
             return Ok(relay.local_addr());
         }
         let me = crate::transport::Ident { job: job.into(), host: host.into(), rank: self.rank };
-        // Chunks between hosts go over the peer tier's network: under its link and limit.
-        let link = match self.slots.iter().find(|s| s.config.capabilities().cluster) {
-            Some(s) => s.link.clone(),
+        // Chunks between hosts go over the cluster tier's network: under its link and limit.
+        let link = match self.cluster() {
+            Some(c) => c.link().clone(),
             None => crate::scheduler::Link::with_traffic("relay", None, crate::scheduler::LinkKind::Network, self.traffic().clone()),
         };
         let relay = Relay::start(listen, me, secret, self.policy.replicated.timeout, link)?;

@@ -6,6 +6,7 @@
 //! save has done where, `restore` the reader, `copy` the copy of a step between tiers.
 
 mod broadcast;
+mod cluster;
 mod copy;
 mod handle;
 mod job;
@@ -20,16 +21,15 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::gc::{self, GcOptions, Removal, Target};
-use crate::policy::TierSpec;
-use crate::policy::{Policy, TierConfig};
+use crate::policy::{Policy, Role, TierConfig, TierSpec};
 use crate::scheduler::plan::{self, Plan};
 use crate::scheduler::{Link, LinkKind, Scheduler, SystemClock, Traffic};
 use crate::tier::memory::MemoryTier;
 use crate::tier::open::{open_tiers, Tiers};
-use crate::tier::peer::PeerTier;
 use crate::tier::{run_gc, Tier};
 
 pub use broadcast::{BroadcastStats, Group, Member, SharedItem};
+pub use cluster::{Cluster, ServerStats};
 pub use copy::copy_step;
 pub use handle::{SaveHandle, TierState};
 pub use job::{job_of, JobFilter, RUN_ID_VARS};
@@ -48,13 +48,17 @@ pub struct Store {
     pub policy: Policy,
     pub rank: u32,
     pub world_size: u32,
+    /// The tier that plays `Role::Memory` (every save copies into it first), typed, and its
+    /// slot.
     memory: Arc<MemoryTier>,
+    memory_at: usize,
     slots: Vec<TierSlot>,
     scheduler: Arc<Scheduler>,
     /// The training job's communication signals, and the gate of every link's chunks.
     traffic: Arc<Traffic>,
     copy_pool: rayon::ThreadPool,
-    peer: Option<Arc<PeerTier>>,
+    /// The handle on the tier that joins the job's cluster, when the policy has one.
+    cluster: Option<Cluster>,
     /// This process's saves whose memory-tier flush may not have finished, by step: a read
     /// of such a step waits for it (read-your-writes).
     recent: parking_lot::Mutex<std::collections::BTreeMap<u64, Arc<SaveHandle>>>,
@@ -109,10 +113,6 @@ fn link_kind(spec: &TierSpec) -> LinkKind {
     }
 }
 
-/// The slot of the memory tier, into which every save copies first: policy validation puts
-/// the one memory tier first (`Policy::memory_tier`).
-const MEMORY_SLOT: usize = 0;
-
 impl Store {
     pub fn open(policy: Policy, rank: u32, world_size: u32) -> Result<Arc<Store>> {
         Self::open_as(policy, rank, world_size, false)
@@ -124,7 +124,7 @@ impl Store {
         if world_size == 0 || rank >= world_size {
             return Err(Error::invalid(format!("rank {rank} is not in a world of size {world_size}")));
         }
-        let Tiers { all, memory, peer } = open_tiers(&policy, rank)?;
+        let Tiers { all, memory, memory_at, peer } = open_tiers(&policy, rank)?;
         let traffic = Traffic::new(policy.traffic.clone(), SystemClock::shared());
         let slots: Vec<TierSlot> = policy
             .tiers
@@ -146,10 +146,11 @@ impl Store {
         for s in &slots {
             s.tier.set_job(&job);
         }
-        if let (Some(p), 1) = (&peer, world_size) {
-            // A job of one process is on one host: fewer than any `replicas`, so the peer tier
-            // runs degraded from the start (a larger job learns its hosts in `set_cluster`).
-            p.set_cluster(&job.run.clone().unwrap_or_default(), &["this host".to_string()], &[p.local_addr().to_string()])?;
+        let cluster = peer.zip(policy.tier_in(Role::Cluster)).map(|(tier, (at, _))| Cluster::new(tier, slots[at].link.clone()));
+        if let (Some(c), 1) = (&cluster, world_size) {
+            // A job of one process is on one host (a larger job learns its hosts through the
+            // coordinator: `Cluster::join`).
+            c.join_alone(&job.run.clone().unwrap_or_default())?;
         }
         let metrics = Metrics::new(policy.tiers.iter().map(|t| t.name.clone()));
         let store = Store {
@@ -157,11 +158,12 @@ impl Store {
             rank,
             world_size,
             memory,
+            memory_at,
             slots,
             scheduler,
             traffic,
             copy_pool,
-            peer,
+            cluster,
             recent: Default::default(),
             job,
             foreign: Default::default(),
@@ -200,13 +202,13 @@ impl Store {
 
     /// The memory tier's slot.
     fn memory_slot(&self) -> &TierSlot {
-        &self.slots[MEMORY_SLOT]
+        &self.slots[self.memory_at]
     }
 
     /// The slots a flushed step goes to next (every one but the memory tier's), with their
     /// indices.
     fn later_slots(&self) -> impl Iterator<Item = (usize, &TierSlot)> {
-        self.slots.iter().enumerate().filter(|(i, _)| *i != MEMORY_SLOT)
+        self.slots.iter().enumerate().filter(|(i, _)| *i != self.memory_at)
     }
 
     /// Remembers a save until its memory flush is over (see `await_own_save`).
@@ -269,9 +271,10 @@ impl Store {
         Some(format!("{launch}.{n}"))
     }
 
-    /// The peer tier, when the policy has one.
-    pub fn peer(&self) -> Option<&Arc<PeerTier>> {
-        self.peer.as_ref()
+    /// The handle on the tier that joins the job's cluster (the peer tier), when the policy
+    /// has one.
+    pub fn cluster(&self) -> Option<&Cluster> {
+        self.cluster.as_ref()
     }
 
     /// What this process has done per tier, in policy order (see `metrics`).
@@ -292,7 +295,7 @@ impl Store {
     /// Why tier `name` cannot take a step now, if it cannot: a peer tier on fewer hosts than
     /// its `replicas` ("not enough hosts (1 < 2)"). Saves skip it with that reason.
     pub fn degraded(&self, name: &str) -> Option<String> {
-        self.peer.as_ref().filter(|p| p.name() == name).and_then(|p| p.degraded())
+        self.cluster.as_ref().filter(|c| c.name() == name).and_then(|c| c.degraded())
     }
 
     /// Committed steps per tier, in policy order.
@@ -363,11 +366,8 @@ impl Store {
 
     /// `drain`: a peer tier first waits for the replicas still coming to it (bounded).
     fn finish_close(&self, drain: bool) {
-        if let Some(p) = &self.peer {
-            if drain {
-                p.drain();
-            }
-            p.stop();
+        if let Some(c) = &self.cluster {
+            c.close(drain);
         }
         self.memory.release_pool();
         self.release_writer();

@@ -79,7 +79,7 @@ impl Store {
     /// Waits until no background work is left, `timeout` passed, or `check` (run every
     /// 100 ms, on this thread) returns false. `closing`: a peer tier's server is about to
     /// stop, so this also waits (up to the tier's `drain_limit`) for the replicas other
-    /// hosts still push to it (`PeerTier::replicas_expected`); then `close_waited` closes.
+    /// hosts still push to it (`Cluster::still_coming`); then `close_waited` closes.
     /// While it lasts longer than 2 s, logs which tiers, steps and bytes it waits for, every
     /// 10 s.
     pub fn wait_background(&self, timeout: Option<Duration>, closing: bool, mut check: impl FnMut() -> bool) -> Waited {
@@ -92,17 +92,13 @@ impl Store {
             let left = timeout.map(|t| t.saturating_sub(now - start));
             let slice = left.map_or(POLL, |l| l.min(POLL));
             let expected = if self.scheduler.wait_idle_for(slice) {
-                let peer = match (&self.peer, closing) {
-                    (Some(p), true) => p,
+                let cluster = match (&self.cluster, closing) {
+                    (Some(c), true) => c,
                     _ => return Waited::Idle,
                 };
                 let since = *idle_since.get_or_insert_with(Instant::now);
-                match peer.replicas_expected() {
+                match cluster.still_coming(since.elapsed()) {
                     None => return Waited::Idle,
-                    Some(what) if since.elapsed() >= peer.drain_limit() => {
-                        peer.gave_up_on(&what, since.elapsed());
-                        return Waited::Idle;
-                    }
                     Some(what) => {
                         std::thread::sleep(slice);
                         Some(what)

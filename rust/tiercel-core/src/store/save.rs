@@ -9,7 +9,7 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use super::handle::{probe_commit, Probed};
-use super::{persist, SaveHandle, Store, TierState, MEMORY_SLOT};
+use super::{persist, SaveHandle, Store, TierState};
 use crate::error::{Error, Result};
 use crate::format::{self, ChunkMeta, ItemMeta, Manifest, ObjectMeta, ShardInfo};
 use crate::lease::Lease;
@@ -225,7 +225,7 @@ impl StepWriter {
         // follows it, never the order in which background flushes happen to finish.
         let order = store.save_order.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
         store.metrics.saved(manifest.step);
-        store.metrics.tier(MEMORY_SLOT).scheduled(manifest.step, manifest.total_bytes());
+        store.metrics.tier(store.memory_at).scheduled(manifest.step, manifest.total_bytes());
         // The flush pre-faults for the next save: a restore after this needs no pre-fault of its own.
         store.prefaulting.store(true, std::sync::atomic::Ordering::Relaxed);
         let (store2, handle2) = (store.clone(), handle.clone());
@@ -321,15 +321,15 @@ fn memory_outcome(store: &Arc<Store>, handle: &SaveHandle, manifest: &Manifest, 
                     let store = weak.upgrade();
                     let probed = probe_commit(store.as_ref().map(|s| &*s.memory as &dyn Tier), step, rank, &generation);
                     if let (Some(s), Probed::Committed) = (&store, &probed) {
-                        s.metrics.tier(MEMORY_SLOT).committed(step);
+                        s.metrics.tier(s.memory_at).committed(step);
                     }
                     probed
                 };
                 handle.set_probe(mem_name, Box::new(probe), true);
             }
-            store.metrics.tier(MEMORY_SLOT).written(step, manifest.total_bytes(), started.elapsed());
+            store.metrics.tier(store.memory_at).written(step, manifest.total_bytes(), started.elapsed());
             if committed {
-                store.metrics.tier(MEMORY_SLOT).committed(step);
+                store.metrics.tier(store.memory_at).committed(step);
             }
             handle.set(mem_name, if committed { TierState::Done } else { TierState::Written });
             true
@@ -337,7 +337,7 @@ fn memory_outcome(store: &Arc<Store>, handle: &SaveHandle, manifest: &Manifest, 
         Err(e) => {
             let e = e.context(format!("step {step} rank {}", store.rank)).with_tier(mem_name).at(step, store.rank);
             log::error!("{e}");
-            store.metrics.tier(MEMORY_SLOT).failed();
+            store.metrics.tier(store.memory_at).failed();
             for (_, slot) in store.later_slots() {
                 handle.set(&slot.config.name, TierState::Skipped(format!("the memory tier failed: {}", e.message)));
             }

@@ -11,17 +11,19 @@ use crate::blobs::FsBlobs;
 use crate::error::{Error, Result};
 use crate::object::ObjectBlobs;
 use crate::placement::Strategy;
-use crate::policy::{PeerConfig, Policy, TierConfig, TierSpec};
+use crate::policy::{PeerConfig, Policy, Role, TierConfig, TierSpec};
 
 /// How long a peer waits for a connection, a request or its answer.
 const PEER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The tiers of one policy, opened for one rank, in policy order.
 pub struct Tiers {
-    /// Every tier, in policy order; the memory tier first (policy validation puts it there).
+    /// Every tier, in policy order.
     pub all: Vec<Arc<dyn Tier>>,
-    /// The memory tier, which a save writes into directly (its segments).
+    /// The tier that plays `Role::Memory`, typed: a save writes into its segments directly.
     pub memory: Arc<MemoryTier>,
+    /// Its place in `all` (policy validation puts it first).
+    pub memory_at: usize,
     /// The peer tier, if any, which needs to learn where the other ranks are.
     pub peer: Option<Arc<PeerTier>>,
 }
@@ -29,15 +31,19 @@ pub struct Tiers {
 /// Opens every tier of `policy` for `rank`. A peer tier keeps the replicas it holds for other
 /// hosts under the memory tier's root.
 pub fn open_tiers(policy: &Policy, rank: u32) -> Result<Tiers> {
-    let mem_cfg = policy.memory_tier();
-    let TierSpec::Memory { root } = &mem_cfg.spec else {
+    let Some((memory_at, mem_cfg)) = policy.tier_in(Role::Memory) else {
         return Err(Error::config(format!("{}: the first tier must be kind \"memory\"", policy.source)));
     };
+    let TierSpec::Memory { root } = &mem_cfg.spec else {
+        return Err(Error::config(format!("{}: tier '{}' must be kind \"memory\"", policy.source, mem_cfg.name)));
+    };
+    // Opened first: a peer tier keeps its replicas under the memory tier's root.
     let memory = MemoryTier::open(&mem_cfg.name, root.as_ref(), mem_cfg.capacity).map_err(|e| opening(mem_cfg, e))?;
-    let mut all: Vec<Arc<dyn Tier>> = vec![memory.clone()];
+    let mut all: Vec<Arc<dyn Tier>> = Vec::with_capacity(policy.tiers.len());
     let mut peer = None;
-    for cfg in &policy.tiers[1..] {
+    for (i, cfg) in policy.tiers.iter().enumerate() {
         all.push(match &cfg.spec {
+            _ if i == memory_at => memory.clone(),
             TierSpec::Peer(p) => {
                 let t = open_peer(cfg, p, rank, &memory)?;
                 peer = Some(t.clone());
@@ -46,7 +52,7 @@ pub fn open_tiers(policy: &Policy, rank: u32) -> Result<Tiers> {
             _ => open_tier(cfg)?,
         });
     }
-    Ok(Tiers { all, memory, peer })
+    Ok(Tiers { all, memory, memory_at, peer })
 }
 
 /// Opens one tier that needs nothing but its own settings (every kind but peer, which needs
