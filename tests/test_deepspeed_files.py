@@ -70,9 +70,12 @@ def test_the_mirror_writes_files_that_zero_to_fp32_and_torch_load_read(stage, la
     assert not list((save_dir / STAGING).iterdir()), "staging folders or markers left behind"
     assert not [p for p in save_dir.rglob(".tmp-*")], "temporary files left behind"
     assert_whole(save_dir, f"global_step{STEPS}", policy, tmp_path)
-    model_file = torch.load(save_dir / "pytorch_model.bin", weights_only=False)
-    assert_same(dict(model_file), dict(torch.load(tmp_path / f"export-global_step{STEPS}" / "pytorch_model.bin",
-                                                  weights_only=False)))
+    if not lag:
+        # With `keep = 1` the model file's save may be gone (retention, at the last
+        # checkpoint's save) before a lagging mirror reaches it: skipped like a tag, not checked.
+        model_file = torch.load(save_dir / "pytorch_model.bin", weights_only=False)
+        assert_same(dict(model_file), dict(torch.load(tmp_path / f"export-global_step{STEPS}" / "pytorch_model.bin",
+                                                      weights_only=False)))
 
     # The job still loads from tiercel (the files on disk are for other tools).
     resumed = run_job(tmp_path, {**cfg, "steps": STEPS + 1, "resume": True}, "resumed")
