@@ -22,6 +22,26 @@ td = pytest.importorskip("torch.distributed")
 WORLD = 48
 PREFIX = "scale"
 
+# The end of every forking worker script: rank_main(rank) in `world` forked processes; the
+# script fails naming the ranks that raised.
+FORK_RANKS = r"""
+pids = []
+for rank in range(world):
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            rank_main(rank)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    pids.append(pid)
+failed = [r for r, pid in enumerate(pids) if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
+sys.exit(f"ranks {failed} failed" if failed else 0)
+"""
+
 WORKER = r"""
 import datetime, json, os, sys, traceback
 import torch.distributed as td  # once, before the fork
@@ -96,22 +116,7 @@ def rank_main(rank):
 
 
 tc_prefix = "PREFIX"
-pids = []
-for rank in range(world):
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            rank_main(rank)
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    pids.append(pid)
-failed = [r for r, pid in enumerate(pids) if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
-sys.exit(f"ranks {failed} failed" if failed else 0)
-""".replace("PREFIX", PREFIX)
+""".replace("PREFIX", PREFIX) + FORK_RANKS
 
 
 def run_world(tmp_path, mode: str) -> list[list[dict]]:
@@ -333,22 +338,7 @@ def rank_main(rank):
         json.dump(got, f)
 
 
-pids = []
-for rank in range(world):
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            rank_main(rank)
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    pids.append(pid)
-failed = [r for r, pid in enumerate(pids) if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
-sys.exit(f"ranks {failed} failed" if failed else 0)
-"""
+""" + FORK_RANKS
 
 
 def agree_at(tmp_path, shm_root, world: int) -> list[dict]:
