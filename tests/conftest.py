@@ -110,11 +110,15 @@ def store(make_store):
     return make_store()
 
 
+#: What a launcher (torchrun, Slurm) sets that tiercel reads: tiercel.environment, store/job.rs.
+LAUNCHER_VARS = ("TIERCEL_RUN_ID", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_PROCID",
+                 "SLURM_STEP_NUM_TASKS", "SLURMD_NODENAME", "TIERCEL_HOST")
+
+
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
     """No test depends on how the shell that started pytest was set up."""
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TIERCEL_POLICY", "MASTER_ADDR", "MASTER_PORT",
-                "TIERCEL_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TIERCEL_POLICY", "MASTER_ADDR", "MASTER_PORT", *LAUNCHER_VARS):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -275,7 +279,7 @@ def buffer_base(arr: np.ndarray) -> Any:
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TIERCEL_POLICY"):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TIERCEL_POLICY", *LAUNCHER_VARS):
         env.pop(var, None)
     env.update(extra or {})
     return env

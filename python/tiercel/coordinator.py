@@ -13,12 +13,13 @@ rank and in total, as formulas in the number of ranks: docs/scale.md.
 from __future__ import annotations
 
 import operator
-import os
 import pickle
 import struct
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
+
+from .environment import launcher_job
 
 
 class Coordinator(Protocol):
@@ -314,9 +315,9 @@ def default_coordinator(rank: int | None, world_size: int | None) -> tuple[Coord
     """The coordinator of the engine in use, and this process's rank and world size.
 
     Order: torch.distributed if initialized; JAX's distributed client if initialized; else
-    RANK/WORLD_SIZE from the environment (as
-    torchrun sets them) with no coordinator (restores must then name their step); else a
-    single process.
+    the launcher's environment (tiercel.environment: $RANK/$WORLD_SIZE as torchrun sets them,
+    else $SLURM_PROCID/$SLURM_STEP_NUM_TASKS in a task of an srun step) with no coordinator
+    (restores must then name their step); else a single process.
     """
     torch_dist = sys.modules.get("torch.distributed")  # only if the job already uses torch
     if torch_dist is not None:
@@ -332,10 +333,7 @@ def default_coordinator(rank: int | None, world_size: int | None) -> tuple[Coord
     if _jax_initialized():
         j = JaxCoordinator()
         return j, j.rank, j.world_size
-    if rank is None:
-        rank = int(os.environ.get("RANK", "0"))
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world_size = launcher_job(rank, world_size)
     if world_size == 1:
         return LocalCoordinator(), rank, world_size
     return None, rank, world_size

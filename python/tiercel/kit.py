@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from .environment import launcher_job
 from .newest import Agreement, Need, agree
 from .step_view import StepView
 from .store import PolicyLike, Store, _policy_path
@@ -50,12 +51,12 @@ _shared: dict[tuple[Any, ...], list[Any]] = {}
 
 def _job() -> tuple[int, int]:
     """This process's (rank, world size) as a new Store would see it: torch.distributed's
-    when the job initialized it, else $RANK / $WORLD_SIZE. A job that re-creates its group
-    with another size must not get a Store of the old one."""
+    when the job initialized it, else the launcher's (tiercel.environment). A job that
+    re-creates its group with another size must not get a Store of the old one."""
     dist = sys.modules.get("torch.distributed")  # imported by the job if it uses it
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    return launcher_job()
 
 
 def _key(policy: PolicyLike, job: tuple[int, int], options: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -77,7 +78,7 @@ def acquire(policy: Store | PolicyLike | None, *, job: tuple[int, int] | None = 
     hosts), so every rank must make its first acquire of a policy at the same point.
 
     `job`: this process's (rank, world size) as the framework knows it (default:
-    torch.distributed's, else $RANK / $WORLD_SIZE): another job in the same process gets
+    torch.distributed's, else the launcher's: tiercel.environment): another job in the same process gets
     its own Store. Each acquire of a policy is matched by at most one `release`."""
     if isinstance(policy, Store):
         return policy

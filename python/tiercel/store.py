@@ -8,12 +8,11 @@ import json
 import logging
 import os
 import secrets
-import socket
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from . import _core
+from . import _core, environment
 from .advertise import advertised_address, is_loopback
 from .coordinator import Coordinator, barrier, default_coordinator
 from .errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
@@ -81,8 +80,9 @@ class Store:
         self.traffic = Traffic(self._core.traffic())
         #: The ranks that hold the same replicated data as this one (itself included), sorted.
         self.replica_group: list[int] = replica_group_of(replica_group, rank, world_size)
-        #: This process's host, the failure domain: $TIERCEL_HOST, else the machine's name.
-        self.host: str = os.environ.get("TIERCEL_HOST") or socket.gethostname()
+        #: This process's host, the failure domain: $TIERCEL_HOST, else $SLURMD_NODENAME, else
+        #: the machine's name (tiercel.environment).
+        self.host: str = environment.host()
         #: Every rank's host, by rank (learned when the store joins its cluster).
         self.hosts: list[str] = [self.host] * world_size
         self.last_restore: RestoreInfo | None = None
@@ -97,13 +97,14 @@ class Store:
         have it) and, with a peer tier, everyone's peer address. Collective when the job has
         several ranks: one all-gather through the coordinator.
 
-        The host name is the failure domain: $TIERCEL_HOST, else the machine's name. The
+        The host name is the failure domain (`environment.host`). The
         peer secret comes from the policy or $TIERCEL_PEER_SECRET, else rank 0 makes one and
         hands it out over the coordinator (the job's own channel). The job id that peer
         connections carry is the store's run id when it has one, else rank 0 makes one."""
         # A job of one process has no peers to replicate to: its peer tier stays idle (as it
         # does for the CLI, which opens the store as a single process).
         if self.world_size == 1:
+            self._core.set_launch(environment.launch_token())
             return
         has_peer = any(t["cluster"] for t in self._core.tiers())
         if self.coordinator is None:
@@ -116,7 +117,7 @@ class Store:
         host = self.host
         addr = secret = job = None
         # This launch of the job: a save's generation names it (see `Store.set_launch`).
-        launch = secrets.token_hex(8) if self.rank == 0 else None
+        launch = environment.launch_token() if self.rank == 0 else None
         if has_peer:
             listen = self._core.peer_address()
             assert listen is not None  # the policy has a peer tier
