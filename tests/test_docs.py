@@ -6,7 +6,8 @@ with `set -euo pipefail`, the `tiercel` command on PATH). `toml` blocks are poli
 opened by a real Store (a lone non-memory tier gets a memory tier in front). A `json` block
 marked `<!-- shape-of: COMMAND -->` documents a command's output: the command runs at that
 point and its JSON must have the same keys at every level (values and list lengths may
-differ). Other `json` blocks and `text` blocks are shown, not run.
+differ). Other `json` blocks, `text` and `yaml` blocks are shown, not run (tests/test_environment.py
+checks docs/deploy.md's manifests against its policy).
 
 The world a document runs in (WORLD_POLICY): a working directory holding `tiercel.toml` with a
 memory tier `ram` at /dev/shm/tiercel/run1 and an fs tier `disk` at /mnt/ckpt/run1 (`every =
@@ -46,6 +47,7 @@ DOCS = [
     "docs/cli.md",
     "docs/config.md",
     "docs/deepspeed.md",
+    "docs/deploy.md",
     "docs/format.md",
     "docs/object-store.md",
     "docs/orbax.md",
@@ -59,7 +61,7 @@ DOCS = [
     "docs/traffic.md",
     "docs/troubleshooting.md",
 ]
-LANGUAGES = {"python", "sh", "toml", "json", "text"}
+LANGUAGES = {"python", "sh", "toml", "json", "text", "yaml"}
 RUNS = {"python", "sh", "toml", "json"}
 
 WORLD_POLICY = """\

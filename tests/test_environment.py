@@ -243,5 +243,106 @@ def test_no_launcher_is_one_process_with_a_bare_launch(tmp_path, shm_root, disk_
     assert len(generation.split(".")[0]) == 16 and "restart" not in generation, generation
 
 
+# -- docs/deploy.md ---------------------------------------------------------------------------
+
+
+def deploy_doc() -> dict[str, list[str]]:
+    """docs/deploy.md's code blocks by language."""
+    from test_docs import blocks
+
+    out: dict[str, list[str]] = {}
+    for b in blocks("docs/deploy.md"):
+        out.setdefault(b.lang, []).append(b.code)
+    return out
+
+
+def seconds(text: str) -> float:
+    assert text.endswith("s"), text
+    return float(text[:-1])
+
+
+def flag(command: list[str] | str, name: str) -> str:
+    words = command.split() if isinstance(command, str) else command
+    found = [w.split("=", 1)[1] for w in words if w.startswith(f"--{name}=")]
+    assert len(found) == 1, (name, words)
+    return found[0]
+
+
+def test_the_deploy_doc_names_the_variables_tiercel_reads():
+    """docs/deploy.md's table names exactly the launcher variables tiercel reads (the
+    environment module's and the core's run id variables), so neither can drift."""
+    import re
+
+    from tiercel import environment
+
+    text = (Path(__file__).parent.parent / "docs" / "deploy.md").read_text()
+    table = text.split("## What tiercel reads from the launcher", 1)[1].split("\n## ", 1)[0]
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    named = lambda row: re.findall(r"\$([A-Z_]+)", rows[row])  # noqa: E731
+    assert named("rank, world size") == [v for _, r, w, _ in environment.LAUNCHERS for v in (r, w)]
+    assert named("host (the failure domain, and the ranks that share a memory tier)") == list(environment.HOST_VARS)
+    assert named("launch (begins every save's generation)") == [environment.RESTART_VAR]
+    job_rs = (Path(__file__).parent.parent / "rust/tiercel-core/src/store/job.rs").read_text()
+    run_vars = re.search(r"RUN_ID_VARS: \[&str; \d\] = \[(.*?)\];", job_rs).group(1)
+    assert named("run id (which job a step belongs to)") == re.findall(r'"([A-Z_]+)"', run_vars)
+
+
+def test_the_deploy_doc_launchers_fit_its_policy(tmp_path):
+    """The sbatch script, the JobSet and the torchrun command agree with the policy beside
+    them: each notice outlasts `grace`, torchrun's shutdown timeout outlasts it and the pod's
+    grace period outlasts that; the pod names its host from the node, mounts a memory
+    emptyDir at the memory root's /dev/shm, large enough for `capacity`, and lists the ports
+    the per-rank snippet picks."""
+    import tomllib
+
+    import yaml
+
+    doc = deploy_doc()
+    policies = [tomllib.loads(t) for t in doc["toml"]]
+    policy = next(p for p in policies if "tier" in p)
+    grace = seconds(next(p for p in policies if "preemption" in p)["preemption"]["grace"])
+    memory = policy["tier"][0]
+    sizes = {"GiB": 2**30, "Gi": 2**30}
+
+    def size(text: str) -> int:
+        unit = next(u for u in sizes if text.endswith(u))
+        return int(text[: -len(unit)]) * sizes[unit]
+
+    sbatch, *_ = [s for s in doc["sh"] if s.startswith("#!/bin/bash")]
+    script = tmp_path / "job.sbatch"
+    script.write_text(sbatch)
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    signal_at = [line.split("@")[1] for line in sbatch.splitlines() if line.startswith("#SBATCH --signal=TERM@")]
+    assert len(signal_at) == 1 and int(signal_at[0]) - 60 > grace, signal_at  # Slurm may signal 60 s early
+    assert "TIERCEL_RUN_ID=" in sbatch and "srun " in sbatch
+
+    jobset = yaml.safe_load(doc["yaml"][0])
+    job = jobset["spec"]["replicatedJobs"][0]
+    pod = job["template"]["spec"]["template"]["spec"]
+    trainer = pod["containers"][0]
+    shutdown = int(flag(trainer["command"], "shutdown-timeout"))
+    assert grace < shutdown < pod["terminationGracePeriodSeconds"], (grace, shutdown, pod)
+    env = {e["name"]: e for e in trainer["env"]}
+    assert env["TIERCEL_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert flag(trainer["command"], "rdzv-id") == jobset["metadata"]["name"]
+    mounts = {m["name"]: m["mountPath"] for m in trainer["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    shm = next(n for n, v in volumes.items() if v.get("emptyDir", {}).get("medium") == "Memory")
+    assert Path(memory["root"]).is_relative_to(mounts[shm]), (memory["root"], mounts)
+    assert size(volumes[shm]["emptyDir"]["sizeLimit"]) >= size(memory["capacity"])
+    assert Path(env["TIERCEL_POLICY"]["value"]).parent == Path(mounts[next(n for n, v in volumes.items() if "configMap" in v)])
+    assert "preStop" in trainer["lifecycle"] and "torchrun" in trainer["lifecycle"]["preStop"]["exec"]["command"][-1]
+    ports = [p["containerPort"] for p in trainer["ports"]]
+    per_rank = next(code for code in doc["python"] if '"listen"' in code)
+    base = int(per_rank.split('f"0.0.0.0:{', 1)[1].split(" + ", 1)[0])
+    assert ports == [base + r for r in range(int(flag(trainer["command"], "nproc-per-node")))], ports
+    hostpath = yaml.safe_load(doc["yaml"][1])["volumes"][0]
+    assert hostpath["name"] == shm and hostpath["hostPath"]["path"].startswith("/dev/shm/")
+
+    torchrun = next(s for s in doc["sh"] if s.startswith("torchrun"))
+    assert int(flag(torchrun.replace("\\\n", " "), "shutdown-timeout")) > grace
+    assert flag(torchrun.replace("\\\n", " "), "rdzv-id")
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
