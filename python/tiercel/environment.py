@@ -44,7 +44,7 @@ from .errors import ConfigError
 #: variable of the rank, the variable of the world size, what must be set for them to count).
 LAUNCHERS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("torchrun", "RANK", "WORLD_SIZE", ("RANK", "WORLD_SIZE")),
-    ("Slurm's srun", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", ("SLURM_STEP_NUM_TASKS",)),
+    ("srun", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", ("SLURM_STEP_NUM_TASKS",)),
 )
 
 #: The variables that name this process's host, in order, before the machine's name.
@@ -60,16 +60,17 @@ def _get(environ: Mapping[str, str], var: str) -> str | None:
 
 
 def _integer(environ: Mapping[str, str], var: str, who: str, other: str, least: int) -> int:
+    what = f"{who}'s {'rank' if least == 0 else 'world size'}"
     value = _get(environ, var)
     if value is None:
-        raise ConfigError(f"${other} is set but ${var} is not ({who} sets both): set both, or neither")
+        raise ConfigError(f"${other} is set but ${var} is not ({who} sets both): set both, or neither, or pass "
+                          f"Store({'rank' if least == 0 else 'world_size'}=...)")
     try:
         n = int(value)
     except ValueError:
-        raise ConfigError(f"${var}={environ[var]!r} is not an integer ({who}'s {'rank' if least == 0 else 'world size'}); "
-                          f"unset it or set it to one") from None
+        raise ConfigError(f"${var}={environ[var]!r} is not an integer ({what}): set it to one, or unset it") from None
     if n < least:
-        raise ConfigError(f"${var}={n} is below {least} ({who}'s {'rank' if least == 0 else 'world size'})")
+        raise ConfigError(f"${var}={n} is below {least} ({what}): set it to {least} or more, or unset it")
     return n
 
 
@@ -86,7 +87,8 @@ def launcher_job(rank: int | None = None, world_size: int | None = None,
         w = world_size if world_size is not None else _integer(env, size_var, who, rank_var, 1)
         if r >= w:
             said = [f"${rank_var}={r}" if rank is None else f"rank={r}", f"${size_var}={w}" if world_size is None else f"world_size={w}"]
-            raise ConfigError(f"{said[0]} is not below {said[1]} ({who}): a rank is 0 to world size - 1")
+            raise ConfigError(f"{said[0]} is not below {said[1]} ({who}): a rank is 0 to world size - 1; "
+                              "fix the launcher's variables")
         return r, w
     return (0 if rank is None else rank), (1 if world_size is None else world_size)
 
