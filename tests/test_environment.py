@@ -236,6 +236,15 @@ def test_torchrun_without_rdzv_id_falls_back_to_slurms_job(tmp_path, shm_root, d
     assert commit_record(disk_root, 0)["job"]["run"] == "4714"
 
 
+def test_tiercel_run_id_beats_the_launchers(tmp_path, shm_root, disk_root):
+    """$TIERCEL_RUN_ID (a run pinned across a chain of Slurm jobs) wins over torchrun's and
+    Slurm's ids; the policy's `[store] run` wins over it (tests/test_job_identity.py)."""
+    env = {**torchrun_worker(0, 1, "rdzv-1", 0), "SLURM_JOB_ID": "4715", "TIERCEL_RUN_ID": "llm-7b"}
+    s = one(tmp_path, make_policy(shm_root, disk_root, every=1), env, step=0)
+    assert s["run_id"] == "llm-7b"
+    assert commit_record(disk_root, 0)["job"]["run"] == "llm-7b"
+
+
 def test_no_launcher_is_one_process_with_a_bare_launch(tmp_path, shm_root, disk_root):
     s = one(tmp_path, make_policy(shm_root, disk_root, every=1), {}, step=0)
     assert (s["rank"], s["world_size"], s["run_id"]) == (0, 1, None), s

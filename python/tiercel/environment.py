@@ -79,6 +79,8 @@ def launcher_job(rank: int | None = None, world_size: int | None = None,
     """This process's (rank, world size) where no coordinator says: `rank`/`world_size` as
     given, the rest from the first launcher in LAUNCHERS whose variables are set, else a
     single process. A malformed or inconsistent value is a ConfigError naming the variable."""
+    if rank is not None and world_size is not None:
+        return rank, world_size  # the core checks them
     env = os.environ if environ is None else environ
     for who, rank_var, size_var, markers in LAUNCHERS:
         if not any(_get(env, v) is not None for v in markers):
