@@ -251,6 +251,10 @@ impl Link {
                 // A preemption lifting the limits ends the sleep too: a persist running when
                 // the notice came finishes at full speed.
                 let lifted = self.traffic.as_ref().is_some_and(|t| t.unthrottled());
+                if lifted {
+                    // The debt this chunk ran up went out unthrottled: it is not owed later.
+                    *self.bucket.lock() = (0.0, now);
+                }
                 if now >= until || lifted || (background && self.closed.load(Ordering::SeqCst)) {
                     break;
                 }
