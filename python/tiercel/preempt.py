@@ -147,11 +147,12 @@ class _Handler:
         if self.running:  # a second notice while the first one's flush runs
             log.warning("tiercel: %s again during the preemption flush; it goes on", name)
             return
+        stores = [s for s in list(self.stores) if not s.closed]
+        policies = [p for p in (s._core.preemption for s in stores) if p is not None]
+        exit_ = any(p[2] for p in policies)
+        grace = min((p[0] for p in policies), default=DEFAULT_GRACE)
         self.running = True
         try:
-            stores = [s for s in list(self.stores) if not s.closed]
-            exit_ = any(s._core.preemption is not None and s._core.preemption[2] for s in stores)
-            grace = min((s._core.preemption[0] for s in stores if s._core.preemption is not None), default=DEFAULT_GRACE)
             deadline = time.monotonic() + grace
             log.warning("tiercel: %s received: flushing the newest step to every tier that persists (grace %g s)", name, grace)
             for s in stores:
@@ -179,7 +180,6 @@ class _Handler:
         # SIG_IGN before, or `exit = false`: back to the training loop.
 
 
-_handlers: dict[int, _Handler] = {}
 _warned: set[str] = set()
 
 
@@ -223,5 +223,4 @@ def install(store: Store) -> bool:
         if current is None:
             _warn_once(f"tiercel: [preemption]: the handler of {name} installed before was not set from Python and cannot be chained")
         handler.stores.add(store)
-        _handlers[signum] = handler
     return installed

@@ -382,6 +382,8 @@ class Store:
         Each rank flushes its own part; a tier commits the step once every rank's is there.
         Training may go on after it returns (limits apply again). The `[preemption]` signal
         handler calls this."""
+        if self._closed:
+            raise InvalidArgumentError(f"rank {self.rank}: preempt() on a closed Store: nothing can be flushed any more")
         return run_preempt(self, grace)
 
     def prefault(self, nbytes: int | Sequence[int]) -> None:
