@@ -74,7 +74,7 @@ class PreemptReport:
     def __str__(self) -> str:
         if self.step is None:
             return f"rank {self.rank}: preemption: nothing to flush (no step of this rank in the memory tier)"
-        head = f"rank {self.rank}: preemption flush of step {self.step} in {self.seconds:.2f} s (grace {self.grace:g} s)"
+        head = f"rank {self.rank}: preemption flush of step {self.step} in {self.seconds:.2f} s (grace {self.grace:.1f} s)"
         lines = [f"tier '{t.tier}': " + (f"holds step {t.step}" if t.committed else t.state) for t in self.tiers.values()]
         return head + ("; " + "; ".join(lines) if lines else "; no tier persists")
 

@@ -19,12 +19,12 @@ mod units;
 
 use std::path::Path;
 
+pub use preemption::{signal_name, PreemptionConfig, DEFAULT_GRACE, SIGNALS};
 pub use tier::{
     check_secret, plugin_kinds, register_plugin_kinds, Capabilities, ObjectOptions, ObjectSpec, PeerConfig, PythonSpec, Role, TierConfig,
     TierKind, TierSpec, DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, DEFAULT_PEER_LISTEN, DEFAULT_PYTHON_CONCURRENCY, DEFAULT_REPLICAS,
     MIN_SECRET_LEN,
 };
-pub use preemption::{signal_name, PreemptionConfig, DEFAULT_GRACE, SIGNALS};
 pub use traffic::{TrafficConfig, TrafficMode, DEFAULT_MU, DEFAULT_WARMUP};
 pub use units::{format_size, parse_bandwidth, parse_size};
 

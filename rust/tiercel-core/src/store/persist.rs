@@ -125,13 +125,7 @@ impl Store {
     /// Carries out `plan` for a step the memory tier holds in `parts`, described by
     /// `manifest`: a tier it skips is told so on `handle` (and in its metrics); each queued
     /// tier gets one scheduler job.
-    pub(super) fn queue_persists(
-        self: &Arc<Self>,
-        plan: PersistPlan,
-        handle: &Arc<SaveHandle>,
-        manifest: &Arc<Manifest>,
-        parts: &[Part],
-    ) {
+    pub(super) fn queue_persists(self: &Arc<Self>, plan: PersistPlan, handle: &Arc<SaveHandle>, manifest: &Arc<Manifest>, parts: &[Part]) {
         for t in plan.tiers {
             let counters = self.metrics.tier(t.slot);
             let (priority, supersede) = match t.action {

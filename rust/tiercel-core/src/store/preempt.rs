@@ -59,12 +59,8 @@ impl Store {
                 .at(step, self.rank)
         };
         let manifest = Arc::new(self.memory.read_manifest(step, self.rank).map_err(at)?);
-        let parts: Vec<Part> = manifest
-            .objects
-            .iter()
-            .map(|o| self.memory.open_view(step, &o.name).map(|v| v as Part))
-            .collect::<Result<_>>()
-            .map_err(at)?;
+        let parts: Vec<Part> =
+            manifest.objects.iter().map(|o| self.memory.open_view(step, &o.name).map(|v| v as Part)).collect::<Result<_>>().map_err(at)?;
         let handle = SaveHandle::new(step, &self.slots);
         handle.set(mem, TierState::Done);
         // The newest save's place in the save order: this job replaces the queued persists of
@@ -76,7 +72,14 @@ impl Store {
                 handle.set(name, TierState::NotScheduled);
                 continue;
             }
-            let job = PersistJob { store: self.clone(), handle: handle.clone(), manifest: manifest.clone(), parts: parts.clone(), slot, again: true };
+            let job = PersistJob {
+                store: self.clone(),
+                handle: handle.clone(),
+                manifest: manifest.clone(),
+                parts: parts.clone(),
+                slot,
+                again: true,
+            };
             let supersede = Supersede { key: SupersedeKey::Persist { tier: name.clone() }, order };
             self.submit_persist(job, Priority::Restore, supersede, format!("step {step} (preemption)"));
         }

@@ -54,7 +54,9 @@ impl Checker<'_> {
                 "exit" => {
                     cfg.exit = match value.value {
                         Value::Bool(b) => b,
-                        _ => return Err(self.expected(value, &path, "true (end the process after the flush) or false (return to training)")),
+                        _ => {
+                            return Err(self.expected(value, &path, "true (end the process after the flush) or false (return to training)"))
+                        }
                     }
                 }
                 _ => unreachable!("check_keys admits only PREEMPTION_KEYS"),
