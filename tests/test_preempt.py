@@ -153,6 +153,7 @@ def test_two_ranks_both_persist_and_commit(shm_root, disk_root, tmp_path):
     assert max(took) < GRACE, took
     for rank in (0, 1):
         assert report_line(tmp_path, rank).endswith("tier 'disk': holds step 3"), logs(tmp_path, 2)
+    print(f"signal to exit {max(took):.2f} s, flush {[flush_seconds(report_line(tmp_path, r)) for r in (0, 1)]} s")
     shutil.rmtree(shm_root)
     for rank in (0, 1):
         with tiercel.Store(without_handler(policy), rank=rank, world_size=2) as fresh:
@@ -173,6 +174,7 @@ def test_a_rank_killed_before_its_flush_is_named_and_the_step_does_not_commit(sh
     assert took < 3 + 2, took
     line = report_line(tmp_path, 0)
     assert line.endswith("tier 'disk': not committed: ranks [1] had not written their part by the deadline"), line
+    print(f"signal to exit {took:.2f} s (grace 3 s)")
     with tiercel.Store(without_handler(policy), rank=0, world_size=2, tool=True) as look:
         assert look.steps()["disk"] == []
         # Rank 0's part is there, uncommitted: no reader sees it.
