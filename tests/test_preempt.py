@@ -254,3 +254,51 @@ def test_policy_errors_name_file_and_line(tmp_path, shm_root, body, line, words)
     assert msg.startswith(f"{path}:{line}: "), msg
     for w in words:
         assert w in msg, msg
+
+
+def test_a_running_persist_finishes_unthrottled_and_queued_ones_give_way(shm_root, disk_root):
+    """Persists that fell behind (every step, 1 MB/s): step 1's runs, steps 2 and 3 wait. The
+    flush lifts the limit (step 1 finishes at once), replaces the queued persists with its own
+    job for step 3 and commits it; then the limit is back for the saves after it."""
+    policy = without_handler(preempt_policy(shm_root, disk_root))
+    policy["tier"][1].update(every=1, bandwidth="1MB/s")
+    mib2 = 1 << 19  # float32s: 2 MiB, 2 s at 1 MB/s
+    with tiercel.Store(policy, rank=0, world_size=1) as store:
+        handles = [store.save(s, {"w": np.full(mib2, s, np.float32)}) for s in (1, 2, 3)]
+        deadline = time.monotonic() + 30
+        while handles[0].states()["disk"] != "running":
+            assert time.monotonic() < deadline, handles[0].states()
+            time.sleep(0.01)
+        report = store.preempt(grace=10)
+        assert report.ok and report.step == 3, report
+        assert report.seconds < 1.5, report  # throttled, steps 1 and 3 alone would take 4 s
+        assert handles[0].wait(10)["disk"] == "committed"
+        assert handles[1].wait(10)["disk"].startswith("skipped: a newer save")
+        assert store.steps()["disk"] == [1, 3]
+        # Training goes on: the limit applies again to the next save's persist.
+        t0 = time.monotonic()
+        assert store.save(4, {"w": np.full(mib2, 4, np.float32)}).wait(30)["disk"] == "committed"
+        assert time.monotonic() - t0 > 1.0
+
+
+EXITS = textwrap.dedent("""
+    import json, os, signal, sys
+    import numpy as np
+    import tiercel
+    def previous(signum, frame):
+        print("previous handler ran", flush=True)
+        sys.exit(7)
+    signal.signal(signal.SIGTERM, previous)
+    store = tiercel.Store(json.loads(sys.argv[1]), rank=0, world_size=1)
+    store.save(1, {"w": np.arange(1000, dtype=np.float32)}).wait(60)
+    os.kill(os.getpid(), signal.SIGTERM)
+    print("not reached", flush=True)
+""")
+
+
+def test_exit_true_lets_the_handler_installed_before_decide_how_the_process_ends(shm_root, disk_root):
+    policy = preempt_policy(shm_root, disk_root)
+    r = subprocess.run([PYTHON, "-c", EXITS, json.dumps(policy)], capture_output=True, text=True, env=child_env(), timeout=240)
+    assert r.returncode == 7, r.stderr[-3000:]
+    assert r.stdout == "previous handler ran\n"
+    assert "tier 'disk': holds step 1" in r.stderr
