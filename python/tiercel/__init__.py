@@ -20,6 +20,7 @@ from .errors import (
 )
 from .leaves import Leaf, LeafHandler, register_leaf_handler
 from .manifest import Item, Manifest, Shard
+from .preempt import PreemptReport, TierReport
 from .step import Reader, RestoreInfo, SaveHandle, Writer
 from .store import Store
 
@@ -38,12 +39,14 @@ __all__ = [
     "LocalCoordinator",
     "Manifest",
     "NotFoundError",
+    "PreemptReport",
     "Reader",
     "RestoreInfo",
     "SaveHandle",
     "Shard",
     "Store",
     "TiercelError",
+    "TierReport",
     "TierUnavailableError",
     "TorchCoordinator",
     "WorldSizeError",

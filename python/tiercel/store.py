@@ -18,6 +18,9 @@ from .coordinator import Coordinator, barrier, default_coordinator
 from .errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
 from .metrics import Metrics
 from .newest import Need, agree, check_world_size, combined, world_size_error
+from .preempt import PreemptReport
+from .preempt import install as install_preemption
+from .preempt import preempt as run_preempt
 from .replicas import Sharing, replica_group_of, share_replicated
 from .step import Reader, RestoreInfo, SaveHandle, Writer
 from .traffic import Traffic
@@ -91,6 +94,9 @@ class Store:
         self._skipped: list[str] = []
         self._closed = False
         self._join_cluster()
+        if not tool:
+            # The policy's `[preemption]` section: a signal handler that flushes (tiercel.preempt).
+            install_preemption(self)
 
     def _join_cluster(self) -> None:
         """Learns which ranks share this host (its memory tier commits a step once they all
@@ -367,6 +373,19 @@ class Store:
         left = self._core.flush(timeout)
         if left is not None:
             raise TimeoutError(f"rank {self.rank}: background work not finished after {timeout} s: {left}")
+
+    def preempt(self, grace: float | None = None) -> PreemptReport:
+        """Flushes for a preemption: the newest step this rank holds in RAM goes to every tier
+        that persists now, whatever their `every`, ahead of all other background work and with
+        bandwidth limits lifted, for at most `grace` seconds (None: the policy's
+        `[preemption] grace`, else 30). Returns (and logs) the report: per tier, the step it
+        holds committed, or why not (timed out, failed, the ranks whose part is missing).
+        Each rank flushes its own part; a tier commits the step once every rank's is there.
+        Training may go on after it returns (limits apply again). The `[preemption]` signal
+        handler calls this."""
+        if self._closed:
+            raise InvalidArgumentError(f"rank {self.rank}: preempt() on a closed Store: nothing can be flushed any more")
+        return run_preempt(self, grace)
 
     def prefault(self, nbytes: int | Sequence[int]) -> None:
         """Prepares shared memory for this process's first save of about `nbytes` (one rank's

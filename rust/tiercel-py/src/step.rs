@@ -117,7 +117,7 @@ const POLL: Duration = Duration::from_millis(100);
 
 #[pyclass(module = "tiercel._core", frozen)]
 pub struct SaveHandle {
-    inner: Arc<core::SaveHandle>,
+    pub(crate) inner: Arc<core::SaveHandle>,
 }
 
 #[pymethods]

@@ -86,6 +86,30 @@ impl Store {
         self.inner.policy.pickle.as_str()
     }
 
+    /// The policy's `[preemption]` section as (grace seconds, signal names, exit), or None
+    /// without one (no handler is installed).
+    #[getter]
+    fn preemption(&self) -> Option<(f64, Vec<String>, bool)> {
+        self.inner.policy.preemption.as_ref().map(|p| (p.grace.as_secs_f64(), p.signals.clone(), p.exit))
+    }
+
+    /// The step a preemption flushes: the newest step this rank holds in the memory tier.
+    fn preempt_step(&self, py: Python<'_>) -> Option<u64> {
+        py.allow_threads(|| self.inner.preempt_step())
+    }
+
+    /// Queues `step` to every tier that persists, at the top priority, limits lifted (see
+    /// `core::Store::persist_now`); the handle says what each tier did.
+    fn persist_now(&self, py: Python<'_>, step: u64) -> TcResult<crate::step::SaveHandle> {
+        let inner = py.allow_threads(|| self.inner.persist_now(step))?;
+        Ok(crate::step::SaveHandle { inner })
+    }
+
+    /// The preemption's flush is over: the links' limits apply again.
+    fn end_preempt(&self) {
+        self.inner.end_preempt()
+    }
+
     /// The tiers in policy order, as dicts.
     fn tiers<'py>(&self, py: Python<'py>) -> TcResult<Vec<Bound<'py, PyDict>>> {
         self.inner

@@ -13,10 +13,11 @@ use super::{
 use crate::codec::{Compression, DEFAULT_ZSTD_LEVEL};
 use crate::error::{Error, Result};
 
+mod preemption;
 mod python;
 mod traffic;
 
-const TOP_KEYS: &[&str] = &["tier", "restore", "store", "traffic"];
+const TOP_KEYS: &[&str] = &["tier", "restore", "store", "traffic", "preemption"];
 pub(super) const TIER_KEYS: &[&str] = &[
     "name",
     "kind",
@@ -58,6 +59,7 @@ const SECTIONS: &[(&str, &[&str])] = &[
     ("[restore]", RESTORE_KEYS),
     ("[store]", STORE_KEYS),
     ("[traffic]", traffic::TRAFFIC_KEYS),
+    ("[preemption]", preemption::PREEMPTION_KEYS),
 ];
 
 /// One `[[tier]]` table being read: its entries and the key path its errors name.
@@ -234,6 +236,7 @@ impl Checker<'_> {
             pickle: PickleMode::default(),
             traffic: Default::default(),
             replicated: ReplicatedRestore::default(),
+            preemption: None,
         };
         if let Some(node) = get("restore") {
             self.replicated_restore(node, &mut policy.replicated)?;
@@ -243,6 +246,9 @@ impl Checker<'_> {
         }
         if let Some(node) = get("traffic") {
             policy.traffic = self.traffic(node)?;
+        }
+        if let Some(node) = get("preemption") {
+            policy.preemption = Some(self.preemption(node)?);
         }
         Ok(policy)
     }

@@ -7,9 +7,11 @@
 //! same errors. Every error names the source, the 1-based line (TOML only), the key path and
 //! what is expected, e.g. `tiercel.toml:12: tier[1] ("disk").keep: expected a positive
 //! integer, got -1`. `tier` holds one tier's settings (a `TierSpec` per kind), `traffic` the
-//! `[traffic]` section, `units` sizes and bandwidths.
+//! `[traffic]` section, `preemption` the `[preemption]` section, `units` sizes, bandwidths and
+//! durations.
 
 mod check;
+mod preemption;
 mod source;
 mod tier;
 mod traffic;
@@ -17,6 +19,7 @@ mod units;
 
 use std::path::Path;
 
+pub use preemption::{signal_name, PreemptionConfig, DEFAULT_GRACE, SIGNALS};
 pub use tier::{
     check_secret, plugin_kinds, register_plugin_kinds, Capabilities, ObjectOptions, ObjectSpec, PeerConfig, PythonSpec, Role, TierConfig,
     TierKind, TierSpec, DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, DEFAULT_PEER_LISTEN, DEFAULT_PYTHON_CONCURRENCY, DEFAULT_REPLICAS,
@@ -67,6 +70,9 @@ pub struct Policy {
     /// `[restore] replicated`, `relay_window`, `relay_timeout`: how replicas of a replica
     /// group read replicated items from a slow tier.
     pub replicated: ReplicatedRestore,
+    /// `[preemption]`: the signal handler `Store.open` installs and the flush it runs; None
+    /// without the section (no handler: a library does not take a process's signals unasked).
+    pub preemption: Option<PreemptionConfig>,
 }
 
 /// `[restore] replicated`: how the ranks of a replica group restore their replicated items

@@ -492,3 +492,30 @@ fn roles_are_found_from_capabilities() {
     assert_eq!(p.memory_tier().name, "ram");
     assert!(Policy::from_toml(MINIMAL, "p.toml").unwrap().tier_in(Role::Cluster).is_none());
 }
+
+#[test]
+fn preemption_section() {
+    use std::time::Duration;
+    assert_eq!(Policy::from_toml(MINIMAL, "t").unwrap().preemption, None);
+    let p = Policy::from_toml(&format!("{MINIMAL}[preemption]\n"), "t").unwrap();
+    assert_eq!(p.preemption, Some(PreemptionConfig::default()));
+    let text = format!("{MINIMAL}[preemption]\ngrace = \"2m\"\nsignals = [\"USR1\", \"SIGTERM\", \"SIGUSR1\"]\nexit = false\n");
+    let p = Policy::from_toml(&text, "t").unwrap().preemption.unwrap();
+    assert_eq!(p, PreemptionConfig { grace: Duration::from_secs(120), signals: vec!["SIGUSR1".into(), "SIGTERM".into()], exit: false });
+    let json = r#"{"tier": [{"name": "ram", "kind": "memory", "root": "/dev/shm/t"}], "preemption": {"grace": 20}}"#;
+    assert_eq!(Policy::from_json(json, "<dict>").unwrap().preemption.unwrap().grace, Duration::from_secs(20));
+}
+
+#[test]
+fn preemption_errors_name_file_and_line() {
+    let at = |extra: &str| toml_err(&format!("{MINIMAL}[preemption]\n{extra}"));
+    assert_at(&at("grace = \"30 parsecs\"\n"), 6, &["preemption.grace", "is not a duration", "\"30s\""]);
+    assert_at(&at("grace = -3\n"), 6, &["preemption.grace", "a duration"]);
+    assert_at(&at("exit = true\nsignals = [\"SIGTERM\", \"SIGBOGUS\"]\n"), 7, &["preemption.signals[1]", "SIGBOGUS", "SIGUSR1"]);
+    assert_at(&at("signals = [\"SIGKILL\"]\n"), 6, &["cannot be caught"]);
+    assert_at(&at("signals = []\n"), 6, &["at least one signal"]);
+    assert_at(&at("exit = \"yes\"\n"), 6, &["preemption.exit", "true"]);
+    assert_at(&at("grase = \"30s\"\n"), 6, &["did you mean `grace`"]);
+    assert!(json_err(r#"{"tier": [{"name": "ram", "kind": "memory", "root": "/dev/shm/t"}], "preemption": {"signals": ["TERM", 3]}}"#)
+        .starts_with("<dict>: preemption.signals[1]: expected a non-empty string"));
+}

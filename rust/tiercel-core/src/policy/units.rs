@@ -1,4 +1,4 @@
-//! Units in a policy: byte sizes (`"8GiB"`) and bandwidths (`"2GB/s"`), each parsed exactly
+//! Units in a policy: byte sizes (`"8GiB"`), bandwidths (`"2GB/s"`) and durations (`"30s"`), each parsed exactly
 //! or refused with what to write instead. Compression strings (`"bytegroup+zstd:3"`) are the
 //! codec's own (`codec::Compression::parse`).
 
@@ -29,6 +29,24 @@ pub fn parse_bandwidth(s: &str) -> std::result::Result<u64, String> {
     let t = s.trim();
     parse_bytes(t.strip_suffix("/s").unwrap_or(t))
         .map_err(|why| format!("{s:?} is not a bandwidth ({why}); write e.g. \"2GB/s\" or \"100MiB/s\""))
+}
+
+/// Parses a duration: a number and a unit, `"30s"`, `"1.5s"`, `"500ms"`, `"2m"`, `"1h"`.
+pub fn parse_duration(s: &str) -> std::result::Result<std::time::Duration, String> {
+    let t = s.trim();
+    let bad = |why: &str| format!("{s:?} is not a duration ({why}); write e.g. \"30s\", \"500ms\" or \"2m\"");
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (number, unit) = (&t[..split], t[split..].trim_start());
+    let n: f64 = number.parse().map_err(|_| bad("not a non-negative number"))?;
+    let scale = match unit {
+        "ms" => 1e-3,
+        "s" => 1.0,
+        "m" | "min" => 60.0,
+        "h" => 3600.0,
+        "" => return Err(bad("no unit")),
+        _ => return Err(bad(&format!("unknown unit `{unit}`: use ms, s, m or h"))),
+    };
+    std::time::Duration::try_from_secs_f64(n * scale).map_err(|_| bad("too large"))
 }
 
 /// A number with an optional unit, exactly in bytes. Returns why not, for the caller to wrap.
@@ -101,5 +119,19 @@ mod tests {
         }
         assert!(parse_size("8Gb").unwrap_err().contains("means bits; write `GB`"));
         assert!(parse_size("0.1B").unwrap_err().contains("whole number of bytes"));
+    }
+
+    #[test]
+    fn durations() {
+        use std::time::Duration;
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration(" 1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        for bad in ["", "30", "-1s", "1.2.3s", "3 days", "s", "1e400s"] {
+            let e = parse_duration(bad).expect_err(bad);
+            assert!(e.contains("is not a duration") && e.contains("\"30s\""), "{bad}: {e}");
+        }
     }
 }

@@ -221,11 +221,15 @@ impl Link {
         }
     }
 
-    /// Takes `bytes` tokens, sleeping while the bucket is in debt. The bucket holds at most
+    /// Takes `bytes` tokens, sleeping while the bucket is in debt (not while a preemption's
+    /// flush runs: `Traffic::set_unthrottled`). The bucket holds at most
     /// 50 ms worth of tokens, so an idle link cannot burst far above its rate. `background`:
     /// a background chunk, whose sleep ends early when the link closes.
     fn take_tokens(&self, bytes: u64, background: bool) {
         let Some(rate) = self.rate else { return };
+        if self.traffic.as_ref().is_some_and(|t| t.unthrottled()) {
+            return;
+        }
         let wait = {
             let mut b = self.bucket.lock();
             let now = Instant::now();
@@ -244,7 +248,14 @@ impl Link {
             let until = Instant::now() + Duration::from_secs_f64(wait);
             loop {
                 let now = Instant::now();
-                if now >= until || (background && self.closed.load(Ordering::SeqCst)) {
+                // A preemption lifting the limits ends the sleep too: a persist running when
+                // the notice came finishes at full speed.
+                let lifted = self.traffic.as_ref().is_some_and(|t| t.unthrottled());
+                if lifted {
+                    // The debt this chunk ran up went out unthrottled: it is not owed later.
+                    *self.bucket.lock() = (0.0, now);
+                }
+                if now >= until || lifted || (background && self.closed.load(Ordering::SeqCst)) {
                     break;
                 }
                 std::thread::sleep((until - now).min(CLOSED_POLL));

@@ -368,3 +368,31 @@ fn background_chunks_wait_while_a_restore_runs_outside_the_links() {
     drop(guard);
     assert!(matches!(t.decide_at(&local, 1.0), Decision::Until(_)), "a grace period after the restore");
 }
+
+/// A preemption's flush (`Traffic::set_unthrottled`): a chunk waiting at the gate while the
+/// training job communicates, and one sleeping for its tokens at 1 MB/s, both go at once;
+/// once it is over, the limit applies again.
+#[test]
+fn a_preemption_lifts_the_gate_and_the_bandwidth_limit_until_it_ends() {
+    let t = traffic(TrafficMode::Signals, None);
+    let net = Link::with_traffic("peer", None, LinkKind::Network, t.clone());
+    let disk = Link::with_traffic("disk", Some(1_000_000), LinkKind::Local, t.clone());
+    t.busy();
+    let (n, d) = (net.clone(), disk.clone());
+    let waiting = std::thread::spawn(move || n.acquire(1 << 20));
+    // 10 MB at 1 MB/s: 10 s unless the limit is lifted.
+    let sleeping = std::thread::spawn(move || d.acquire(10_000_000));
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!waiting.is_finished() && !sleeping.is_finished());
+    let lifted = Instant::now();
+    t.set_unthrottled(true);
+    waiting.join().unwrap();
+    sleeping.join().unwrap();
+    assert!(lifted.elapsed() < Duration::from_secs(2), "{:?}", lifted.elapsed());
+    t.set_unthrottled(false);
+    let again = Instant::now();
+    disk.acquire(500_000);
+    disk.acquire(500_000);
+    assert!(again.elapsed() >= Duration::from_millis(400), "the limit is back: {:?}", again.elapsed());
+    t.idle().unwrap();
+}

@@ -38,6 +38,8 @@ use parking_lot::{Condvar, Mutex};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Priority {
+    /// A restore, and a preemption's flush (`Store::persist_now`): nothing waits behind them
+    /// but each other.
     Restore = 0,
     Flush = 1,
     Replicate = 2,

@@ -115,6 +115,9 @@ pub struct Traffic {
     clock: Arc<dyn Clock>,
     st: Mutex<State>,
     changed: Condvar,
+    /// A preemption's flush runs (`set_unthrottled`): chunks pass the gate and the links'
+    /// bandwidth limits at once, for the job is about to stop and has nothing left to protect.
+    unthrottled: std::sync::atomic::AtomicBool,
 }
 
 /// A snapshot for `stats` (Python's `store.traffic.stats()`).
@@ -130,7 +133,20 @@ pub struct TrafficStats {
 
 impl Traffic {
     pub fn new(config: TrafficConfig, clock: Arc<dyn Clock>) -> Arc<Traffic> {
-        Arc::new(Traffic { config, clock, st: Mutex::new(State::default()), changed: Condvar::new() })
+        Arc::new(Traffic { config, clock, st: Mutex::new(State::default()), changed: Condvar::new(), unthrottled: Default::default() })
+    }
+
+    /// Lifts (true) or restores (false) every gate and bandwidth limit of the store's links:
+    /// a preemption's flush (`Store::persist_now`) sends at the links' full speed. Chunks
+    /// already waiting at the gate go at once.
+    pub fn set_unthrottled(&self, on: bool) {
+        self.unthrottled.store(on, std::sync::atomic::Ordering::SeqCst);
+        let _st = self.st.lock();
+        self.changed.notify_all();
+    }
+
+    pub fn unthrottled(&self) -> bool {
+        self.unthrottled.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     pub fn now(&self) -> f64 {
@@ -305,6 +321,9 @@ impl Traffic {
     }
 
     fn decide(&self, st: &State, link: &LinkView, now: f64) -> Decision {
+        if self.unthrottled() {
+            return Decision::Go;
+        }
         if st.restores > 0 || st.restore_end.is_some_and(|t| now - t < RESTORE_GRACE) {
             return if st.restores > 0 { Decision::Wait } else { Decision::Until(st.restore_end.unwrap_or(now) + RESTORE_GRACE) };
         }

@@ -3,7 +3,8 @@
 //! the scheduler; it reads a step back chunk by chunk from the first tier that has a valid copy.
 //!
 //! `save` holds the writer (the blocking copy) and the background flush, `handle` what a
-//! save has done where, `restore` the reader, `copy` the copy of a step between tiers.
+//! save has done where, `restore` the reader, `copy` the copy of a step between tiers,
+//! `preempt` a preemption's flush.
 
 mod broadcast;
 mod cluster;
@@ -13,6 +14,7 @@ mod job;
 pub mod metrics;
 mod pending;
 mod persist;
+mod preempt;
 mod restore;
 mod save;
 

@@ -2,7 +2,8 @@
 //! and how. `plan` decides, as a pure function of plain facts about each tier (`TierFacts`),
 //! so that tests call it without a store; `Store::queue_persists` carries a plan out: the
 //! states and metrics of the tiers it skips, and one scheduler job per tier it queues, which
-//! writes the step from the memory tier's segments and commits it there.
+//! writes the step from the memory tier's segments and commits it there. A preemption's
+//! flush (`preempt`) queues the same job, at the top priority, from read views of the step.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -12,7 +13,27 @@ use super::{SaveHandle, Store, TierSlot, TierState};
 use crate::error::Result;
 use crate::format::{ChunkSource, Manifest};
 use crate::scheduler::{Job, LinkClosed, Priority, Start, Supersede, SupersedeKey};
-use crate::shm::Segment;
+use crate::shm::{Segment, View};
+
+/// One stored object of a step in the memory tier, as a persist reads it: a segment this
+/// process wrote (a save's persists), or a read view of one (a preemption's flush).
+pub(super) trait StoredPart: Send + Sync {
+    fn bytes(&self) -> &[u8];
+}
+
+impl StoredPart for Segment {
+    fn bytes(&self) -> &[u8] {
+        Segment::bytes(self)
+    }
+}
+
+impl StoredPart for View {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+pub(super) type Part = Arc<dyn StoredPart>;
 
 /// What a persist plan reads about one later tier at the time of a save.
 #[derive(Debug, Clone, PartialEq)]
@@ -104,13 +125,7 @@ impl Store {
     /// Carries out `plan` for a step the memory tier holds in `parts`, described by
     /// `manifest`: a tier it skips is told so on `handle` (and in its metrics); each queued
     /// tier gets one scheduler job.
-    pub(super) fn queue_persists(
-        self: &Arc<Self>,
-        plan: PersistPlan,
-        handle: &Arc<SaveHandle>,
-        manifest: &Arc<Manifest>,
-        parts: &[Arc<Segment>],
-    ) {
+    pub(super) fn queue_persists(self: &Arc<Self>, plan: PersistPlan, handle: &Arc<SaveHandle>, manifest: &Arc<Manifest>, parts: &[Part]) {
         for t in plan.tiers {
             let counters = self.metrics.tier(t.slot);
             let (priority, supersede) = match t.action {
@@ -133,34 +148,50 @@ impl Store {
                     (priority, supersede)
                 }
             };
-            counters.queue(1);
-            counters.scheduled(plan.step, manifest.total_bytes());
-            let job =
-                PersistJob { store: self.clone(), handle: handle.clone(), manifest: manifest.clone(), parts: parts.to_vec(), slot: t.slot };
-            self.scheduler.submit(Job {
-                link: self.slots[t.slot].link.clone(),
-                priority,
-                size: manifest.total_bytes(),
-                label: format!("step {}", plan.step),
-                supersede: Some(supersede),
-                run: Box::new(move |start| job.run(start)),
-            });
+            let job = PersistJob {
+                store: self.clone(),
+                handle: handle.clone(),
+                manifest: manifest.clone(),
+                parts: parts.to_vec(),
+                slot: t.slot,
+                again: false,
+            };
+            self.submit_persist(job, priority, supersede, format!("step {}", plan.step));
         }
+    }
+
+    /// Hands one persist to the scheduler (and counts it queued on its tier).
+    pub(super) fn submit_persist(&self, job: PersistJob, priority: Priority, supersede: Supersede, label: String) {
+        let counters = self.metrics.tier(job.slot);
+        counters.queue(1);
+        counters.scheduled(job.manifest.step, job.manifest.total_bytes());
+        self.scheduler.submit(Job {
+            link: self.slots[job.slot].link.clone(),
+            priority,
+            size: job.manifest.total_bytes(),
+            label,
+            supersede: Some(supersede),
+            run: Box::new(move |start| job.run(start)),
+        });
     }
 }
 
 /// One queued persist: the step in the memory tier's segments, bound for one tier.
-struct PersistJob {
-    store: Arc<Store>,
-    handle: Arc<SaveHandle>,
-    manifest: Arc<Manifest>,
-    parts: Vec<Arc<Segment>>,
-    slot: usize,
+pub(super) struct PersistJob {
+    pub(super) store: Arc<Store>,
+    pub(super) handle: Arc<SaveHandle>,
+    pub(super) manifest: Arc<Manifest>,
+    pub(super) parts: Vec<Part>,
+    pub(super) slot: usize,
+    /// The save may be on the tier already (a preemption's flush of a step its own persist
+    /// took too): a tier where it committed is not written again, nor one that holds this
+    /// rank's part of it (only the commit is tried).
+    pub(super) again: bool,
 }
 
 impl PersistJob {
     fn run(self, start: Start) {
-        let PersistJob { store, handle, manifest, parts, slot: idx } = self;
+        let PersistJob { store, handle, manifest, parts, slot: idx, again } = self;
         let slot = &store.slots[idx];
         let (name, step) = (&slot.config.name, manifest.step);
         store.metrics.tier(idx).queue(-1);
@@ -179,7 +210,8 @@ impl PersistJob {
         }
         handle.set(name, TierState::Running);
         let started = Instant::now();
-        let res = match write_and_commit(&store, slot, &manifest, &parts) {
+        let held = if again { super::preempt::held(slot, &manifest, store.world_size) } else { None };
+        let res = match held.map(Some).unwrap_or_else(|| write_and_commit(&store, slot, &manifest, &parts)) {
             Some(res) => res,
             None => {
                 // The store closed without waiting: cut off between two chunks.
@@ -235,7 +267,7 @@ impl PersistJob {
 
 /// Writes the step to `slot`'s tier and tries its commit: whether it committed; None when the
 /// store closed without waiting and cut the write off (`LinkClosed`).
-fn write_and_commit(store: &Store, slot: &TierSlot, manifest: &Manifest, parts: &[Arc<Segment>]) -> Option<Result<bool>> {
+fn write_and_commit(store: &Store, slot: &TierSlot, manifest: &Manifest, parts: &[Part]) -> Option<Result<bool>> {
     let src = SegmentSource { manifest, segments: parts };
     let write = || slot.tier.write_rank(manifest, &src, &slot.link).and_then(|_| slot.tier.try_commit(manifest.step, store.world_size));
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(write)) {
@@ -248,7 +280,7 @@ fn write_and_commit(store: &Store, slot: &TierSlot, manifest: &Manifest, parts: 
 /// Raw bytes of chunks stored raw in memory-tier segments.
 struct SegmentSource<'a> {
     manifest: &'a Manifest,
-    segments: &'a [Arc<Segment>],
+    segments: &'a [Part],
 }
 
 impl ChunkSource for SegmentSource<'_> {

@@ -265,7 +265,7 @@ fn flush_step(
         return;
     }
     let manifest = Arc::new(manifest);
-    let (store1, parts1) = (store.clone(), parts.clone());
+    let (store1, parts1): (_, Vec<persist::Part>) = (store.clone(), parts.iter().map(|p| p.clone() as persist::Part).collect());
     // Planned when the persists are queued: a tier degraded meanwhile is skipped.
     let queue_later = move || {
         let plan = persist::plan(step, order, store1.persist_facts(manifest.total_bytes()));
