@@ -46,6 +46,7 @@ Writes bench/results/delta.json (--out).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import shutil
@@ -142,6 +143,9 @@ def train(cfg: dict[str, Any], log=print) -> dict[int, dict[str, dict[str, torch
     trans = torch.softmax(logits, dim=-1)
     model = Transformer(vocab, cfg["dim"], cfg["layers"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    # Cosine decay to a tenth of the peak over the run, as most runs are scheduled: late
+    # steps take smaller steps than early ones (which favours deltas late in training).
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.1 + 0.45 * (1 + math.cos(math.pi * min(s / (late + 1), 1.0))))
     rows, bag = cfg["rows"], cfg["bag"]
     table = Table(rows, cfg["emb_dim"])
     truth = torch.randn(rows, generator=torch.Generator().manual_seed(2))
@@ -159,6 +163,7 @@ def train(cfg: dict[str, Any], log=print) -> dict[int, dict[str, dict[str, torch
         opt.zero_grad()
         loss.backward()
         opt.step()
+        sched.step()
         # Zipf-like ids: a few hot rows, a long tail; a batch touches a few hundred rows.
         ids = torch.from_numpy((rng.zipf(1.3, size=(cfg["emb_batch"], bag)) - 1) % rows)
         target = truth[ids].sum(-1)
@@ -239,6 +244,36 @@ def check_round_trip(tier: Tier, step: int, cur: dict, base: dict, what: str) ->
                 raise RuntimeError(f"bench/delta.py: {what}: {kind}/{name} did not come back bit-exact from base XOR delta")
 
 
+#: Chunk sizes at which to count changed chunks: tiercel's default, and its smallest.
+CHUNK_SIZES = [4 << 20, 64 << 10]
+
+
+def changed(cur: dict[str, dict[str, torch.Tensor]], base: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, float]]:
+    """Per kind: the share of values that differ from the base, and the share of chunks (each
+    item cut at CHUNK_SIZES, as tiercel cuts items) with any value that differs: the bytes
+    that storing unchanged chunks once (issue 31 item 1) would still write."""
+    out: dict[str, dict[str, float]] = {}
+    for kind, ts in cur.items():
+        values = diff = 0
+        chunks = {c: [0, 0] for c in CHUNK_SIZES}
+        for name, t in ts.items():
+            ne = xor(t, base[kind][name]).view(BITS[t.dtype]).reshape(-1) != 0
+            values += ne.numel()
+            diff += int(ne.sum())
+            for c in CHUNK_SIZES:
+                per = max(c // t.element_size(), 1)
+                n = -(-ne.numel() // per)
+                padded = torch.zeros(n * per, dtype=torch.bool)
+                padded[: ne.numel()] = ne
+                hit = padded.view(n, per).any(dim=1)
+                sizes = torch.full((n,), per * t.element_size())
+                sizes[-1] = (ne.numel() - (n - 1) * per) * t.element_size()
+                chunks[c][0] += int(sizes.sum())
+                chunks[c][1] += int(sizes[hit].sum())
+        out[kind] = {"values": diff / values, **{f"chunk_bytes_{c >> 10}KiB": h / a for c, (a, h) in chunks.items()}}
+    return out
+
+
 def xor_speed(state: dict[str, dict[str, torch.Tensor]], base: dict[str, dict[str, torch.Tensor]]) -> float:
     """MB/s of the XOR pass alone over all kinds (best of 3)."""
     raw = sum(nbytes(state).values())
@@ -255,6 +290,7 @@ def measure(snaps: dict[int, dict], cfg: dict[str, Any], levels: list[int], shm:
     tiers = {c: Tier(c, shm) for c in ["none"] + [f"{bg}zstd:{lv}" for lv in levels for bg in ("", "bytegroup+")]}
     rows: list[dict[str, Any]] = []
     speeds: dict[str, list[float]] = {}
+    changes: dict[str, dict[str, dict[str, float]]] = {}
 
     def save(comp: str, state: dict, label: str, phase: str, step: int, d: int | None) -> int:
         stored, seconds, saved = tiers[comp].save(state)
@@ -275,6 +311,7 @@ def measure(snaps: dict[int, dict], cfg: dict[str, Any], levels: list[int], shm:
             distances = [1] if phase == "early" else cfg["distances"]
             for d in distances:
                 base = snaps[step - d]
+                changes[f"{phase} d={d}"] = changed(cur, base)
                 delta = {k: xor_state(cur[k], base[k]) for k in cur}
                 # The higher level only at d = 1: the question there is whether it adds
                 # much over the default level; the distances are asked at the default.
@@ -287,7 +324,7 @@ def measure(snaps: dict[int, dict], cfg: dict[str, Any], levels: list[int], shm:
     finally:
         for t in tiers.values():
             t.close()
-    return {"rows": rows, "persist_mb_s": {k: max(v) for k, v in speeds.items()}, "xor_mb_s": xor_mb_s}
+    return {"rows": rows, "changed": changes, "persist_mb_s": {k: max(v) for k, v in speeds.items()}, "xor_mb_s": xor_mb_s}
 
 
 # -- the table ----------------------------------------------------------------------------------
@@ -329,6 +366,20 @@ def table(res: dict[str, Any], level: int) -> str:
     return "\n".join(lines)
 
 
+def changed_table(res: dict[str, Any]) -> str:
+    """Per kind and distance: % of values changed, % of bytes in changed chunks (4 MiB, 64 KiB)."""
+    cols = list(res["changed"])
+    head = ["kind"] + [f"{c}: values / 4 MiB chunks / 64 KiB chunks changed" for c in cols]
+    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * len(cols)]
+    for kind in KINDS:
+        cells = [kind]
+        for c in cols:
+            x = res["changed"][c][kind]
+            cells.append(f"{100 * x['values']:.1f}% / {100 * x['chunk_bytes_4096KiB']:.0f}% / {100 * x['chunk_bytes_64KiB']:.0f}%")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=400, help="the late step pair is steps -> steps + 1")
@@ -362,6 +413,8 @@ def main() -> int:
     for lv in levels:
         print(f"\nratio raw/stored at zstd level {lv}; in brackets: stored bytes of plain bytegroup / of the delta\n")
         print(table(res, lv))
+    print("\nchanged since the base: share of values / of bytes in chunks with a change (4 MiB, 64 KiB)\n")
+    print(changed_table(res))
     print("\npersist MB/s (raw data, through the fs tier, best of the saves):")
     for k, v in res["persist_mb_s"].items():
         print(f"  {k:<24} {v:7.0f}")
