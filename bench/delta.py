@@ -4,8 +4,9 @@ Issue 31 item 4 asks for numbers before a promise. This trains two small models 
 torch on CPU and takes their state at chosen steps:
 
   - a transformer (token embedding, encoder layers, output head) on synthetic sequences from
-    a random Markov chain, trained with AdamW: its float32 weights, a bfloat16 copy of them,
-    and AdamW's exp_avg and exp_avg_sq;
+    a random Markov chain, trained with AdamW (learning rate 1e-3 decaying along a cosine to
+    a tenth over the run): its float32 weights, a bfloat16 copy of them, and AdamW's exp_avg
+    and exp_avg_sq;
   - an embedding table (EmbeddingBag with sparse gradients, ids drawn Zipf-like) trained with
     SparseAdam: only the rows a batch looks up change in a step, in the weights and in both
     moments (the "few rows per step" case of recommendation models).
@@ -31,6 +32,10 @@ L is tiercel's default level (3) and 9 (the higher level bench/compression.py me
 distance d is 1 (the previous step) and, where the run is long enough, 10 and 100: with
 chains bounded to one base plus one delta, a delta refers to the last base, which lies d
 steps back, not always to the previous step.
+
+Beside the sizes, per kind and distance: the share of values that changed, and the share of
+bytes in chunks (4 MiB, tiercel's default, and 64 KiB, its smallest) with any change: what
+storing unchanged chunks only once (issue 31 item 1) would still write.
 
 Speed: persist MB/s of raw data through the fs tier (save until the handle is done: copy into
 the memory tier, CRC32C, encode, write), for each compression, and the XOR pass alone
