@@ -307,8 +307,8 @@ port, world, policy, out = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.ar
 
 class Counting:
     # Forwards every call to the real store; notes, in order, each `get` and the bytes it
-    # returned: one per round per rank, a round's "out" key (its result: all that a rank that
-    # did not combine receives) or its "in" key (every rank's value: the combining rank).
+    # returned: one per round per rank, a round's result ("out": its part, all that a rank
+    # that did not combine receives) or its "in" key (every rank's value: the combining rank).
     def __init__(self, store):
         self._store, self.gets = store, []
 
@@ -318,7 +318,7 @@ class Counting:
         def call(*args, **kwargs):
             result = real(*args, **kwargs)
             if name == "get":
-                self.gets.append((str(args[0]).rsplit("/", 1)[1], len(result)))
+                self.gets.append(("out" if "/part/" in str(args[0]) else str(args[0]).rsplit("/", 1)[1], len(result)))
             return result
 
         return call
