@@ -194,6 +194,10 @@ class Counting:
         return call
 
 
+def by_parity(values):
+    return {f"p{k}": [v for v in values if v % 2 == k] for k in (0, 1)}
+
+
 real = distributed.global_state.client
 client = Counting(real)
 c = tc.JaxCoordinator(timeout_s=60, client=client)
@@ -206,6 +210,8 @@ cases = [
     ("broadcast", lambda: tc.broadcast(c, "secret" if pid == 2 else None, 2), "secret"),
     ("barrier", lambda: tc.barrier(c), None),
     ("agree", lambda: tc.agree(c, {pid, 7, 9 - pid}, lambda sets: sorted(set.intersection(*sets))), [7]),
+    # Each process receives its part only: the values of the processes of its parity.
+    ("agree_part", lambda: tc.agree_part(c, pid, f"p{pid % 2}", by_parity), [p for p in range(world) if p % 2 == pid % 2]),
 ]
 log = []
 for name, run, want in cases:
@@ -248,9 +254,11 @@ def test_jax_coordinator_collectives_in_o_of_n_calls(tmp_path):
         name = entries[0]["name"]
         assert all(e["ok"] for e in entries), f"{name}: wrong results {[e['have'] for e in entries]}"
         calls = [e["calls"] for e in entries]
-        # Process 0: set, barrier, one directory read, set, barrier, one directory delete; the
-        # others: set, barrier, get, barrier. 4N + 2 in total.
-        assert calls == [6] + [4] * (JAX_WORLD - 1), f"{name}: store calls per process {calls}"
+        # Process 0: set, barrier, one directory read, a set per part (one but in
+        # agree_part), barrier, one directory delete; the others: set, barrier, get, barrier.
+        # 4N + 2 in total (4N + 1 + parts).
+        parts = 2 if name == "agree_part" else 1
+        assert calls == [5 + parts] + [4] * (JAX_WORLD - 1), f"{name}: store calls per process {calls}"
 
 
 TORCH_WORKER = r"""
@@ -267,6 +275,9 @@ got = {
     "broadcast": tc.broadcast(c, "from 1" if rank == 1 else None, 1),
     "barrier": tc.barrier(c),
     "agree": tc.agree(c, {rank, 3}, lambda sets: sorted(set.intersection(*sets))),
+    "agree_part": tc.agree_part(c, rank * 10, f"r{rank}", lambda vs: {"r0": vs[1], "r1": vs[0]}),
+    # The rounds above ran on the process group's own store, not all_gather_object.
+    "rounds": type(c._rounds).__name__,
 }
 json.dump(got, open(f"{out}/torch-{rank}.json", "w"))
 dist.destroy_process_group()
@@ -274,8 +285,9 @@ dist.destroy_process_group()
 
 
 def test_torch_coordinator_reductions_on_gloo(tmp_path):
-    """TorchCoordinator's one-byte all-reduce for `all_true`, and the reductions it computes
-    from `all_gather`, on a real gloo group of two processes."""
+    """TorchCoordinator's one-byte all-reduce for `all_true`, and its other reductions as
+    rounds on the process group's own store (O(1) bytes per rank), on a real gloo group of
+    two processes."""
     from test_multirank import free_port
 
     port = free_port()
@@ -290,9 +302,9 @@ def test_torch_coordinator_reductions_on_gloo(tmp_path):
                 p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     want = {"all_true": [False, True], "agree_min": 4, "agree_max": 5, "broadcast": "from 1", "barrier": None,
-            "agree": [3]}
+            "agree": [3], "rounds": "KVStoreCoordinator"}
     for r in range(2):
-        assert json.loads((tmp_path / f"torch-{r}.json").read_text()) == want
+        assert json.loads((tmp_path / f"torch-{r}.json").read_text()) == {**want, "agree_part": [10, 0][r]}
 
 
 AGREE_WORKER = r"""

@@ -12,8 +12,7 @@ planning on rank 0 places items per host). Costs as formulas: docs/scale.md, "Co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from .coordinator import Coordinator, agree_part
 
@@ -25,9 +24,9 @@ HostMembers = tuple[int, str, list[tuple[int, str]]]
 Entry = tuple[str, Optional[str], Optional[str], Optional[str], Optional[str]]
 
 
-@dataclass
-class HostPart:
-    """What one host's ranks learn when the store opens."""
+class HostPart(NamedTuple):
+    """What one host's ranks learn when the store opens (a tuple: it pickles without its
+    field names)."""
 
     launch: str
     #: The peer tier's job id and secret (rank 0's; None without a peer tier or secret).
@@ -85,7 +84,7 @@ def host_parts(everyone: list[Entry], neighbours: Callable[[int], list[list[int]
         parts[f"host {host}"] = HostPart(launch, job, secret, len(names), i, ranks_on[host],
                                          [members(k) for k in known], error)
     first = parts[f"host {everyone[0][0]}"]
-    parts[RANK0] = HostPart(**{**first.__dict__, "every_host": [e[0] for e in everyone]})
+    parts[RANK0] = first._replace(every_host=[e[0] for e in everyone])
     return parts
 
 
