@@ -243,10 +243,11 @@ def _outcome(blob: bytes, round_key: str, rank: int) -> Any:
 
 
 class _Combining:
-    """The collectives of a coordinator over a key-value store, all one `_exchange(value,
-    combine)`: every rank hands in its value, one rank reads them all and applies `combine`,
-    every rank reads that one result. Each rank makes O(1) store operations and one rank O(N)
-    bytes more; a reduction hands the others O(1) bytes. Costs as formulas: docs/scale.md."""
+    """The collectives of a coordinator over a key-value store, all one round
+    (`_exchange_parts`): every rank hands in its value and the part of the result it wants,
+    one rank reads them all and applies `combine`, every rank reads its part (the one result,
+    but in agree_part). Each rank makes O(1) store operations and one rank O(N) bytes more; a
+    reduction hands the others O(1) bytes. Costs as formulas: docs/scale.md."""
 
     rank: int
     world_size: int
@@ -304,8 +305,8 @@ class KVStoreCoordinator(_Combining):
     tools and tests do.
 
     A round: each rank appends its value to one key and counts itself in; the rank whose count
-    is the last combines the values into one key, which every other rank reads; the last to
-    count itself out deletes the round's four keys. Nothing exchanged stays in the store, so
+    is the last combines the values into one key per part, of which every other rank reads
+    its own; the last to count itself out deletes the round's keys. Nothing exchanged stays in the store, so
     the peer secret handed out in one (when the policy sets none) is not left where anyone who
     reaches the TCPStore could read it."""
 

@@ -341,8 +341,7 @@ impl Store {
         if let Some(s) = secret {
             cluster.set_secret(s)?;
         }
-        let members: Vec<HostMembers> =
-            members.into_iter().map(|(index, name, ranks)| HostMembers { index, name, ranks }).collect();
+        let members: Vec<HostMembers> = members.into_iter().map(|(index, name, ranks)| HostMembers { index, name, ranks }).collect();
         Ok(cluster.join_hosts(job, hosts, &members)?)
     }
 

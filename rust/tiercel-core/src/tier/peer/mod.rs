@@ -112,7 +112,10 @@ impl Cluster {
             .filter_map(|h| {
                 let ranks = self.ranks_on.get(&h)?;
                 let n = ranks.len();
-                Some(HolderHost { name: self.names[&h].clone(), addrs: (0..n).map(|i| self.addrs[&ranks[(my_index + i) % n]].clone()).collect() })
+                Some(HolderHost {
+                    name: self.names[&h].clone(),
+                    addrs: (0..n).map(|i| self.addrs[&ranks[(my_index + i) % n]].clone()).collect(),
+                })
             })
             .collect();
         Some(holders)

@@ -130,7 +130,9 @@ impl Handler for ReplicaStore {
             // here and the ranks of this host; the others have nothing to ask of it.
             match c.host_of.get(&client.rank) {
                 Some(&h) if c.names[&h] == client.host => Ok(()),
-                Some(&h) => Err(Error::invalid(format!("rank {} is on host {} in this job, not {}", client.rank, c.names[&h], client.host))),
+                Some(&h) => {
+                    Err(Error::invalid(format!("rank {} is on host {} in this job, not {}", client.rank, c.names[&h], client.host)))
+                }
                 None => Err(Error::invalid(format!(
                     "rank {} (host {}) is on no host that this one holds replicas for or sends to",
                     client.rank, client.host
