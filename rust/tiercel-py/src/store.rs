@@ -13,6 +13,9 @@ use tiercel_core::policy::Policy;
 use tiercel_core::store as core;
 use tiercel_core::tier::peer::HostMembers;
 
+/// One host as Python hands it to `connect_peer_hosts`: (index, name, [(rank, address)]).
+type HostTuple = (usize, String, Vec<(u32, String)>);
+
 use crate::errors::{invalid, TcResult};
 use crate::metrics;
 use crate::step::{StepReader, StepWriter};
@@ -330,13 +333,7 @@ impl Store {
     /// this process's own host and its placement neighbours (`peer_neighbours`), each as
     /// (host index, host name, [(rank, address)]).
     #[pyo3(signature = (job, hosts, members, secret=None))]
-    fn connect_peer_hosts(
-        &self,
-        job: &str,
-        hosts: usize,
-        members: Vec<(usize, String, Vec<(u32, String)>)>,
-        secret: Option<Vec<u8>>,
-    ) -> TcResult<()> {
+    fn connect_peer_hosts(&self, job: &str, hosts: usize, members: Vec<HostTuple>, secret: Option<Vec<u8>>) -> TcResult<()> {
         let cluster = self.inner.cluster().ok_or_else(|| invalid("the policy has no peer tier"))?;
         if let Some(s) = secret {
             cluster.set_secret(s)?;
