@@ -35,7 +35,7 @@ class HostPart(NamedTuple):
     #: Hosts in the job, this host's index (hosts are numbered in the order of their first
     #: rank, as the placement numbers them) and its ranks, ascending.
     hosts: int
-    index: int
+    host_index: int
     local: list[int]
     #: This host and its placement neighbours (the peer tier's `peer_neighbours`).
     members: list[HostMembers]

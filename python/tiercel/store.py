@@ -137,7 +137,7 @@ class Store:
         if has_peer:
             if part.error is not None:
                 raise InvalidArgumentError(f"rank {self.rank}: the peer tier's placement: {part.error}")
-            others = [a for i, _, ranks in part.members if i != part.index for _, a in ranks]
+            others = [a for i, _, ranks in part.members if i != part.host_index for _, a in ranks]
             if addr is not None and is_loopback(addr) and any(not is_loopback(a) for a in others):
                 raise InvalidArgumentError(
                     f"rank {self.rank} (host {host}) advertises the loopback address {addr} for its peer server, "
