@@ -114,3 +114,37 @@ def test_store_open_hands_each_rank_its_hosts_part_whatever_the_world_size(tmp_p
     # Two rounds (the exchange, the barrier after connecting) of at most 9 calls each, and a
     # delete per part (one per host, and rank 0's).
     assert calls[12][1] <= 2 * 9 + 12 // PER_HOST + 1, f"the busiest rank made more than O(1) + one delete per part: {calls}"
+
+
+ERROR_WORKER = r"""
+import datetime, os, sys, traceback
+import torch.distributed as td  # once, before the fork
+import tiercel
+from tiercel import coordinator as tc
+
+port, world, base = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+
+
+def rank_main(rank):
+    os.environ["TIERCEL_HOST"] = f"h{rank}"
+    policy = {"tier": [{"name": "ram", "kind": "memory", "root": f"{base}/h{rank}"},
+                       {"name": "peer", "kind": "peer", "listen": "127.0.0.1:0", "replicas": 2, "placement": "group"}]}
+    real = td.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=60))
+    try:
+        tiercel.Store(policy, coordinator=tc.KVStoreCoordinator(real, rank, world, prefix="bad"))
+    except tiercel.InvalidArgumentError as e:
+        assert "2 does not divide 3" in str(e) and "hosts: h0, h1, h2" in str(e) and f"rank {rank}" in str(e), e
+        return
+    raise AssertionError(f"rank {rank} opened a store whose placement cannot be made")
+
+
+""" + FORK_RANKS
+
+
+def test_a_placement_that_cannot_be_made_fails_every_rank_none_waits(tmp_path, shm_root):
+    """Group placement of 2 replicas over 3 hosts: the rank that combines finds it cannot be
+    made, and every rank raises InvalidArgumentError naming it and the hosts."""
+    master = td.TCPStore("127.0.0.1", 0, 4, True, wait_for_workers=False)
+    proc = subprocess.run([PYTHON, "-c", ERROR_WORKER, str(master.port), "3", str(shm_root)],
+                          env=child_env({"OMP_NUM_THREADS": "1"}), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -208,13 +208,12 @@ def _combined(values: Iterable[tuple[int, bytes]], world_size: int,
     """What the combining rank hands back, one blob per part some rank asked for: (True, that
     part of combine(values by rank)), or (False, why) in every part, so that every rank
     raises rather than some waiting on a result that never comes. A value is pickled
-    (part, pickled value): the part is read even when the value does not load."""
+    (part, pickled value): every part asked for is known before any value is loaded."""
+    handed = [(rank, *pickle.loads(data)) for rank, data in values]  # (rank, part, pickled value)
+    asked = {part for _, part, _ in handed}
     by_rank: dict[int, Any] = {}
-    asked: set[str] = set()
     try:
-        for rank, data in values:
-            part, inner = pickle.loads(data)
-            asked.add(part)
+        for rank, _, inner in handed:
             if rank in by_rank or not 0 <= rank < world_size:
                 raise ValueError(f"a value from rank {rank} twice or outside the world of {world_size}")
             by_rank[rank] = pickle.loads(inner)

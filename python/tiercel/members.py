@@ -72,7 +72,8 @@ def host_parts(everyone: list[Entry], neighbours: Callable[[int], list[list[int]
         try:
             around = neighbours(len(names))
         except Exception as e:  # noqa: BLE001 -- every rank raises it, as its own connect would
-            error = str(e)
+            more = ", ..." if len(names) > 16 else ""
+            error = f"{e} (hosts: {', '.join(names[:16])}{more})"
 
     def members(i: int) -> HostMembers:
         # (An address is None only without a peer tier, where nobody connects to it.)
