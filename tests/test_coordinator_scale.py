@@ -51,7 +51,9 @@ port, world, mode, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.ar
 
 
 class Counting:
-    # Forwards every call to the real store; counts calls by name and the bytes `get` returns.
+    # Forwards every call to the real store; counts calls by name and the bytes `get` returns
+    # (but the list of an agree_part round's parts, which only its last reader reads to delete
+    # them: O(parts) once per round).
     def __init__(self, store):
         self._store, self.calls, self.got = store, 0, 0
         self.names = []
@@ -63,7 +65,7 @@ class Counting:
             self.calls += 1
             self.names.append(name)
             result = real(*args, **kwargs)
-            if name == "get":
+            if name == "get" and not str(args[0]).endswith("/parts"):
                 self.got += len(result)
             return result
 
@@ -75,6 +77,10 @@ def collective(c, i, rank):
     if mode == "gather":
         value = {"rank": rank, "round": i, "pad": "x" * (rank % 7)}
         return "all_gather", c.all_gather(value), [{"rank": r, "round": i, "pad": "x" * (r % 7)} for r in range(world)]
+    if mode == "parts":
+        # Groups of 4 ranks: each rank receives its group's values only.
+        got = tc.agree_part(c, (i, rank), f"group {rank // 4}", by_group)
+        return "agree_part", got, [(i, r) for r in range(rank // 4 * 4, rank // 4 * 4 + 4)]
     name, run, want = [
         ("all_true", lambda: tc.all_true(c, rank != 17), False),
         ("all_true", lambda: tc.all_true(c, True), True),
@@ -87,6 +93,10 @@ def collective(c, i, rank):
         ("raises", lambda: raised(lambda: tc.agree_min(c, None if rank == 5 else rank)), True),
     ][i]
     return name, run(), want
+
+
+def by_group(values):
+    return {f"group {g}": values[4 * g : 4 * g + 4] for g in range(len(values) // 4)}
 
 
 def raised(run):
@@ -106,7 +116,7 @@ def rank_main(rank):
     store = Counting(real)
     c = tc.KVStoreCoordinator(store, rank, world, prefix=tc_prefix)
     log = []
-    for i in range(3 if mode == "gather" else 8):
+    for i in range(3 if mode in ("gather", "parts") else 8):
         calls, got, n = store.calls, store.got, len(store.names)
         name, have, want = collective(c, i, rank)
         log.append({"name": name, "ok": have == want, "have": repr(have)[:200], "calls": store.calls - calls,
@@ -132,9 +142,10 @@ def run_world(tmp_path, mode: str) -> list[list[dict]]:
     return [json.loads((tmp_path / f"{mode}-{r}.json").read_text()) for r in range(WORLD)]
 
 
-def check_costs(logs: list[list[dict]], got_by_others: int) -> list[tuple[str, int, int]]:
-    """Per collective: its total store calls (<= 4N + 5), every rank's (<= 9, whatever N), and
-    the bytes read by every rank but the one that combined (<= `got_by_others`)."""
+def check_costs(logs: list[list[dict]], got_by_others: int, parts: int = 0) -> list[tuple[str, int, int]]:
+    """Per collective: its total store calls (<= 4N + 5; 4N + P + 7 with P `parts`), every
+    rank's (<= 9, whatever N; the last reader's P + 5 more with parts), and the bytes read by
+    every rank but the one that combined (<= `got_by_others`)."""
     costs = []
     for i in range(len(logs[0])):
         entries = [log[i] for log in logs]
@@ -144,8 +155,11 @@ def check_costs(logs: list[list[dict]], got_by_others: int) -> list[tuple[str, i
         total = sum(e["calls"] for e in entries)
         busiest = max(e["calls"] for e in entries)
         costs.append((name, total, busiest))
-        assert total <= 4 * WORLD + 5, f"{name} #{i}: {total} store calls for {WORLD} ranks; O(N) is 4N + 5 = {4 * WORLD + 5}"
-        assert busiest <= 9, f"{name} #{i}: a rank made {busiest} store calls; O(1) per rank is at most 9"
+        most = 4 * WORLD + (parts + 7 if parts else 5)
+        assert total <= most, f"{name} #{i}: {total} store calls for {WORLD} ranks; O(N) is at most {most}"
+        assert busiest <= 9 + (parts + 5 if parts else 0), f"{name} #{i}: a rank made {busiest} store calls"
+        usual = sorted(e["calls"] for e in entries)[-3]  # but the combining rank and the last reader
+        assert usual <= 4, f"{name} #{i}: ranks made {usual} store calls; O(1) per rank is 4"
         combiners = [r for r, e in enumerate(entries) if e["combined"]]
         assert len(combiners) == 1, f"{name} #{i}: ranks {combiners} combined; one must"
         read = max(e["got"] for r, e in enumerate(entries) if r not in combiners)
@@ -165,6 +179,13 @@ def test_reductions_hand_each_rank_o_of_1_bytes(tmp_path):
     # The combining rank reads every value (O(N) bytes); every other rank reads one result.
     costs = check_costs(logs, got_by_others=100)
     assert [c[0] for c in costs] == ["all_true", "all_true", "agree_min", "agree_max", "broadcast", "barrier", "agree", "raises"]
+    print(costs)
+
+
+def test_agree_part_hands_each_rank_its_part_only(tmp_path):
+    logs = run_world(tmp_path, "parts")
+    # A rank receives its group of 4's values (about 100 bytes), whatever N.
+    costs = check_costs(logs, got_by_others=120, parts=WORLD // 4)
     print(costs)
 
 
@@ -194,6 +215,10 @@ class Counting:
         return call
 
 
+def by_parity(values):
+    return {f"p{k}": [v for v in values if v % 2 == k] for k in (0, 1)}
+
+
 real = distributed.global_state.client
 client = Counting(real)
 c = tc.JaxCoordinator(timeout_s=60, client=client)
@@ -206,6 +231,8 @@ cases = [
     ("broadcast", lambda: tc.broadcast(c, "secret" if pid == 2 else None, 2), "secret"),
     ("barrier", lambda: tc.barrier(c), None),
     ("agree", lambda: tc.agree(c, {pid, 7, 9 - pid}, lambda sets: sorted(set.intersection(*sets))), [7]),
+    # Each process receives its part only: the values of the processes of its parity.
+    ("agree_part", lambda: tc.agree_part(c, pid, f"p{pid % 2}", by_parity), [p for p in range(world) if p % 2 == pid % 2]),
 ]
 log = []
 for name, run, want in cases:
@@ -248,9 +275,11 @@ def test_jax_coordinator_collectives_in_o_of_n_calls(tmp_path):
         name = entries[0]["name"]
         assert all(e["ok"] for e in entries), f"{name}: wrong results {[e['have'] for e in entries]}"
         calls = [e["calls"] for e in entries]
-        # Process 0: set, barrier, one directory read, set, barrier, one directory delete; the
-        # others: set, barrier, get, barrier. 4N + 2 in total.
-        assert calls == [6] + [4] * (JAX_WORLD - 1), f"{name}: store calls per process {calls}"
+        # Process 0: set, barrier, one directory read, a set per part (one but in
+        # agree_part), barrier, one directory delete; the others: set, barrier, get, barrier.
+        # 4N + 2 in total (4N + 1 + parts).
+        parts = 2 if name == "agree_part" else 1
+        assert calls == [5 + parts] + [4] * (JAX_WORLD - 1), f"{name}: store calls per process {calls}"
 
 
 TORCH_WORKER = r"""
@@ -267,6 +296,9 @@ got = {
     "broadcast": tc.broadcast(c, "from 1" if rank == 1 else None, 1),
     "barrier": tc.barrier(c),
     "agree": tc.agree(c, {rank, 3}, lambda sets: sorted(set.intersection(*sets))),
+    "agree_part": tc.agree_part(c, rank * 10, f"r{rank}", lambda vs: {"r0": vs[1], "r1": vs[0]}),
+    # The rounds above ran on the process group's own store, not all_gather_object.
+    "rounds": type(c._rounds).__name__,
 }
 json.dump(got, open(f"{out}/torch-{rank}.json", "w"))
 dist.destroy_process_group()
@@ -274,8 +306,9 @@ dist.destroy_process_group()
 
 
 def test_torch_coordinator_reductions_on_gloo(tmp_path):
-    """TorchCoordinator's one-byte all-reduce for `all_true`, and the reductions it computes
-    from `all_gather`, on a real gloo group of two processes."""
+    """TorchCoordinator's one-byte all-reduce for `all_true`, and its other reductions as
+    rounds on the process group's own store (O(1) bytes per rank), on a real gloo group of
+    two processes."""
     from test_multirank import free_port
 
     port = free_port()
@@ -290,9 +323,9 @@ def test_torch_coordinator_reductions_on_gloo(tmp_path):
                 p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     want = {"all_true": [False, True], "agree_min": 4, "agree_max": 5, "broadcast": "from 1", "barrier": None,
-            "agree": [3]}
+            "agree": [3], "rounds": "KVStoreCoordinator"}
     for r in range(2):
-        assert json.loads((tmp_path / f"torch-{r}.json").read_text()) == want
+        assert json.loads((tmp_path / f"torch-{r}.json").read_text()) == {**want, "agree_part": [10, 0][r]}
 
 
 AGREE_WORKER = r"""
@@ -307,8 +340,8 @@ port, world, policy, out = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.ar
 
 class Counting:
     # Forwards every call to the real store; notes, in order, each `get` and the bytes it
-    # returned: one per round per rank, a round's "out" key (its result: all that a rank that
-    # did not combine receives) or its "in" key (every rank's value: the combining rank).
+    # returned: one per round per rank, a round's result ("out": its part, all that a rank
+    # that did not combine receives) or its "in" key (every rank's value: the combining rank).
     def __init__(self, store):
         self._store, self.gets = store, []
 
@@ -318,7 +351,7 @@ class Counting:
         def call(*args, **kwargs):
             result = real(*args, **kwargs)
             if name == "get":
-                self.gets.append((str(args[0]).rsplit("/", 1)[1], len(result)))
+                self.gets.append(("out" if "/part/" in str(args[0]) else str(args[0]).rsplit("/", 1)[1], len(result)))
             return result
 
         return call

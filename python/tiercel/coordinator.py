@@ -4,7 +4,7 @@ tiercel never runs a membership service of its own. A restore asks every rank wh
 can restore and takes the newest step all of them can; that takes one all-gather.
 
 Every coordinator has `all_gather`. Where a caller needs only the combined answer, the
-functions `all_true`, `agree`, `agree_min`, `agree_max`, `broadcast` and `barrier` cost less: they use
+functions `all_true`, `agree`, `agree_part`, `agree_min`, `agree_max`, `broadcast` and `barrier` cost less: they use
 the coordinator's own method of that name where it has one (the coordinators here do) and fall
 back to `all_gather`, so a coordinator of the user's own needs only the protocol. Costs per
 rank and in total, as formulas in the number of ranks: docs/scale.md.
@@ -16,7 +16,7 @@ import operator
 import pickle
 import struct
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 from .environment import launcher_job
@@ -52,6 +52,7 @@ class TorchCoordinator:
         self._dist = dist
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self._rounds = _default_store_rounds(self.rank, self.world_size)
 
     def all_gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
@@ -75,14 +76,46 @@ class TorchCoordinator:
         return [bool(t.item()) for t in out]
 
     def all_true(self, flag: bool) -> bool:
-        """Whether every rank's `flag` is true: on a gloo group one all-reduce of one byte."""
+        """Whether every rank's `flag` is true: on a gloo group one all-reduce of one byte,
+        else a round on the job's store."""
         if not self._gloo():
+            if self._rounds is not None:
+                return self._rounds.all_true(flag)
             return all(bool(v) for v in self.all_gather(flag))
         import torch
 
         t = torch.tensor([int(bool(flag))], dtype=torch.uint8)
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN)
         return bool(t.item())
+
+    def __getattr__(self, name: str) -> Any:
+        """`agree`, `agree_part`, `agree_min`, `agree_max`, `broadcast`, `barrier`: one round on
+        the store the process group was made with (`_default_store_rounds`), so a rank sends
+        and receives O(1) bytes where `all_gather_object` hands it N values. Without that
+        store they are missing, and the functions below compute them from `all_gather`."""
+        rounds = self.__dict__.get("_rounds")
+        if name in _ROUND_METHODS and rounds is not None:
+            return getattr(rounds, name)
+        raise AttributeError(name)
+
+
+def _default_store_rounds(rank: int, world_size: int) -> KVStoreCoordinator | None:
+    """Rounds on the key-value store torch.distributed's default group was made with (the
+    TCPStore of init_process_group, behind torch's prefix), or None where there is none with
+    the calls a round needs (a user's own store without append, a torch without the call)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store = _get_default_store()
+    except Exception:  # noqa: BLE001 -- a private call of torch's: without it, all_gather_object
+        return None
+    if not all(hasattr(store, m) for m in ("append", "add", "set", "get", "delete_key")):
+        return None
+    return KVStoreCoordinator(store, rank, world_size, prefix="tiercel-torch")
+
+
+# The collectives a coordinator built on rounds has besides all_gather.
+_ROUND_METHODS = frozenset({"agree", "agree_part", "agree_min", "agree_max", "broadcast", "barrier"})
 
 
 def _cheap(coordinator: Coordinator, name: str) -> Any:
@@ -111,6 +144,16 @@ def agree(coordinator: Coordinator, value: Any, combine: Callable[[list[Any]], A
     every rank. Collective."""
     fast = _cheap(coordinator, "agree")
     return fast(value, combine) if fast is not None else combine(coordinator.all_gather(value))
+
+
+def agree_part(coordinator: Coordinator, value: Any, part: str,
+               combine: Callable[[list[Any]], Mapping[str, Any]]) -> Any:
+    """`combine(every rank's value, by rank)[part]`: `combine` runs once, on one rank, and
+    makes one result per part name (a host's, a replica group's); each rank receives only the
+    part it names (None where `combine` made none), so its bytes grow with its part, not with
+    N. `combine` must be the same function on every rank; `part` may differ. Collective."""
+    fast = _cheap(coordinator, "agree_part")
+    return fast(value, part, combine) if fast is not None else combine(coordinator.all_gather(value)).get(part)
 
 
 def agree_min(coordinator: Coordinator, value: Any) -> Any:
@@ -152,21 +195,41 @@ def _next_round(prefix: str) -> str:
     return f"{prefix}/{_rounds[prefix]}"
 
 
-def _combined(values: Iterable[tuple[int, bytes]], world_size: int, combine: Callable[[list[Any]], Any]) -> bytes:
-    """What the combining rank hands back to all: (True, combine(values by rank)), or (False,
-    why) so that every rank raises rather than some waiting on a result that never comes."""
+# The one part of a round whose combine makes a single result (every collective but
+# agree_part).
+_WHOLE = ""
+
+
+def _whole(combine: Callable[[list[Any]], Any]) -> Callable[[list[Any]], dict[str, Any]]:
+    return lambda values: {_WHOLE: combine(values)}
+
+
+def _combined(values: Iterable[tuple[int, bytes]], world_size: int,
+              combine: Callable[[list[Any]], Mapping[str, Any]]) -> dict[str, bytes]:
+    """What the combining rank hands back, one blob per part some rank asked for: (True, that
+    part of combine(values by rank)), or (False, why) in every part, so that every rank
+    raises rather than some waiting on a result that never comes. A value is pickled
+    (part, pickled value): every part asked for is known before any value is loaded."""
+    handed = [(rank, *pickle.loads(data)) for rank, data in values]  # (rank, part, pickled value)
+    asked = {part for _, part, _ in handed}
     by_rank: dict[int, Any] = {}
     try:
-        for rank, data in values:
+        for rank, _, inner in handed:
             if rank in by_rank or not 0 <= rank < world_size:
                 raise ValueError(f"a value from rank {rank} twice or outside the world of {world_size}")
-            by_rank[rank] = pickle.loads(data)
+            by_rank[rank] = pickle.loads(inner)
         missing = [r for r in range(world_size) if r not in by_rank]
         if missing:
             raise ValueError(f"no value from ranks {missing[:8]}")
-        return pickle.dumps((True, combine([by_rank[r] for r in range(world_size)])))
+        parts = combine([by_rank[r] for r in range(world_size)])
+        return {p: pickle.dumps((True, parts.get(p))) for p in asked}
     except Exception as e:  # noqa: BLE001 -- any failure must reach every rank, not hang them
-        return pickle.dumps((False, f"{type(e).__name__}: {e}"))
+        why = pickle.dumps((False, f"{type(e).__name__}: {e}"))
+        return {p: why for p in asked}
+
+
+def _handed_in(value: Any, part: str) -> bytes:
+    return pickle.dumps((part, pickle.dumps(value)))
 
 
 def _outcome(blob: bytes, round_key: str, rank: int) -> Any:
@@ -180,16 +243,26 @@ def _outcome(blob: bytes, round_key: str, rank: int) -> Any:
 
 
 class _Combining:
-    """The collectives of a coordinator over a key-value store, all one `_exchange(value,
-    combine)`: every rank hands in its value, one rank reads them all and applies `combine`,
-    every rank reads that one result. Each rank makes O(1) store operations and one rank O(N)
-    bytes more; a reduction hands the others O(1) bytes. Costs as formulas: docs/scale.md."""
+    """The collectives of a coordinator over a key-value store, all one round
+    (`_exchange_parts`): every rank hands in its value and the part of the result it wants,
+    one rank reads them all and applies `combine`, every rank reads its part (the one result,
+    but in agree_part). Each rank makes O(1) store operations and one rank O(N) bytes more; a
+    reduction hands the others O(1) bytes. Costs as formulas: docs/scale.md."""
 
     rank: int
     world_size: int
 
-    def _exchange(self, value: Any, combine: Callable[[list[Any]], Any]) -> Any:
+    def _exchange_parts(self, value: Any, part: str, combine: Callable[[list[Any]], Mapping[str, Any]],
+                        several: bool) -> Any:
+        """One round; `several`: the ranks may ask for different parts (agree_part), so the
+        combining rank leaves the list of them for the one that cleans up."""
         raise NotImplementedError
+
+    def _exchange(self, value: Any, combine: Callable[[list[Any]], Any]) -> Any:
+        return self._exchange_parts(value, _WHOLE, _whole(combine), several=False)
+
+    def agree_part(self, value: Any, part: str, combine: Callable[[list[Any]], Mapping[str, Any]]) -> Any:
+        return self._exchange_parts(value, part, combine, several=True)
 
     def all_gather(self, value: Any) -> list[Any]:
         return self._exchange(value, list)
@@ -232,8 +305,8 @@ class KVStoreCoordinator(_Combining):
     tools and tests do.
 
     A round: each rank appends its value to one key and counts itself in; the rank whose count
-    is the last combines the values into one key, which every other rank reads; the last to
-    count itself out deletes the round's four keys. Nothing exchanged stays in the store, so
+    is the last combines the values into one key per part, of which every other rank reads
+    its own; the last to count itself out deletes the round's keys. Nothing exchanged stays in the store, so
     the peer secret handed out in one (when the policy sets none) is not left where anyone who
     reaches the TCPStore could read it."""
 
@@ -249,21 +322,33 @@ class KVStoreCoordinator(_Combining):
         self.world_size = world_size
         self._prefix = prefix
 
-    def _exchange(self, value: Any, combine: Callable[[list[Any]], Any]) -> Any:
-        key = _next_round(self._prefix)
-        data = pickle.dumps(value)
-        self._store.append(f"{key}/in", _FRAME.pack(self.rank, len(data)) + data)
+    def _exchange_parts(self, value: Any, part: str, combine: Callable[[list[Any]], Mapping[str, Any]],
+                        several: bool) -> Any:
+        key, store = _next_round(self._prefix), self._store
+        data = _handed_in(value, part)
+        store.append(f"{key}/in", _FRAME.pack(self.rank, len(data)) + data)
         # Each rank appends before it counts itself in, in order on its connection: the one
         # that counts last finds every value in the key.
-        if self._store.add(f"{key}/arrived", 1) == self.world_size:
-            result = _combined(_frames(self._store.get(f"{key}/in")), self.world_size, combine)
-            self._store.set(f"{key}/out", result)
+        if store.add(f"{key}/arrived", 1) == self.world_size:
+            results = _combined(_frames(store.get(f"{key}/in")), self.world_size, combine)
+            names = [f"{key}/part/{p}" for p in results]
+            if several:  # for the last reader, who deletes them
+                store.set(f"{key}/parts", pickle.dumps(names))
+            if len(results) > 1 and hasattr(store, "multi_set"):
+                store.multi_set(names, list(results.values()))
+            else:
+                for name, blob in zip(names, results.values()):
+                    store.set(name, blob)
+            result = results[part]
         else:
-            result = self._store.get(f"{key}/out")
+            result = store.get(f"{key}/part/{part}")
         # A counter, not a second round: only the last reader knows every rank has read.
-        if self._store.add(f"{key}/read", 1) == self.world_size:
-            for k in ("in", "arrived", "out", "read"):
-                self._store.delete_key(f"{key}/{k}")
+        if store.add(f"{key}/read", 1) == self.world_size:
+            names = pickle.loads(store.get(f"{key}/parts")) if several else [f"{key}/part/{_WHOLE}"]
+            for k in ["in", "arrived", "read", *(["parts"] if several else [])]:
+                store.delete_key(f"{key}/{k}")
+            for name in names:
+                store.delete_key(name)
         return _outcome(result, key, self.rank)
 
 
@@ -289,17 +374,20 @@ class JaxCoordinator(_Combining):
         self.world_size = jax.process_count()
         self._timeout_ms = int(timeout_s * 1000)
 
-    def _exchange(self, value: Any, combine: Callable[[list[Any]], Any]) -> Any:
+    def _exchange_parts(self, value: Any, part: str, combine: Callable[[list[Any]], Mapping[str, Any]],
+                        several: bool) -> Any:
         key = _next_round("tiercel-jax")
         client, ms = self._client, self._timeout_ms
-        client.key_value_set_bytes(f"{key}/in/{self.rank}", pickle.dumps(value))
+        client.key_value_set_bytes(f"{key}/in/{self.rank}", _handed_in(value, part))
         client.wait_at_barrier(f"{key}/arrived", ms)
         if self.rank == 0:
             entries = client.key_value_dir_get_bytes(f"{key}/in")
-            result = _combined(((int(k.rsplit("/", 1)[1]), v) for k, v in entries), self.world_size, combine)
-            client.key_value_set_bytes(f"{key}/out", result)
+            results = _combined(((int(k.rsplit("/", 1)[1]), v) for k, v in entries), self.world_size, combine)
+            for p, blob in results.items():
+                client.key_value_set_bytes(f"{key}/part/{p}", blob)
+            result = results[part]
         else:
-            result = client.blocking_key_value_get_bytes(f"{key}/out", ms)
+            result = client.blocking_key_value_get_bytes(f"{key}/part/{part}", ms)
         client.wait_at_barrier(f"{key}/read", ms)
         if self.rank == 0:
             client.key_value_delete(key)  # a directory: every key of the round

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from .advertise import advertised_address
-from .coordinator import broadcast
+from .coordinator import agree_part, broadcast
 from .errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -65,13 +65,13 @@ def share_replicated(store: Store, reader: Reader | None) -> dict[str, Any] | No
     wants = reader is not None and _slow(store, reader) and any(
         it.replica_primary is not None for it in reader.manifest.items)
     step = reader.step if reader is not None else None
-    everyone = _meet(store, wants, step)
-    members = [(r, everyone[r][1], everyone[r][2]) for r in store.replica_group
-               if everyone[r][0] and everyone[r][3] == step]
-    if reader is None or not wants or len(members) < 2:
+    group = store.replica_group[0]  # the group's name: its lowest rank
+    plan = _meet(store, wants, step, f"group {group} step {step}", _group_plans, group)
+    if reader is None or not wants or plan is None:
         return None
-    chosen = _chosen(store, everyone, members[0][0])
-    if chosen == "all":
+    members, first_auto = plan
+    chosen = _chosen(store, first_auto)
+    if len(members) < 2 or chosen == "all":
         return None
     stats: dict[str, Any] = reader._core.broadcast(members, chosen)
     _remember_rates(store, stats)
@@ -90,23 +90,62 @@ def share_pieces(store: Store, step: int, wanted: dict[tuple[int, int], Reader])
     # Whether a reader's tier is slow, once per saved rank: many pieces share a reader.
     slow = {rank for rank, r in {key[0]: r for key, r in wanted.items()}.items() if _slow(store, r)}
     mine = sorted(key for key in wanted if key[0] in slow)
-    everyone = _meet(store, bool(mine), step, mine)
+    plan = _meet(store, bool(mine), step, f"rank {store.rank}", _piece_plans, mine)
+    if plan is None:
+        return None
+    first_auto, members, shared = plan
+    chosen = _chosen(store, first_auto)
+    if chosen == "all":
+        return None
+    items = [(wanted[key]._core, key[1], key[0], position, takers) for key, position, takers in shared]
+    stats: dict[str, Any] = store._core.broadcast_items(items, members, chosen)
+    _remember_rates(store, stats)
+    return stats
+
+
+# What a rank hands in to the meeting: (wants, host, relay address, step, its `auto`
+# choice, *extra): its replica group's name for a replicated restore, its pieces for
+# `share_pieces`.
+Meeting = tuple[Any, ...]
+
+
+def _group_plans(everyone: list[Meeting]) -> dict[str, tuple[list[tuple[int, str, str]], str]]:
+    """Per replica group and step, the members that read together ((rank, host, relay
+    address), by rank) and the first one's `auto` choice: each rank receives its group's,
+    O(its group) bytes however many groups the job has."""
+    plans: dict[str, tuple[list[tuple[int, str, str]], str]] = {}
+    for r, (wants, host, addr, step, auto, group) in enumerate(everyone):
+        if wants:
+            plans.setdefault(f"group {group} step {step}", ([], auto))[0].append((r, host, addr))
+    return plans
+
+
+def _piece_plans(everyone: list[Meeting]) -> dict[str, tuple[str, list[tuple[int, str, str]], list[Any]]]:
+    """Per process that reads a piece another reads too: the first such process's `auto`
+    choice, the processes it shares pieces with ((rank, host, relay address), by rank,
+    itself among them) and its shared pieces ((saved rank, item), the piece's position among
+    all shared pieces, its readers as indices into those processes)."""
+    step = everyone[0][3] if everyone else None
     takers: dict[tuple[int, int], list[int]] = {}
     for p, (wants, _, _, at, _, keys) in enumerate(everyone):
         for key in keys if wants and at == step else ():
             takers.setdefault((key[0], key[1]), []).append(p)
     shared = sorted(key for key, ps in takers.items() if len(ps) > 1)
     ranks = sorted({p for key in shared for p in takers[key]})
-    chosen = _chosen(store, everyone, ranks[0]) if store.rank in ranks else "all"
-    if chosen == "all":
-        return None
-    members = [(p, everyone[p][1], everyone[p][2]) for p in ranks]
-    index = {p: i for i, p in enumerate(ranks)}
-    items = [(wanted[key]._core, key[1], key[0], position, [index[p] for p in takers[key]])
-             for position, key in enumerate(shared) if store.rank in takers[key]]
-    stats: dict[str, Any] = store._core.broadcast_items(items, members, chosen)
-    _remember_rates(store, stats)
-    return stats
+    if not ranks:
+        return {}
+    first_auto = everyone[ranks[0]][4]
+    mine: dict[int, list[tuple[tuple[int, int], int]]] = {}
+    for position, key in enumerate(shared):
+        for p in takers[key]:
+            mine.setdefault(p, []).append((key, position))
+    plans = {}
+    for p, keys in mine.items():
+        with_ = sorted({q for key, _ in keys for q in takers[key]})
+        index = {q: i for i, q in enumerate(with_)}
+        members = [(q, everyone[q][1], everyone[q][2]) for q in with_]
+        plans[f"rank {p}"] = (first_auto, members, [(key, position, [index[q] for q in takers[key]]) for key, position in keys])
+    return plans
 
 
 def _shares(store: Store) -> bool:
@@ -121,11 +160,13 @@ def _slow(store: Store, reader: Reader) -> bool:
     return not fast.get(reader._core.tiers()[0], False)
 
 
-def _meet(store: Store, wants: bool, step: int | None, *extra: Any) -> list[tuple[Any, ...]]:
+def _meet(store: Store, wants: bool, step: int | None, part: str, combine: Callable[[list[Meeting]], Mapping[str, Any]],
+          *extra: Any) -> Any:
     """The two collectives before a broadcast: rank 0's secret and job name for the relays
     (agreed on at the first restore and kept: the relay is started once per store), then
-    every rank's (wants, host, relay address, step, its `auto` choice, *extra); this rank's
-    relay is started first if it `wants`."""
+    one round in which every rank hands in (wants, host, relay address, step, its `auto`
+    choice, *extra), one rank plans with `combine`, and this rank receives the plan named
+    `part` (None: nothing to share); this rank's relay is started first if it `wants`."""
     mine = store._sharing.relay
     if mine is None and store.rank == 0:
         mine = (secrets.token_hex(32), store.run_id or secrets.token_hex(8))
@@ -137,14 +178,14 @@ def _meet(store: Store, wants: bool, step: int | None, *extra: Any) -> list[tupl
         listen = os.environ.get("TIERCEL_RELAY_LISTEN", "0.0.0.0:0")
         bound = store._core.start_relay(listen, shared[1], store.host, shared[0].encode())
         addr = advertised_address(bound)
-    return store.coordinator.all_gather((wants, store.host, addr, step, auto_mode(store), *extra))
+    return agree_part(store.coordinator, (wants, store.host, addr, step, auto_mode(store), *extra), part, combine)
 
 
-def _chosen(store: Store, everyone: list[tuple[Any, ...]], first: int) -> str:
-    """The mode: the policy's, or for `auto` what the group's first member measured, so that
-    every member picks alike."""
+def _chosen(store: Store, first_auto: str) -> str:
+    """The mode: the policy's, or for `auto` what the first member measured (handed to all
+    in the plan), so that every member picks alike."""
     mode, _, _ = store._core.replicated_policy()
-    return str(everyone[first][4]) if mode == "auto" else mode
+    return str(first_auto) if mode == "auto" else mode
 
 
 def auto_mode(store: Store) -> str:

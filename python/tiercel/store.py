@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from . import _core, environment
+from . import _core, environment, members
 from .advertise import advertised_address, is_loopback
 from .coordinator import Coordinator, barrier, default_coordinator
 from .errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
@@ -86,8 +86,10 @@ class Store:
         #: This process's host, the failure domain: $TIERCEL_HOST, else $SLURMD_NODENAME, else
         #: the machine's name (tiercel.environment).
         self.host: str = environment.host()
-        #: Every rank's host, by rank (learned when the store joins its cluster).
-        self.hosts: list[str] = [self.host] * world_size
+        #: Every rank's host, by rank: learned when the store joins its cluster, on rank 0
+        #: only (the rank that plans for all, as DCP's coordinator); None on the others,
+        #: which learn only their own host's ranks and their peers' (docs/scale.md).
+        self.hosts: list[str] | None = [self.host] * world_size if self.rank == 0 else None
         self.last_restore: RestoreInfo | None = None
         #: What a restore shared with the replica group leaves for the next (tiercel.replicas).
         self._sharing = Sharing()
@@ -100,8 +102,9 @@ class Store:
 
     def _join_cluster(self) -> None:
         """Learns which ranks share this host (its memory tier commits a step once they all
-        have it) and, with a peer tier, everyone's peer address. Collective when the job has
-        several ranks: one all-gather through the coordinator.
+        have it) and, with a peer tier, the peer addresses of the hosts its placement pairs
+        with this one. Collective when the job has several ranks: one round through the
+        coordinator in which each rank receives its host's part (tiercel.members).
 
         The host name is the failure domain (`environment.host`). The
         peer secret comes from the policy or $TIERCEL_PEER_SECRET, else rank 0 makes one and
@@ -132,20 +135,25 @@ class Store:
                 if not self._core.peer_has_secret():
                     secret = secrets.token_hex(32)
                 job = getattr(self._core, "run_id", None) or secrets.token_hex(8)
-        everyone = self.coordinator.all_gather((host, addr, secret, job, launch))
-        self.hosts = hosts = [e[0] for e in everyone]
-        self._core.set_local_ranks([r for r, h in enumerate(hosts) if h == host])
-        self._core.set_launch(everyone[0][4])
+        # One round: each rank learns its own host's part only (tiercel.members).
+        neighbours = self._core.peer_neighbours if has_peer else None
+        part = members.learn(self.coordinator, self.rank, (host, addr, secret, job, launch), neighbours)
+        self.hosts = part.every_host
+        self._core.set_local_ranks(part.local)
+        self._core.set_launch(part.launch)
         if has_peer:
-            _, _, shared, job, _ = everyone[0]
-            others = [e[1] for e in everyone if e[0] != host]
+            if part.error is not None:
+                raise InvalidArgumentError(f"rank {self.rank}: the peer tier's placement: {part.error}")
+            others = [a for i, _, ranks in part.members if i != part.host_index for _, a in ranks]
             if addr is not None and is_loopback(addr) and any(not is_loopback(a) for a in others):
                 raise InvalidArgumentError(
                     f"rank {self.rank} (host {host}) advertises the loopback address {addr} for its peer server, "
                     "which other hosts cannot reach: set TIERCEL_ADVERTISE to this host's address on the job's "
                     "network, or give the peer tier's `listen` that address"
                 )
-            self._core.connect_peers(job, hosts, [e[1] for e in everyone], shared.encode() if shared else None)
+            assert part.job is not None  # rank 0 hands one out with a peer tier
+            self._core.connect_peer_hosts(part.job, part.hosts, part.members,
+                                          part.secret.encode() if part.secret else None)
             # No rank pushes a replica before every peer server knows the job's members.
             barrier(self.coordinator)
 

@@ -144,8 +144,8 @@ class Writer(StorageWriter, AsyncStager):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Gives back each host one copy of every item its ranks hold (DCP keeps one copy
         in the whole job): restores then read such items from their own host."""
-        hosts = self.store.hosts
-        if len(plans) != len(hosts) or not all(p.usable for p in plans):
+        hosts = self.store.hosts  # known on rank 0, DCP's coordinator here (checked above)
+        if hosts is None or len(plans) != len(hosts) or not all(p.usable for p in plans):
             return [dataclasses.replace(p, storage_data=None) for p in plans]
         held: dict[str, set[Any]] = {h: set() for h in hosts}
         for host, p in zip(hosts, plans):

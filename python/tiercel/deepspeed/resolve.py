@@ -9,11 +9,12 @@ can see (for `export` and for loads outside `load_checkpoint`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 from .. import kit
-from ..coordinator import Coordinator, LocalCoordinator
+from ..coordinator import Coordinator, LocalCoordinator, agree
 from ..errors import InvalidArgumentError, NotFoundError, TiercelError
 from ..step import Reader
 from ..step_view import StepView
@@ -92,10 +93,17 @@ def coordinator_of(store: Store) -> Coordinator:
     return store.coordinator
 
 
-def gather(store: Store, value: Any) -> list[Any]:
-    if store.world_size == 1:
-        return [value]
-    return coordinator_of(store).all_gather(value)
+def _merged(step: int, layouts: list[tuple[dict | None, str]]) -> tuple[str | None, dict | None]:
+    """Every rank's layout of `step` merged into one (as a tree), or why they cannot be: a
+    combine of the ranks' layouts that one rank runs and hands to all (`coordinator.agree`)."""
+    if any(tree is None for tree, _ in layouts):
+        return "; ".join(f"rank {r}: {why}" for r, (tree, why) in enumerate(layouts) if tree is None), None
+    try:
+        merged = Layout.merge([Layout.from_tree(tree, f"step {step} rank {r}") for r, (tree, _) in enumerate(layouts)],
+                              f"step {step}")
+    except TiercelError as e:
+        return str(e), None
+    return None, merged.to_tree()
 
 
 def _own_layout(store: Store, step: int) -> tuple[dict | None, str]:
@@ -118,15 +126,11 @@ def resolve(store: Store, load_dir: str, tag: str | None) -> tuple[Found | None,
 
     def holds(step: int) -> str | None:
         """Why `step` holds no such checkpoint, or None (and `found` has it); the same on
-        every rank: it decides on every rank's layout."""
-        layouts = gather(store, _own_layout(store, step))
-        if any(tree is None for tree, _ in layouts):
-            return "; ".join(f"rank {r}: {why}" for r, (tree, why) in enumerate(layouts) if tree is None)
-        try:
-            layout = Layout.merge([Layout.from_tree(tree, f"step {step} rank {r}") for r, (tree, _) in enumerate(layouts)],
-                                  f"step {step}")
-        except TiercelError as e:
-            return str(e)
+        every rank: it decides on every rank's layout, merged once by one rank."""
+        why, tree = agree(coordinator_of(store), _own_layout(store, step), functools.partial(_merged, step))
+        if why is not None:
+            return why
+        layout = Layout.from_tree(tree, f"step {step}")
         saves = layout.checkpoints(want, tag)
         if not saves:
             return f"it holds {layout.describe()}"

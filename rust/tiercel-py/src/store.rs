@@ -11,6 +11,10 @@ use pyo3::types::PyDict;
 use tiercel_core::gc::Removal;
 use tiercel_core::policy::Policy;
 use tiercel_core::store as core;
+use tiercel_core::tier::peer::HostMembers;
+
+/// One host as Python hands it to `connect_peer_hosts`: (index, name, [(rank, address)]).
+type HostTuple = (usize, String, Vec<(u32, String)>);
 
 use crate::errors::{invalid, TcResult};
 use crate::metrics;
@@ -340,6 +344,26 @@ impl Store {
             cluster.set_secret(s)?;
         }
         Ok(cluster.join(job, &hosts, &addrs)?)
+    }
+
+    /// For each of `hosts` hosts, by index, the hosts it must know to join the peer tier
+    /// (its placement neighbours), or None when so few hosts leave the tier degraded.
+    fn peer_neighbours(&self, hosts: usize) -> TcResult<Option<Vec<Vec<usize>>>> {
+        let cluster = self.inner.cluster().ok_or_else(|| invalid("the policy has no peer tier"))?;
+        Ok(cluster.neighbours(hosts)?)
+    }
+
+    /// `connect_peers` knowing only some hosts: the job has `hosts` hosts; `members` holds
+    /// this process's own host and its placement neighbours (`peer_neighbours`), each as
+    /// (host index, host name, [(rank, address)]).
+    #[pyo3(signature = (job, hosts, members, secret=None))]
+    fn connect_peer_hosts(&self, job: &str, hosts: usize, members: Vec<HostTuple>, secret: Option<Vec<u8>>) -> TcResult<()> {
+        let cluster = self.inner.cluster().ok_or_else(|| invalid("the policy has no peer tier"))?;
+        if let Some(s) = secret {
+            cluster.set_secret(s)?;
+        }
+        let members: Vec<HostMembers> = members.into_iter().map(|(index, name, ranks)| HostMembers { index, name, ranks }).collect();
+        Ok(cluster.join_hosts(job, hosts, &members)?)
     }
 
     /// The peer server's connection counters (open, unauthenticated, refused, idle_closed),

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use crate::error::Result;
 use crate::scheduler::Link;
-use crate::tier::peer::PeerTier;
+use crate::tier::peer::{HostMembers, PeerTier};
 use crate::tier::Tier;
 
 /// The cluster tier of a Store, with the link its bytes between hosts travel on.
@@ -55,6 +55,18 @@ impl Cluster {
     /// Joins the job `job`'s members: every rank's host name and server address, by rank.
     pub fn join(&self, job: &str, hosts_by_rank: &[String], addrs: &[String]) -> Result<()> {
         self.tier.set_cluster(job, hosts_by_rank, addrs)
+    }
+
+    /// For each of `hosts` hosts, by index, the hosts it must know to join (its placement
+    /// neighbours); None when so few hosts leave the tier degraded.
+    pub fn neighbours(&self, hosts: usize) -> Result<Option<Vec<Vec<usize>>>> {
+        self.tier.neighbours(hosts)
+    }
+
+    /// Joins the job `job` of `hosts` hosts knowing only the members of this process's own
+    /// host and of its placement neighbours (`neighbours`).
+    pub fn join_hosts(&self, job: &str, hosts: usize, members: &[HostMembers]) -> Result<()> {
+        self.tier.set_members(job, hosts, members)
     }
 
     /// Joins a job of one process: its one host, this process's own address. Too few hosts

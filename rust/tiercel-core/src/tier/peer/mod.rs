@@ -40,16 +40,30 @@ use replicas::ReplicaStore;
 
 pub use replicas::REPLICA_DIR;
 
-/// Who is where: filled in once every rank has published its address via the coordinator.
+/// One host of the job as a process learns it when the store opens: its index in the
+/// placement, its name, and its ranks with their peer servers' addresses.
+#[derive(Clone, Debug)]
+pub struct HostMembers {
+    pub index: usize,
+    pub name: String,
+    /// (rank, "ip:port"), ascending by rank.
+    pub ranks: Vec<(u32, String)>,
+}
+
+/// Who is where, as far as this process needs to know: its own host and the hosts the
+/// placement pairs with it (those that hold its replicas and those whose replicas it holds),
+/// O(m) hosts however many the job has. Filled in once the store joined its cluster.
 pub struct Cluster {
     /// The job every member belongs to (connections from or to another job are refused).
     pub job: String,
-    /// Host index of each rank (failure domain = host).
-    pub host_of: Vec<usize>,
-    /// Host names, by host index.
-    pub names: Vec<String>,
-    /// Address ("ip:port") of each rank's peer server.
-    pub addrs: Vec<String>,
+    /// Host index of each rank known here (failure domain = host).
+    pub host_of: HashMap<u32, usize>,
+    /// Host names, by host index, of the hosts known here.
+    pub names: HashMap<usize, String>,
+    /// Address ("ip:port") of the peer server of each rank known here.
+    pub addrs: HashMap<u32, String>,
+    /// The ranks of each host known here, ascending.
+    ranks_on: HashMap<usize, Vec<u32>>,
     pub placement: Placement,
 }
 
@@ -60,27 +74,69 @@ struct HolderHost {
 }
 
 impl Cluster {
+    fn new(job: &str, members: &[HostMembers], placement: Placement) -> Cluster {
+        let mut c = Cluster {
+            job: job.to_string(),
+            host_of: HashMap::new(),
+            names: HashMap::new(),
+            addrs: HashMap::new(),
+            ranks_on: HashMap::new(),
+            placement,
+        };
+        for h in members {
+            c.names.insert(h.index, h.name.clone());
+            let mut ranks: Vec<u32> = h.ranks.iter().map(|(r, _)| *r).collect();
+            ranks.sort_unstable();
+            c.ranks_on.insert(h.index, ranks);
+            for (r, a) in &h.ranks {
+                c.host_of.insert(*r, h.index);
+                c.addrs.insert(*r, a.clone());
+            }
+        }
+        c
+    }
+
     /// Addresses that may hold `rank`'s replicas, grouped by peer host: on each peer host the
     /// process with the same local index first (it received them), then its neighbours,
-    /// which serve the same shared-memory root if that one is gone.
-    fn holders(&self, rank: u32) -> Vec<HolderHost> {
-        let host = self.host_of[rank as usize];
-        let local: Vec<usize> = (0..self.host_of.len()).filter(|r| self.host_of[*r] == host).collect();
-        let my_index = local.iter().position(|r| *r == rank as usize).unwrap_or(0);
-        self.placement
+    /// which serve the same shared-memory root if that one is gone. None when `rank` is on a
+    /// host this process does not know (neither its own nor a placement neighbour's); a
+    /// holder host it does not know is left out.
+    fn holders(&self, rank: u32) -> Option<Vec<HolderHost>> {
+        let host = *self.host_of.get(&rank)?;
+        let local = &self.ranks_on[&host];
+        let my_index = local.iter().position(|r| *r == rank).unwrap_or(0);
+        let holders = self
+            .placement
             .peers(host)
             .into_iter()
-            .map(|h| {
-                let ranks: Vec<usize> = (0..self.host_of.len()).filter(|r| self.host_of[*r] == h).collect();
+            .filter_map(|h| {
+                let ranks = self.ranks_on.get(&h)?;
                 let n = ranks.len();
-                HolderHost { name: self.names[h].clone(), addrs: (0..n).map(|i| self.addrs[ranks[(my_index + i) % n]].clone()).collect() }
+                Some(HolderHost {
+                    name: self.names[&h].clone(),
+                    addrs: (0..n).map(|i| self.addrs[&ranks[(my_index + i) % n]].clone()).collect(),
+                })
             })
-            .collect()
+            .collect();
+        Some(holders)
     }
 
     fn ident(&self, rank: u32) -> Ident {
-        Ident { job: self.job.clone(), host: self.names[self.host_of[rank as usize]].clone(), rank }
+        Ident { job: self.job.clone(), host: self.names[&self.host_of[&rank]].clone(), rank }
     }
+}
+
+/// The hosts each host talks to under `placement` (those holding its replicas and those it
+/// holds replicas for), by host index, ascending: what a host must learn of the others.
+pub fn neighbours(placement: &Placement, hosts: usize) -> Vec<Vec<usize>> {
+    let mut out: Vec<std::collections::BTreeSet<usize>> = vec![Default::default(); hosts];
+    for h in 0..hosts {
+        for p in placement.peers(h) {
+            out[h].insert(p);
+            out[p].insert(h);
+        }
+    }
+    out.into_iter().map(|s| s.into_iter().collect()).collect()
 }
 
 /// Steps whose pushes this process remembers (for `try_commit`): far more than any `keep`.
@@ -213,7 +269,8 @@ impl PeerTier {
     }
 
     /// Tells the tier where every rank is (host names and server addresses, by rank) and
-    /// which job they run; connections to or from another job are refused.
+    /// which job they run; connections to or from another job are refused. Hosts are
+    /// numbered in the order their first rank comes (`placement::host_of_ranks`).
     pub fn set_cluster(&self, job: &str, hosts_by_rank: &[String], addrs: &[String]) -> Result<()> {
         if hosts_by_rank.len() != addrs.len() || self.rank as usize >= addrs.len() {
             return Err(Error::invalid(format!(
@@ -225,19 +282,61 @@ impl PeerTier {
             )));
         }
         let (host_of, names) = crate::placement::host_of_ranks(hosts_by_rank);
+        let mut members: Vec<HostMembers> =
+            names.iter().enumerate().map(|(index, name)| HostMembers { index, name: name.clone(), ranks: vec![] }).collect();
+        for (rank, (h, a)) in host_of.iter().zip(addrs).enumerate() {
+            members[*h].ranks.push((rank as u32, a.clone()));
+        }
+        self.set_members(job, names.len(), &members)
+    }
+
+    /// The placement of `hosts` hosts, or None when they are too few for `replicas` (the
+    /// tier then runs degraded).
+    fn placement(&self, hosts: usize) -> Result<Option<Placement>> {
+        if hosts < self.replicas_wanted {
+            return Ok(None);
+        }
+        // (At least `replicas` >= 2 hosts here: "hosts" is plural.)
+        Placement::new(hosts, self.replicas_wanted, self.strategy)
+            .map(Some)
+            .map_err(|e| e.context(format!("tier '{}': {hosts} hosts", self.name)))
+    }
+
+    /// For each of `hosts` hosts, by index, the hosts it must know (`neighbours`); None when
+    /// the tier would run degraded with that many.
+    pub fn neighbours(&self, hosts: usize) -> Result<Option<Vec<Vec<usize>>>> {
+        Ok(self.placement(hosts)?.map(|p| neighbours(&p, hosts)))
+    }
+
+    /// Tells the tier which job it runs (connections to or from another job are refused),
+    /// how many hosts the job has, and the hosts it must know: its own, with this rank,
+    /// and its placement neighbours (`neighbours`), each with its ranks' server addresses.
+    pub fn set_members(&self, job: &str, hosts: usize, members: &[HostMembers]) -> Result<()> {
+        let mine = members.iter().find(|h| h.ranks.iter().any(|(r, _)| *r == self.rank));
+        let Some(mine) = mine else {
+            return Err(Error::invalid(format!("tier '{}': rank {} is on none of the hosts it was given", self.name, self.rank)));
+        };
+        if let Some(h) = members.iter().find(|h| h.index >= hosts) {
+            return Err(Error::invalid(format!("tier '{}': host {} has index {} of {hosts} hosts", self.name, h.name, h.index)));
+        }
         self.idle.lock().clear();
         self.manifests.lock().clear();
-        if names.len() < self.replicas_wanted {
+        let Some(placement) = self.placement(hosts)? else {
             // Every copy must live on a distinct host: with too few hosts there is nowhere to
             // put one. A job on one machine still saves and restores, without peer copies.
             *self.cluster.write() = None;
-            *self.degraded.write() = Some(format!("not enough hosts ({} < {})", names.len(), self.replicas_wanted));
+            *self.degraded.write() = Some(format!("not enough hosts ({hosts} < {})", self.replicas_wanted));
             return Ok(());
+        };
+        let known: std::collections::HashSet<usize> = members.iter().map(|h| h.index).collect();
+        let lacking: Vec<usize> = neighbours_of(&placement, mine.index).into_iter().filter(|h| !known.contains(h)).collect();
+        if !lacking.is_empty() {
+            return Err(Error::invalid(format!(
+                "tier '{}': host {} (index {}) was not told the members of its placement neighbours {lacking:?}",
+                self.name, mine.name, mine.index
+            )));
         }
-        // (At least `replicas` >= 2 hosts here: "hosts" is plural.)
-        let placement = Placement::new(names.len(), self.replicas_wanted, self.strategy)
-            .map_err(|e| e.context(format!("tier '{}': {} hosts ({})", self.name, names.len(), names.join(", "))))?;
-        *self.cluster.write() = Some(Cluster { job: job.to_string(), host_of, names, addrs: addrs.to_vec(), placement });
+        *self.cluster.write() = Some(Cluster::new(job, members, placement));
         self.idle.lock().clear();
         self.down.lock().clear();
         self.manifests.lock().clear();
@@ -271,10 +370,17 @@ impl PeerTier {
         let c = c.as_ref().ok_or_else(|| {
             Error::unavailable(format!("tier '{}': the peers are not known yet (the store was not connected to its cluster)", self.name))
         })?;
-        if rank as usize >= c.addrs.len() {
-            return Err(Error::invalid(format!("tier '{}': no rank {rank} in a cluster of {}", self.name, c.addrs.len())));
-        }
-        Ok(c.holders(rank))
+        c.holders(rank).ok_or_else(|| {
+            // A process learns the members of its own host and its placement neighbours
+            // only (O(m) hosts), not where every rank's replicas are.
+            Error::not_found(format!(
+                "tier '{}': rank {rank}'s replicas are not held by this host's placement neighbours (this process \
+                 knows the holders of its own host's and its neighbours' ranks only); read rank {rank}'s part from \
+                 another tier",
+                self.name
+            ))
+            .with_tier(&self.name)
+        })
     }
 
     /// Every address that may hold `rank`'s replicas, with its host's name.
@@ -474,14 +580,17 @@ impl PeerTier {
                 match c.as_ref() {
                     None => vec![],
                     Some(c) => {
-                        let mine = c.host_of[self.rank as usize];
-                        (0..c.host_of.len() as u32)
-                            .filter(|&r| {
-                                let theirs = c.host_of[r as usize];
-                                theirs != mine && c.placement.peers(theirs).contains(&mine) && !have.contains(&r)
-                            })
-                            .filter(|&r| serves(&c.addrs[r as usize]))
-                            .collect()
+                        // The ranks that push here are all on this host's neighbours.
+                        let mine = c.host_of[&self.rank];
+                        let mut ranks: Vec<u32> = c
+                            .host_of
+                            .iter()
+                            .filter(|&(r, &theirs)| theirs != mine && c.placement.peers(theirs).contains(&mine) && !have.contains(r))
+                            .map(|(r, _)| *r)
+                            .collect();
+                        ranks.sort_unstable();
+                        ranks.retain(|r| serves(&c.addrs[r]));
+                        ranks
                     }
                 }
             }
@@ -499,6 +608,15 @@ impl PeerTier {
         }
         Some(format!("tier '{}': {}", self.name, parts.join(" and ")))
     }
+}
+
+/// The hosts `host` talks to: its peers and the hosts it is a peer of.
+fn neighbours_of(placement: &Placement, host: usize) -> Vec<usize> {
+    let mut out = placement.peers(host);
+    out.extend(placement.keeps(host).into_iter().skip(1));
+    out.sort_unstable();
+    out.dedup();
+    out
 }
 
 /// How often `drain` looks again, and when it says what it waits for.

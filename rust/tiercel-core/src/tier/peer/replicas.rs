@@ -126,10 +126,17 @@ impl Handler for ReplicaStore {
             if to_host != me.host {
                 return Err(Error::invalid(format!("this is host {}, not host {to_host}", me.host)));
             }
-            match c.host_of.get(client.rank as usize) {
-                Some(&h) if c.names[h] == client.host => Ok(()),
-                Some(&h) => Err(Error::invalid(format!("rank {} is on host {} in this job, not {}", client.rank, c.names[h], client.host))),
-                None => Err(Error::invalid(format!("no rank {} in this job of {}", client.rank, c.host_of.len()))),
+            // This host knows its own ranks and its placement neighbours': the ranks that push
+            // here and the ranks of this host; the others have nothing to ask of it.
+            match c.host_of.get(&client.rank) {
+                Some(&h) if c.names[&h] == client.host => Ok(()),
+                Some(&h) => {
+                    Err(Error::invalid(format!("rank {} is on host {} in this job, not {}", client.rank, c.names[&h], client.host)))
+                }
+                None => Err(Error::invalid(format!(
+                    "rank {} (host {}) is on no host that this one holds replicas for or sends to",
+                    client.rank, client.host
+                ))),
             }
         })
     }
@@ -145,11 +152,13 @@ impl Handler for ReplicaStore {
                     client.host
                 )));
             }
-            let (mine, theirs) = (c.host_of[self.rank as usize], c.host_of[rank as usize]);
+            let mine = c.host_of[&self.rank];
+            // `admit` let the client in, so its rank is known here.
+            let theirs = *c.host_of.get(&rank).ok_or_else(|| Error::invalid(format!("rank {rank} is not known to this host")))?;
             if !c.placement.peers(theirs).contains(&mine) {
                 return Err(Error::invalid(format!(
                     "placement does not assign rank {rank}'s replicas (host {}) to host {}",
-                    c.names[theirs], c.names[mine]
+                    c.names[&theirs], c.names[&mine]
                 )));
             }
             Ok(())

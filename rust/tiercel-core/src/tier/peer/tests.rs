@@ -255,3 +255,43 @@ fn only_pushes_over_a_paced_link_cap_their_send_buffer() {
     a.shutdown();
     b.shutdown();
 }
+
+/// Four hosts of one rank each, `replicas = 2` (groups {h0, h1} and {h2, h3}): each tier is
+/// told only its own host and its placement neighbour, as a Store learns them when it opens.
+/// Replication and reads go on as with every member known; a rank on a host it was not told
+/// of is NotFound (read from another tier), and members that lack a neighbour are refused.
+#[test]
+fn a_tier_that_knows_only_its_neighbours_replicates_and_reads_back() {
+    let dir = shm_dir();
+    let tiers: Vec<Arc<PeerTier>> =
+        (0..4).map(|r| open_tier(dir.path(), r, &format!("h{r}"), 2, Duration::from_secs(5), Limits::default())).collect();
+    let host = |i: usize| HostMembers { index: i, name: format!("h{i}"), ranks: vec![(i as u32, tiers[i].local_addr().to_string())] };
+    let around = tiers[0].neighbours(4).unwrap().unwrap();
+    assert_eq!(around, vec![vec![1], vec![0], vec![3], vec![2]]);
+    for (i, t) in tiers.iter().enumerate() {
+        let mut known = vec![host(i)];
+        known.extend(around[i].iter().map(|&k| host(k)));
+        t.set_members("job", 4, &known).unwrap();
+    }
+    let data = vec![(0..5000u32).map(|i| (i % 13) as u8).collect::<Vec<u8>>()];
+    let m = manifest(2, 0, &data);
+    tiers[0].write_rank(&m, &VecSource(data.clone()), &Link::new("p", None)).unwrap();
+    assert_eq!(tiers[0].committed_steps().unwrap(), vec![2]);
+    let got = tiers[0].read_manifest(2, 0).unwrap();
+    let mut buf = vec![0u8; 5000];
+    for (c, ch) in got.items[0].chunks.iter().enumerate() {
+        crate::tier::read_chunk(&*tiers[0], &got, 0, c, &mut buf[ch.offset as usize..(ch.offset + ch.len) as usize]).unwrap();
+    }
+    assert_eq!(buf, data[0]);
+    // Host h1 holds rank 0's replica and knows rank 0; host h2's rank does not.
+    assert_eq!(tiers[1].read_manifest(2, 0).unwrap().items, m.items);
+    let e = tiers[2].read_manifest(2, 0).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::NotFound, "{e}");
+    assert!(e.message.contains("rank 0's replicas"), "{e}");
+    // Members without the placement neighbour: refused, naming what is missing.
+    let e = tiers[0].set_members("job", 4, &[host(0)]).unwrap_err();
+    assert!(e.message.contains("placement neighbours [1]"), "{e}");
+    for t in &tiers {
+        t.shutdown();
+    }
+}
