@@ -427,7 +427,14 @@ impl Store {
     /// Retention on one tier, as after every save: `keep`, uncommitted leftovers, abandoned
     /// uploads (see `gc`). Returns the removed steps.
     pub fn retain(&self, slot: &TierSlot) -> Result<Vec<u64>> {
-        let done = run_gc(&*slot.tier, &GcOptions { keep: slot.config.keep, temp_age: None, foreign: self.foreign_steps(slot) })?;
+        // One listing serves the foreign steps and the plan (a tier with commit records).
+        let opts = if slot.config.capabilities().commit_records {
+            let listed = slot.tier.list_steps()?;
+            GcOptions { keep: slot.config.keep, temp_age: None, foreign: self.foreign_among(slot, &listed.committed), listed: Some(listed) }
+        } else {
+            GcOptions { keep: slot.config.keep, ..Default::default() }
+        };
+        let done = run_gc(&*slot.tier, &opts)?;
         for r in done.iter().filter(|r| r.step().is_none()) {
             log::info!("tier '{}': removed {}", slot.config.name, r.reason);
         }
