@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 import subprocess
+import time
 
 import pytest
+from test_coordinator_scale import FORK_RANKS
 
 from conftest import PYTHON, child_env
 from faultproxy import FaultProxy
 from servers import moto_server, s3_env  # noqa: F401 (fixtures)
-from test_coordinator_scale import FORK_RANKS
 from test_object_store import shm  # noqa: F401 (fixture)
 
 td = pytest.importorskip("torch.distributed")
