@@ -56,8 +56,8 @@ pub trait Blobs: Send + Sync {
     fn lists_cheaply(&self) -> bool {
         false
     }
-    /// The one name at the root under which everything `leftovers` finds lives, if there is
-    /// one: a root listing without it means there are none (no request to look).
+    /// The one name at the root under which everything `leftovers(None)` finds lives, if
+    /// there is one: a root listing without it means there are none (no request to look).
     fn leftovers_under(&self) -> Option<&str> {
         None
     }

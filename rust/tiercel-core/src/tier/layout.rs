@@ -252,10 +252,11 @@ impl StepLayout {
             Target::TempFile { key, .. } => format::parse_step_dir(key.split('/').next().unwrap_or("")).is_some_and(|s| gone.contains(&s)),
             _ => false,
         };
-        // Where leftovers live under one name at the root (an object store's upload markers),
-        // a root without it has none: no request to look.
+        // Where the leftovers a retention run looks for (no `temp_age`) live under one name
+        // at the root (an object store's upload markers), a root without it has none: no
+        // request to look. gc with a `temp_age` also asks the server for unrecorded uploads.
         let leftovers = match (self.blobs.leftovers_under(), &listed.names) {
-            (Some(under), Some(names)) if !names.iter().any(|n| n == under) => vec![],
+            (Some(under), Some(names)) if opts.temp_age.is_none() && !names.iter().any(|n| n == under) => vec![],
             _ => self.blobs.leftovers(opts.temp_age)?,
         };
         plan.extend(leftovers.into_iter().filter(|r| !in_gone_step(r)));
