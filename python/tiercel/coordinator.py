@@ -8,6 +8,11 @@ functions `all_true`, `agree`, `agree_min`, `agree_max`, `broadcast` and `barrie
 the coordinator's own method of that name where it has one (the coordinators here do) and fall
 back to `all_gather`, so a coordinator of the user's own needs only the protocol. Costs per
 rank and in total, as formulas in the number of ranks: docs/scale.md.
+
+A coordinator may also offer `counter()`: a job-wide atomic counter, `add(key, by) -> int`
+(`StoreCounter`), through which the ranks' commits on a shared tier count themselves in
+rather than list the step (docs/scale.md, "Commit"); `counter(coordinator)` returns it, or
+None for a coordinator without one.
 """
 
 from __future__ import annotations
