@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 from . import _core, environment, members
 from .advertise import advertised_address, is_loopback
 from .coordinator import Coordinator, barrier, default_coordinator
+from .coordinator import counter as coordinator_counter
 from .errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
 from .metrics import Metrics
 from .newest import Need, agree, check_world_size, combined, world_size_error
@@ -141,6 +142,8 @@ class Store:
         self.hosts = part.every_host
         self._core.set_local_ranks(part.local)
         self._core.set_launch(part.launch)
+        # Commits on shared tiers count ranks in through the coordinator (docs/scale.md, "Commit").
+        self._core.set_counter(coordinator_counter(self.coordinator))
         if has_peer:
             if part.error is not None:
                 raise InvalidArgumentError(f"rank {self.rank}: the peer tier's placement: {part.error}")

@@ -210,8 +210,11 @@ impl PersistJob {
         }
         handle.set(name, TierState::Running);
         let started = Instant::now();
+        // A preemption's flush of a save the tier holds already only tries its commit (by
+        // listing: this rank counted itself in when it wrote), and leaves retention alone.
         let held = if again { super::preempt::held(slot, &manifest, store.world_size) } else { None };
-        let res = match held.map(Some).unwrap_or_else(|| write_and_commit(&store, slot, &manifest, &parts)) {
+        let held = held.map(|res| Some(res.map(|committed| super::Outcome { committed, retains: false })));
+        let res = match held.unwrap_or_else(|| write_and_commit(&store, slot, &manifest, &parts)) {
             Some(res) => res,
             None => {
                 // The store closed without waiting: cut off between two chunks.
@@ -221,7 +224,7 @@ impl PersistJob {
         };
         drop(parts);
         match res {
-            Ok(committed) => {
+            Ok(super::Outcome { committed, retains }) => {
                 let took = started.elapsed();
                 store.metrics.tier(idx).written(step, manifest.total_bytes(), took);
                 if committed {
@@ -235,7 +238,8 @@ impl PersistJob {
                     took.as_secs_f64()
                 );
                 if !committed {
-                    // The last rank to write commits it: `wait(commit)` looks for that.
+                    // Another rank commits it (the one that counts last, or the last to
+                    // finish where ranks list): `wait(commit)` looks for that.
                     let (weak, rank, generation) = (Arc::downgrade(&store), store.rank, manifest.generation.clone());
                     let probe = move || {
                         let store = weak.upgrade();
@@ -248,8 +252,11 @@ impl PersistJob {
                     handle.set_probe(name, Box::new(probe), false);
                 }
                 handle.set(name, if committed { TierState::Done } else { TierState::Written });
-                if let Err(e) = store.retain(slot) {
-                    log::warn!("tier '{name}': retention after step {step} failed: {e}");
+                // One rank per step deletes (`commit::Outcome::retains`), not every rank.
+                if retains {
+                    if let Err(e) = store.retain(slot) {
+                        log::warn!("tier '{name}': retention after step {step} failed: {e}");
+                    }
                 }
             }
             Err(e) => {
@@ -265,11 +272,15 @@ impl PersistJob {
     }
 }
 
-/// Writes the step to `slot`'s tier and tries its commit: whether it committed; None when the
-/// store closed without waiting and cut the write off (`LinkClosed`).
-fn write_and_commit(store: &Store, slot: &TierSlot, manifest: &Manifest, parts: &[Part]) -> Option<Result<bool>> {
+/// Writes the step to `slot`'s tier and commits it there if this rank is the last
+/// (`Store::commit_persisted`): whether it committed and whether this rank runs retention;
+/// None when the store closed without waiting and cut the write off (`LinkClosed`).
+fn write_and_commit(store: &Store, slot: &TierSlot, manifest: &Manifest, parts: &[Part]) -> Option<Result<super::Outcome>> {
     let src = SegmentSource { manifest, segments: parts };
-    let write = || slot.tier.write_rank(manifest, &src, &slot.link).and_then(|_| slot.tier.try_commit(manifest.step, store.world_size));
+    let write = || {
+        store.retract_count(slot, manifest.step);
+        slot.tier.write_rank(manifest, &src, &slot.link).and_then(|_| store.commit_persisted(slot, manifest))
+    };
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(write)) {
         Ok(res) => Some(res),
         Err(p) if p.is::<LinkClosed>() => None,

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::blobs::Blobs;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{self, ChunkMeta, CommitRecord, JobId, Manifest};
-use crate::gc::{self, GcOptions, Removal, Target};
+use crate::gc::{self, GcOptions, Listed, Removal, Target};
 
 pub struct StepLayout {
     tier: String,
@@ -46,13 +46,22 @@ impl StepLayout {
 
     /// Committed steps, oldest first.
     pub fn committed_steps(&self) -> Result<Vec<u64>> {
-        let mut out = vec![];
-        for s in self.all_steps()? {
+        Ok(self.list_steps()?.committed)
+    }
+
+    /// All steps, the committed ones and the names at the root, from one listing (and one
+    /// look per step for its commit record).
+    pub fn list_steps(&self) -> Result<Listed> {
+        let names = self.blobs.list("")?;
+        let mut all: Vec<u64> = names.iter().filter_map(|n| format::parse_step_dir(n)).collect();
+        all.sort_unstable();
+        let mut committed = vec![];
+        for &s in &all {
             if self.blobs.exists(&key(s, format::COMMIT_NAME))? {
-                out.push(s);
+                committed.push(s);
             }
         }
-        Ok(out)
+        Ok(Listed { all, committed, names: Some(names) })
     }
 
     pub fn commit_record(&self, step: u64) -> Result<CommitRecord> {
@@ -127,13 +136,45 @@ impl StepLayout {
         let Some(generation) = self.one_generation(step, &needed)? else {
             return Ok(false);
         };
+        self.write_commit(step, world_size, ranks, generation)?;
+        Ok(true)
+    }
+
+    /// Writes `step`'s commit record of save `generation` for all of `world_size` ranks,
+    /// without reading their manifests: the caller counted every rank in after its manifest
+    /// of `generation` was durable (`store::commit`). Where listing is cheap (a filesystem:
+    /// one directory read, no request), it checks that every manifest is here all the same: a
+    /// directory that is not one shared by every host would otherwise commit ranks it lacks.
+    pub fn commit_counted(&self, step: u64, world_size: u32, generation: &Option<String>) -> Result<()> {
+        if self.blobs.lists_cheaply() {
+            let have = self.ranks(step)?;
+            let missing: Vec<u32> = (0..world_size).filter(|r| have.binary_search(r).is_err()).collect();
+            if !missing.is_empty() {
+                return Err(Error::integrity(format!(
+                    "tier '{}': step {step}: every rank counted its manifest in, but {} has none of ranks {:?}{}: \
+                     an fs tier must be one directory that every host of the job mounts",
+                    self.tier,
+                    self.blobs.describe(&format::step_dir(step)),
+                    &missing[..missing.len().min(8)],
+                    if missing.len() > 8 { " ..." } else { "" }
+                ))
+                .with_tier(&self.tier)
+                .with_step(step));
+            }
+        }
+        self.write_commit(step, world_size, None, generation.clone())
+    }
+
+    /// The commit record, last and create-if-absent: a commit there already (the same save's,
+    /// by a rank that retried, or one a reader already trusts) is left as it is.
+    fn write_commit(&self, step: u64, world_size: u32, ranks: Option<Vec<u32>>, generation: Option<String>) -> Result<()> {
         let mut record = CommitRecord::new(step, world_size, &self.tier);
         record.ranks = ranks;
         record.job = self.job.read().clone();
         record.generation = generation;
         crate::failpoint::hit("commit");
         self.blobs.put_if_absent(&key(step, format::COMMIT_NAME), &record.to_json())?;
-        Ok(true)
+        Ok(())
     }
 
     /// The generation that the manifests of `ranks` share: `Some(generation)` when they all
@@ -197,8 +238,12 @@ impl StepLayout {
     pub fn gc_plan(&self, opts: &GcOptions) -> Result<Vec<Removal>> {
         // Another job's steps are neither counted towards `keep` nor removed.
         let mine = |s: &u64| !opts.foreign.contains(s);
-        let committed: Vec<u64> = self.committed_steps()?.into_iter().filter(mine).collect();
-        let all: Vec<u64> = self.all_steps()?.into_iter().filter(mine).collect();
+        let listed = match &opts.listed {
+            Some(l) => l.clone(),
+            None => self.list_steps()?,
+        };
+        let committed: Vec<u64> = listed.committed.into_iter().filter(mine).collect();
+        let all: Vec<u64> = listed.all.into_iter().filter(mine).collect();
         let mut plan = gc::step_removals(&committed, &all, opts.keep);
         let gone = gc::steps_of(&plan);
         // A temporary file inside a step that goes anyway is not listed twice; an upload is:
@@ -207,7 +252,13 @@ impl StepLayout {
             Target::TempFile { key, .. } => format::parse_step_dir(key.split('/').next().unwrap_or("")).is_some_and(|s| gone.contains(&s)),
             _ => false,
         };
-        let leftovers = self.blobs.leftovers(opts.temp_age)?;
+        // Where the leftovers a retention run looks for (no `temp_age`) live under one name
+        // at the root (an object store's upload markers), a root without it has none: no
+        // request to look. gc with a `temp_age` also asks the server for unrecorded uploads.
+        let leftovers = match (self.blobs.leftovers_under(), &listed.names) {
+            (Some(under), Some(names)) if opts.temp_age.is_none() && !names.iter().any(|n| n == under) => vec![],
+            _ => self.blobs.leftovers(opts.temp_age)?,
+        };
         plan.extend(leftovers.into_iter().filter(|r| !in_gone_step(r)));
         Ok(plan)
     }
@@ -266,6 +317,10 @@ macro_rules! forward_to_layout {
             self.layout.committed_steps()
         }
 
+        fn list_steps(&self) -> crate::error::Result<crate::gc::Listed> {
+            self.layout.list_steps()
+        }
+
         fn commit_record(&self, step: u64) -> crate::error::Result<crate::format::CommitRecord> {
             self.layout.commit_record(step)
         }
@@ -312,5 +367,21 @@ mod tests {
         layout.write_manifest(&manifest(5, 1, "a.2")).unwrap();
         assert!(layout.try_commit(5, 2, None).unwrap());
         assert_eq!(layout.commit_record(5).unwrap().generation.as_deref(), Some("a.2"));
+    }
+
+    /// The counted commit writes the record of the counted generation without reading a
+    /// manifest; on a filesystem it still refuses a directory that lacks a counted rank's
+    /// manifest (one not shared by every host), naming the rank.
+    #[test]
+    fn a_counted_commit_records_its_generation_and_refuses_a_directory_missing_ranks() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = StepLayout::new("t", Arc::new(FsBlobs::new("t", dir.path()).unwrap()));
+        layout.write_manifest(&manifest(5, 0, "a.1")).unwrap();
+        let e = layout.commit_counted(5, 2, &Some("a.1".into())).unwrap_err();
+        assert!(e.message.contains("none of ranks [1]") && e.message.contains("every host"), "{}", e.message);
+        assert!(layout.commit_record(5).is_err());
+        layout.write_manifest(&manifest(5, 1, "a.1")).unwrap();
+        layout.commit_counted(5, 2, &Some("a.1".into())).unwrap();
+        assert_eq!(layout.commit_record(5).unwrap().generation.as_deref(), Some("a.1"));
     }
 }
