@@ -1,0 +1,64 @@
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::store::{Req, SimOptions};
+use super::*;
+
+fn fast(ranks: u32) -> SimConfig {
+    SimConfig { ranks, store: SimOptions { latency: Duration::from_millis(1), ..Default::default() }, ..Default::default() }
+}
+
+/// Ranks one after another, in the steady state (step 3, keep 1: each step removes the one
+/// before): the requests of today's protocol are exactly the formula of docs/scale.md,
+/// 15N + 4 per step, and the last rank alone reads every manifest.
+#[test]
+fn requests_per_step_follow_the_formula() {
+    let n = 8u64;
+    let cfg = SimConfig { sequential: true, ..fast(n as u32) };
+    let steps = run(&cfg);
+    let s = &steps[2];
+    assert_eq!(s.failed, 0, "{:?}", s.errors);
+    let want: BTreeMap<(Req, &str), u64> = [
+        ((Req::Put, "data"), n),
+        ((Req::Put, "manifest"), n),
+        ((Req::Put, "commit"), 1),
+        // Each rank's uncommit, then the retention that removes step 2.
+        ((Req::Delete, "commit"), n + 1),
+        ((Req::Delete, "manifest"), n),
+        // Each rank's commit attempt, then the removal's recursive listing and DeleteObjects.
+        ((Req::List, "step"), n + 1),
+        ((Req::Post, "step"), 1),
+        // The last rank sees every manifest and reads them all (the generation rule).
+        ((Req::Get, "manifest"), n),
+        // Each process reads each committed step's record once (`Store::other_job`).
+        ((Req::Get, "commit"), n),
+        // Retention: committed steps twice (3 LISTs of the root with all steps), one HEAD
+        // per step present (2) each time, and the upload markers.
+        ((Req::Head, "commit"), 4 * n),
+        ((Req::List, "root"), 3 * n),
+        ((Req::List, "other"), n),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(s.tally.requests, want);
+    assert_eq!(s.tally.total(), 15 * n + 4);
+    assert_eq!(s.tally.slowdowns, 0);
+    assert!(s.commit_delay.is_some(), "step 3 did not commit");
+}
+
+/// All ranks at once against a prefix that admits 20 writes a second: the store answers
+/// 503s, the client's retries get every save through, and every step commits.
+#[test]
+fn slowdowns_are_answered_and_retried() {
+    let mut cfg = fast(8);
+    cfg.store.write_rate = 20.0;
+    cfg.steps = 2;
+    let steps = run(&cfg);
+    for s in &steps {
+        assert_eq!(s.failed, 0, "step {}: {:?}", s.step, s.errors);
+        assert!(s.commit_delay.is_some(), "step {} did not commit", s.step);
+    }
+    assert!(steps.iter().map(|s| s.tally.slowdowns).sum::<u64>() > 0, "no 503 at 32 writes against 20 a second");
+    // Arrivals count refused requests too: the demand, above what the prefix admits.
+    assert!(steps[0].tally.peak_writes.0 > 20, "{:?}", steps[0].tally.peak_writes);
+}
