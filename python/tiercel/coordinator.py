@@ -30,6 +30,30 @@ class Coordinator(Protocol):
         ...
 
 
+class StoreCounter:
+    """The job-wide counter of the commit protocol over a key-value store's atomic `add`: the
+    rank whose add brings a step's count to the world size commits it (docs/scale.md,
+    "Commit"). Called from the Store's background threads; `delete` removes a count once the
+    step is committed (where the store can delete keys)."""
+
+    def __init__(self, add: Callable[[str, int], int], delete: Callable[[str], Any] | None, source: str):
+        self._add, self._delete, self.source = add, delete, source
+
+    def __call__(self, key: str, by: int) -> int:
+        return int(self._add(key, by))
+
+    def delete(self, key: str) -> None:
+        if self._delete is not None:
+            self._delete(key)
+
+
+def counter(coordinator: Coordinator | None) -> StoreCounter | None:
+    """The coordinator's job-wide atomic counter (its `counter()`), or None where it has none:
+    commits then list the step (O(N) requests per rank rather than O(1))."""
+    make = getattr(coordinator, "counter", None)
+    return make() if make is not None else None
+
+
 class LocalCoordinator:
     """A job of one process."""
 
@@ -56,6 +80,16 @@ class TorchCoordinator:
         out: list[Any] = [None] * self.world_size
         self._dist.all_gather_object(out, value)
         return out
+
+    def counter(self) -> StoreCounter | None:
+        """`add` of torch's default c10d store (the TCPStore the process group was made with)."""
+        from torch.distributed import distributed_c10d
+
+        try:
+            store = distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError, AttributeError):  # a group made without a store
+            return None
+        return StoreCounter(store.add, getattr(store, "delete_key", None), f"TorchCoordinator (rank {self.rank}): the c10d store")
 
     def _gloo(self) -> bool:
         return "gloo" in str(self._dist.get_backend())
@@ -248,6 +282,10 @@ class KVStoreCoordinator(_Combining):
         self.world_size = world_size
         self._prefix = prefix
 
+    def counter(self) -> StoreCounter:
+        """The store's `add`."""
+        return StoreCounter(self._store.add, self._store.delete_key, f"KVStoreCoordinator (rank {self.rank}): {type(self._store).__name__}")
+
     def _exchange(self, value: Any, combine: Callable[[list[Any]], Any]) -> Any:
         key = _next_round(self._prefix)
         data = pickle.dumps(value)
@@ -287,6 +325,13 @@ class JaxCoordinator(_Combining):
         self.rank = jax.process_index()
         self.world_size = jax.process_count()
         self._timeout_ms = int(timeout_s * 1000)
+
+    def counter(self) -> StoreCounter | None:
+        """The distributed client's `key_value_increment` (jaxlib 0.10 has it; None before)."""
+        add = getattr(self._client, "key_value_increment", None)
+        if add is None:
+            return None
+        return StoreCounter(add, self._client.key_value_delete, f"JaxCoordinator (process {self.rank}): the distributed client")
 
     def _exchange(self, value: Any, combine: Callable[[list[Any]], Any]) -> Any:
         key = _next_round("tiercel-jax")

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 from . import _core
 from .advertise import advertised_address, is_loopback
 from .coordinator import Coordinator, barrier, default_coordinator
+from .coordinator import counter as coordinator_counter
 from .errors import IntegrityError, InvalidArgumentError, NotFoundError, TiercelError
 from .metrics import Metrics
 from .newest import Need, agree, check_world_size, combined, world_size_error
@@ -129,6 +130,8 @@ class Store:
         self.hosts = hosts = [e[0] for e in everyone]
         self._core.set_local_ranks([r for r, h in enumerate(hosts) if h == host])
         self._core.set_launch(everyone[0][4])
+        # Commits on shared tiers count ranks in through the coordinator (docs/scale.md, "Commit").
+        self._core.set_counter(coordinator_counter(self.coordinator))
         if has_peer:
             _, _, shared, job, _ = everyone[0]
             others = [e[1] for e in everyone if e[0] != host]

@@ -51,6 +51,11 @@ pub trait Blobs: Send + Sync {
     fn exists(&self, key: &str) -> Result<bool>;
     /// Names of the entries directly under `prefix` ("" for the root).
     fn list(&self, prefix: &str) -> Result<Vec<String>>;
+    /// Whether `list` costs no request (a directory read on this host), so that a check by
+    /// listing costs nothing worth counting.
+    fn lists_cheaply(&self) -> bool {
+        false
+    }
     /// Deletes `key`; a missing key is not an error.
     fn delete(&self, key: &str) -> Result<()>;
     /// Deletes everything under `prefix`.
@@ -210,6 +215,10 @@ impl Blobs for FsBlobs {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
             Err(e) => Err(self.err(&p, e)),
         }
+    }
+
+    fn lists_cheaply(&self) -> bool {
+        true
     }
 
     fn list(&self, prefix: &str) -> Result<Vec<String>> {

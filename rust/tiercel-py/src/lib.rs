@@ -4,6 +4,7 @@
 //! to Python, `metrics` the core's metrics.
 
 mod buffer;
+mod counter;
 mod errors;
 mod kinds;
 mod metrics;

@@ -46,9 +46,16 @@ pub fn exiting(py: Python<'_>) {
     });
 }
 
-struct InFlight;
+/// One call into Python from a Rust thread, counted while it lasts (`exiting` waits for it).
+pub(crate) struct InFlight;
 
 impl InFlight {
+    /// Counts a call in; None once the interpreter is exiting (the call must not be made).
+    pub(crate) fn enter_unless_exiting() -> Option<InFlight> {
+        let f = InFlight::enter();
+        (!EXITING.load(Ordering::SeqCst)).then_some(f)
+    }
+
     fn enter() -> InFlight {
         IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
         InFlight
@@ -127,7 +134,7 @@ impl PyBlobs {
 
 /// `ValueError: disk full (at mypkg/tiers.py:42)`: the user's exception and the innermost
 /// place it was raised.
-fn describe_exception(py: Python<'_>, e: &PyErr) -> String {
+pub(crate) fn describe_exception(py: Python<'_>, e: &PyErr) -> String {
     let kind = e.get_type(py).name().map(|n| n.to_string()).unwrap_or_else(|_| "Exception".into());
     let mut text = match e.value(py).str() {
         Ok(s) if !s.to_string_lossy().is_empty() => format!("{kind}: {}", s.to_string_lossy()),

@@ -257,6 +257,21 @@ impl Store {
         self.inner.set_launch(token)
     }
 
+    /// Sets the job-wide counter that commits on shared tiers count ranks in: a callable
+    /// `add(key, by) -> int` (with `delete(key)` where the store can delete keys), called
+    /// from background threads; None: commits list the step instead (docs/scale.md, "Commit").
+    #[pyo3(signature = (counter=None))]
+    fn set_counter(&self, py: Python<'_>, counter: Option<PyObject>) {
+        let c = counter
+            .map(|c| std::sync::Arc::new(crate::counter::PyCounter::new(py, c)) as std::sync::Arc<dyn tiercel_core::store::StepCounter>);
+        self.inner.set_counter(c)
+    }
+
+    /// Whether commits count ranks in (a counter is set) rather than list the step.
+    fn has_counter(&self) -> bool {
+        self.inner.has_counter()
+    }
+
     /// `[restore] replicated`, `relay_window` (bytes) and `relay_timeout` (seconds).
     fn replicated_policy(&self) -> (&'static str, u64, f64) {
         let r = self.inner.policy.replicated;

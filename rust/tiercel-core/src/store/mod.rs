@@ -7,6 +7,7 @@
 
 mod broadcast;
 mod cluster;
+mod commit;
 mod copy;
 mod handle;
 mod job;
@@ -30,6 +31,7 @@ use crate::tier::{run_gc, Tier};
 
 pub use broadcast::{BroadcastStats, Group, Member, SharedItem};
 pub use cluster::{Cluster, ServerStats};
+pub use commit::{counter_key, LocalCounter, Outcome, StepCounter};
 pub use copy::copy_step;
 pub use handle::{SaveHandle, TierState};
 pub use job::{job_of, JobFilter, RUN_ID_VARS};
@@ -74,6 +76,9 @@ pub struct Store {
     /// process has committed a save of each step: together a save's generation (`next_generation`).
     launch: parking_lot::RwLock<Option<String>>,
     committed: parking_lot::Mutex<std::collections::BTreeMap<u64, u32>>,
+    /// The job-wide counter that commits on shared tiers count ranks in (`commit`): the
+    /// coordinator's (`set_counter`), this process's own in a job of one; None: they list.
+    counter: parking_lot::RwLock<Option<Arc<dyn commit::StepCounter>>>,
     /// The relay replicas of a group pass chunks over on restore (started on first use).
     relay: parking_lot::Mutex<Option<Arc<crate::transport::relay::Relay>>>,
     /// Whether segments for this process's next save are (being) pre-faulted: after each
@@ -174,6 +179,9 @@ impl Store {
             // at open (`set_launch`); until then saves carry no generation.
             launch: parking_lot::RwLock::new((world_size == 1).then(launch_token)),
             committed: Default::default(),
+            counter: parking_lot::RwLock::new(
+                (world_size == 1).then(|| Arc::new(commit::LocalCounter::default()) as Arc<dyn commit::StepCounter>),
+            ),
             relay: Default::default(),
             prefaulting: Default::default(),
             save_order: Default::default(),

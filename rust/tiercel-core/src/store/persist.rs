@@ -189,7 +189,7 @@ impl PersistJob {
         };
         drop(parts);
         match res {
-            Ok(committed) => {
+            Ok(super::Outcome { committed, retains }) => {
                 let took = started.elapsed();
                 store.metrics.tier(idx).written(step, manifest.total_bytes(), took);
                 if committed {
@@ -203,7 +203,8 @@ impl PersistJob {
                     took.as_secs_f64()
                 );
                 if !committed {
-                    // The last rank to write commits it: `wait(commit)` looks for that.
+                    // Another rank commits it (the one that counts last, or the last to
+                    // finish where ranks list): `wait(commit)` looks for that.
                     let (weak, rank, generation) = (Arc::downgrade(&store), store.rank, manifest.generation.clone());
                     let probe = move || {
                         let store = weak.upgrade();
@@ -216,8 +217,11 @@ impl PersistJob {
                     handle.set_probe(name, Box::new(probe), false);
                 }
                 handle.set(name, if committed { TierState::Done } else { TierState::Written });
-                if let Err(e) = store.retain(slot) {
-                    log::warn!("tier '{name}': retention after step {step} failed: {e}");
+                // One rank per step deletes (`commit::Outcome::retains`), not every rank.
+                if retains {
+                    if let Err(e) = store.retain(slot) {
+                        log::warn!("tier '{name}': retention after step {step} failed: {e}");
+                    }
                 }
             }
             Err(e) => {
@@ -233,11 +237,12 @@ impl PersistJob {
     }
 }
 
-/// Writes the step to `slot`'s tier and tries its commit: whether it committed; None when the
-/// store closed without waiting and cut the write off (`LinkClosed`).
-fn write_and_commit(store: &Store, slot: &TierSlot, manifest: &Manifest, parts: &[Arc<Segment>]) -> Option<Result<bool>> {
+/// Writes the step to `slot`'s tier and commits it there if this rank is the last
+/// (`Store::commit_persisted`): whether it committed and whether this rank runs retention;
+/// None when the store closed without waiting and cut the write off (`LinkClosed`).
+fn write_and_commit(store: &Store, slot: &TierSlot, manifest: &Manifest, parts: &[Arc<Segment>]) -> Option<Result<super::Outcome>> {
     let src = SegmentSource { manifest, segments: parts };
-    let write = || slot.tier.write_rank(manifest, &src, &slot.link).and_then(|_| slot.tier.try_commit(manifest.step, store.world_size));
+    let write = || slot.tier.write_rank(manifest, &src, &slot.link).and_then(|_| store.commit_persisted(slot, manifest));
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(write)) {
         Ok(res) => Some(res),
         Err(p) if p.is::<LinkClosed>() => None,

@@ -95,6 +95,19 @@ impl Tier for BlobTier {
         self.layout.try_commit(step, world_size, None)
     }
 
+    fn counts_commits(&self) -> bool {
+        true
+    }
+
+    fn commit_counted(&self, step: u64, world_size: u32, generation: &Option<String>) -> Result<()> {
+        // A step with replicated items: the committer checks every rank's copies against
+        // its primary's first (O(N) reads, on this one rank), as `try_commit` does.
+        if self.replicated.lock().contains(&step) {
+            crate::tier::replica::check_copies(self, step, &(0..world_size).collect::<Vec<_>>())?;
+        }
+        self.layout.commit_counted(step, world_size, generation)
+    }
+
     fn delete_step(&self, step: u64) -> Result<()> {
         self.layout.delete_step(step)
     }

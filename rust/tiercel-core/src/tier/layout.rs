@@ -127,13 +127,45 @@ impl StepLayout {
         let Some(generation) = self.one_generation(step, &needed)? else {
             return Ok(false);
         };
+        self.write_commit(step, world_size, ranks, generation)?;
+        Ok(true)
+    }
+
+    /// Writes `step`'s commit record of save `generation` for all of `world_size` ranks,
+    /// without reading their manifests: the caller counted every rank in after its manifest
+    /// of `generation` was durable (`store::commit`). Where listing is cheap (a filesystem:
+    /// one directory read, no request), it checks that every manifest is here all the same: a
+    /// directory that is not one shared by every host would otherwise commit ranks it lacks.
+    pub fn commit_counted(&self, step: u64, world_size: u32, generation: &Option<String>) -> Result<()> {
+        if self.blobs.lists_cheaply() {
+            let have = self.ranks(step)?;
+            let missing: Vec<u32> = (0..world_size).filter(|r| have.binary_search(r).is_err()).collect();
+            if !missing.is_empty() {
+                return Err(Error::integrity(format!(
+                    "tier '{}': step {step}: every rank counted its manifest in, but {} has none of ranks {:?}{}: \
+                     an fs tier must be one directory that every host of the job mounts",
+                    self.tier,
+                    self.blobs.describe(&format::step_dir(step)),
+                    &missing[..missing.len().min(8)],
+                    if missing.len() > 8 { " ..." } else { "" }
+                ))
+                .with_tier(&self.tier)
+                .with_step(step));
+            }
+        }
+        self.write_commit(step, world_size, None, generation.clone())
+    }
+
+    /// The commit record, last and create-if-absent: a commit there already (the same save's,
+    /// by a rank that retried, or one a reader already trusts) is left as it is.
+    fn write_commit(&self, step: u64, world_size: u32, ranks: Option<Vec<u32>>, generation: Option<String>) -> Result<()> {
         let mut record = CommitRecord::new(step, world_size, &self.tier);
         record.ranks = ranks;
         record.job = self.job.read().clone();
         record.generation = generation;
         crate::failpoint::hit("commit");
         self.blobs.put_if_absent(&key(step, format::COMMIT_NAME), &record.to_json())?;
-        Ok(true)
+        Ok(())
     }
 
     /// The generation that the manifests of `ranks` share: `Some(generation)` when they all
@@ -312,5 +344,21 @@ mod tests {
         layout.write_manifest(&manifest(5, 1, "a.2")).unwrap();
         assert!(layout.try_commit(5, 2, None).unwrap());
         assert_eq!(layout.commit_record(5).unwrap().generation.as_deref(), Some("a.2"));
+    }
+
+    /// The counted commit writes the record of the counted generation without reading a
+    /// manifest; on a filesystem it still refuses a directory that lacks a counted rank's
+    /// manifest (one not shared by every host), naming the rank.
+    #[test]
+    fn a_counted_commit_records_its_generation_and_refuses_a_directory_missing_ranks() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = StepLayout::new("t", Arc::new(FsBlobs::new("t", dir.path()).unwrap()));
+        layout.write_manifest(&manifest(5, 0, "a.1")).unwrap();
+        let e = layout.commit_counted(5, 2, &Some("a.1".into())).unwrap_err();
+        assert!(e.message.contains("none of ranks [1]") && e.message.contains("every host"), "{}", e.message);
+        assert!(layout.commit_record(5).is_err());
+        layout.write_manifest(&manifest(5, 1, "a.1")).unwrap();
+        layout.commit_counted(5, 2, &Some("a.1".into())).unwrap();
+        assert_eq!(layout.commit_record(5).unwrap().generation.as_deref(), Some("a.1"));
     }
 }

@@ -76,6 +76,21 @@ pub trait Tier: Send + Sync {
     /// rank calls this after writing its own part, so the last one to finish commits.
     fn try_commit(&self, step: u64, world_size: u32) -> Result<bool>;
 
+    /// Whether a job-wide counter may stand in for `try_commit`'s look at the other ranks'
+    /// manifests here (`store::commit`): a tier that every rank of the job writes to in one
+    /// place (fs, s3, gcs, python). False (the default) for a host-local tier or one that
+    /// commits on its own terms (memory, peer).
+    fn counts_commits(&self) -> bool {
+        false
+    }
+
+    /// Writes `step`'s commit record for save `generation` without looking for the other
+    /// ranks' manifests: the caller has counted every one of `world_size` ranks in, each
+    /// after its manifest of `generation` was durable here. Only where `counts_commits`.
+    fn commit_counted(&self, step: u64, _world_size: u32, _generation: &Option<String>) -> Result<()> {
+        Err(Error::invalid(format!("tier '{}': step {step}: this tier does not commit by a counter", self.name())))
+    }
+
     /// All steps with something stored here, committed or not, oldest first.
     fn all_steps(&self) -> Result<Vec<u64>>;
 

@@ -1,0 +1,138 @@
+//! The commit of a step on a tier that every rank writes to (fs, s3, gcs, python), once this
+//! rank's data and manifest are durable there, and who runs retention after it.
+//!
+//! With a job-wide counter (`StepCounter`: torch's TCPStore `add`, JAX's key-value
+//! increment), each rank adds 1 to one key per (launch, tier, step, generation) after its
+//! manifest is written; the rank whose add returns the number of ranks writes the commit
+//! record, create-if-absent, without listing the step or reading a manifest. Each rank makes
+//! O(1) requests and O(1) counter operations, whatever the number of ranks.
+//!
+//! Without one (a job without a coordinator), each rank lists the step and the last to see
+//! every manifest reads them all for the generation rule (`StepLayout::try_commit`): O(N)
+//! requests per rank. Either way one rank per step runs retention. docs/scale.md, "Commit",
+//! has the protocol, why it is correct and what a crash at each point leaves.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::{Store, TierSlot};
+use crate::error::{Error, Result};
+use crate::format::Manifest;
+
+/// An atomic counter every rank of the job reaches: `add` adds `by` to the number under
+/// `key` (0 when absent) and returns the sum, atomically across ranks.
+pub trait StepCounter: Send + Sync {
+    fn add(&self, key: &str, by: i64) -> Result<i64>;
+
+    /// Removes `key` once nobody adds to it any more; a counter that cannot delete keeps it
+    /// (the default: one small key per step and tier).
+    fn delete(&self, _key: &str) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// A counter inside this process: for a job of one process (its own counter needs no
+/// coordinator), tests and the simulator.
+#[derive(Default)]
+pub struct LocalCounter {
+    counts: Mutex<HashMap<String, i64>>,
+}
+
+impl StepCounter for LocalCounter {
+    fn add(&self, key: &str, by: i64) -> Result<i64> {
+        let mut counts = self.counts.lock();
+        let n = counts.entry(key.to_string()).or_insert(0);
+        *n += by;
+        Ok(*n)
+    }
+
+    fn delete(&self, key: &str) -> Result<()> {
+        self.counts.lock().remove(key);
+        Ok(())
+    }
+}
+
+/// The counter key of one save (`generation`) of `step` on `tier` in launch `launch`. The
+/// generation names the launch too; the launch comes first so that a job's keys share a
+/// prefix per launch.
+pub fn counter_key(launch: &str, tier: &str, step: u64, generation: &str) -> String {
+    format!("tiercel/commit/{launch}/{tier}/{step}/{generation}")
+}
+
+/// How one rank's commit attempt on a tier ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome {
+    /// The step is committed there (by this rank, or seen committed by another).
+    pub committed: bool,
+    /// This rank runs retention on the tier after the step: the rank that wrote the commit
+    /// record on the counted path, rank 0 on the listing path.
+    pub retains: bool,
+}
+
+impl Store {
+    /// Sets the job-wide counter that commits count ranks in (`commit`); None: commits list.
+    pub fn set_counter(&self, counter: Option<Arc<dyn StepCounter>>) {
+        *self.counter.write() = counter;
+    }
+
+    /// Whether commits count ranks in rather than list (a counter is set).
+    pub fn has_counter(&self) -> bool {
+        self.counter.read().is_some()
+    }
+
+    /// Commits this rank's save `manifest`, now durable on `slot`'s tier, there if it is the
+    /// last of the ranks: counted where the job has a counter, the save a generation and the
+    /// tier counts commits; else by listing.
+    pub(super) fn commit_persisted(&self, slot: &TierSlot, manifest: &Manifest) -> Result<Outcome> {
+        let counter = self.counter.read().clone();
+        let launch = self.launch.read().clone();
+        if let (Some(counter), Some(launch), Some(generation)) = (counter, launch, &manifest.generation) {
+            if slot.tier.counts_commits() {
+                let key = counter_key(&launch, &slot.config.name, manifest.step, generation);
+                if let Some(outcome) = self.commit_counted(slot, manifest, &*counter, &key)? {
+                    return Ok(outcome);
+                }
+            }
+        }
+        let committed = slot.tier.try_commit(manifest.step, self.world_size)?;
+        Ok(Outcome { committed, retains: self.rank == 0 })
+    }
+
+    /// The counted commit: this rank's manifest of `manifest.generation` is durable, so it
+    /// counts itself in under `key`; the rank that brings the count to the world size writes
+    /// the commit record. Every add under `key` came from a rank whose manifest of this
+    /// generation was durable (a rank adds only after writing it, once per save and tier),
+    /// so N adds mean every rank's part of this one save is there: the generation rule (never
+    /// commit two saves mixed) holds without reading a manifest. A save of the step again has
+    /// another generation, so another key: two racing saves never count towards one commit.
+    /// None: the counter failed (logged), and the caller commits by listing: whether the add
+    /// happened is unknown, and the listing path is correct either way (it checks every
+    /// manifest itself).
+    fn commit_counted(&self, slot: &TierSlot, manifest: &Manifest, counter: &dyn StepCounter, key: &str) -> Result<Option<Outcome>> {
+        let (tier, step, rank) = (&slot.config.name, manifest.step, self.rank);
+        let counting_failed = |e: Error| {
+            log::warn!("tier '{tier}': step {step} rank {rank}: the counter key '{key}': {e}; committing by listing the step instead");
+            Ok(None)
+        };
+        let n = match counter.add(key, 1) {
+            Ok(n) => n,
+            Err(e) => return counting_failed(e),
+        };
+        let world = i64::from(self.world_size);
+        if n < world {
+            return Ok(Some(Outcome { committed: false, retains: false }));
+        }
+        if n > world {
+            // More adds than ranks: another job counts under the same key (two jobs sharing
+            // one store and launch token), so the count proves nothing here.
+            return counting_failed(Error::integrity(format!("the count is {n}, more than the {world} ranks of this job")));
+        }
+        slot.tier.commit_counted(step, self.world_size, &manifest.generation).map_err(|e| e.with_tier(tier).at(step, rank))?;
+        if let Err(e) = counter.delete(key) {
+            log::debug!("tier '{tier}': step {step}: the counter key '{key}' stays: {e}");
+        }
+        Ok(Some(Outcome { committed: true, retains: true }))
+    }
+}
