@@ -4,7 +4,8 @@
 //!
 //!   cargo run --release -p tiercel-core --features testing --example scale_sim -- \
 //!       --ranks 8,128 [--steps 3] [--keep 1] [--bytes 4096] [--latency-ms 20] \
-//!       [--write-rate 3500] [--read-rate 5500] [--protocol list] [--time-limit-s 600] [--sequential]
+//!       [--write-rate 3500] [--read-rate 5500] [--protocol list|list-rank0|counter] \
+//!       [--kv-latency-ms 1] [--kv-service-us 10] [--time-limit-s 600] [--sequential]
 
 use std::time::Duration;
 
@@ -34,11 +35,13 @@ fn main() {
             "--write-rate" => cfg.store.write_rate = num(&value),
             "--read-rate" => cfg.store.read_rate = num(&value),
             "--time-limit-s" => cfg.time_limit = Duration::from_secs_f64(num(&value)),
+            "--kv-latency-ms" => cfg.counter_latency = Duration::from_secs_f64(num(&value) / 1000.0),
+            "--kv-service-us" => cfg.counter_service = Duration::from_secs_f64(num(&value) / 1e6),
             "--protocol" => {
-                cfg.protocol = match value.as_str() {
-                    "list" => Protocol::ListAndRead,
-                    other => fail(format!("--protocol: '{other}' is none of: list")),
-                }
+                cfg.protocol = Protocol::ALL.into_iter().find(|p| p.name() == value).unwrap_or_else(|| {
+                    let names: Vec<&str> = Protocol::ALL.iter().map(|p| p.name()).collect();
+                    fail(format!("--protocol: '{value}' is none of: {}", names.join(", ")))
+                })
             }
             other => fail(format!("unknown option {other}")),
         }
@@ -53,6 +56,8 @@ fn main() {
             "write_rate": run.store.write_rate,
             "read_rate": run.store.read_rate,
             "keep": run.keep,
+            "counter_latency_ms": run.counter_latency.as_secs_f64() * 1000.0,
+            "counter_service_us": run.counter_service.as_secs_f64() * 1e6,
             "state_bytes": run.state_bytes,
             "sequential": run.sequential,
             "steps": steps,

@@ -1,10 +1,13 @@
 //! The scale simulator (docs/scale.md, "Simulated scale"): N ranks, as threads of one
 //! process, each doing on one object-store tier what a rank's persist does
-//! (`store::persist`: `write_and_commit`, then `Store::retain`), through tiercel's own
-//! `BlobTier`, `StepLayout` and gc code, against `SimBlobs`, a simulated object store with
-//! S3's request latency and per-prefix rates. Only the store is simulated; every request the
-//! protocol makes is the one it makes on S3. `examples/scale_sim.rs` prints a run as JSON.
+//! (`store::persist`: `write_and_commit`, then `Store::retain` where the rank retains),
+//! through tiercel's own `BlobTier`, `StepLayout` and gc code, against `SimBlobs`, a
+//! simulated object store with S3's request latency and per-prefix rates, and, for the
+//! counted commit, `SimCounter`, a job-wide counter with a coordinator's latency. Only the
+//! stores are simulated; every request the protocol makes is the one it makes on S3.
+//! `examples/scale_sim.rs` prints a run as JSON.
 
+pub mod counter;
 pub mod store;
 
 use std::collections::HashMap;
@@ -16,22 +19,35 @@ use crate::error::Result;
 use crate::format::{self, ChunkMeta, ChunkSource, ItemMeta, Manifest};
 use crate::gc::GcOptions;
 use crate::scheduler::Link;
+use crate::store::StepCounter;
 use crate::tier::blob::BlobTier;
 use crate::tier::{run_gc, Tier};
+use counter::SimCounter;
 use store::{SimBlobs, SimOptions, Tally};
 
-/// How a rank commits a step.
+/// How a rank commits a step, and which ranks run retention after it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Protocol {
-    /// Today's: every rank LISTs the step after writing its manifest; a rank that sees every
-    /// manifest reads them all (the generation rule) and writes the commit record.
+    /// Before issue 34: every rank LISTs the step after writing its manifest, a rank that
+    /// sees every manifest reads them all (the generation rule) and writes the commit
+    /// record, and every rank runs retention.
     ListAndRead,
+    /// The same commit, with retention by rank 0 alone: a job without a coordinator now.
+    ListRank0,
+    /// The counted commit (`store::commit`): each rank adds 1 to the save's counter key
+    /// after its manifest; the rank whose add returns N writes the record
+    /// (`Tier::commit_counted`, no LIST, no manifest read) and alone runs retention.
+    Counter,
 }
 
 impl Protocol {
+    pub const ALL: [Protocol; 3] = [Protocol::ListAndRead, Protocol::ListRank0, Protocol::Counter];
+
     pub fn name(self) -> &'static str {
         match self {
             Protocol::ListAndRead => "list",
+            Protocol::ListRank0 => "list-rank0",
+            Protocol::Counter => "counter",
         }
     }
 }
@@ -49,6 +65,9 @@ pub struct SimConfig {
     /// A step still running after this long is stopped: its requests fail from then on.
     pub time_limit: Duration,
     pub store: SimOptions,
+    /// The counter's round trip and its server's time per call (`Protocol::Counter`).
+    pub counter_latency: Duration,
+    pub counter_service: Duration,
 }
 
 impl Default for SimConfig {
@@ -62,6 +81,8 @@ impl Default for SimConfig {
             sequential: false,
             time_limit: Duration::from_secs(600),
             store: SimOptions::default(),
+            counter_latency: Duration::from_millis(1),
+            counter_service: Duration::from_micros(10),
         }
     }
 }
@@ -82,6 +103,8 @@ pub struct StepReport {
     pub errors: Vec<String>,
     /// Whether the step ran past `time_limit` and was stopped.
     pub stopped: bool,
+    /// Calls to the job-wide counter (adds and deletes).
+    pub counter_ops: u64,
 }
 
 impl StepReport {
@@ -106,6 +129,7 @@ impl StepReport {
             "failed_ranks": self.failed,
             "errors": self.errors,
             "stopped": self.stopped,
+            "counter_ops": self.counter_ops,
         })
     }
 }
@@ -157,6 +181,7 @@ fn logical(step: u64, rank: u32, world: u32, bytes: usize) -> (Manifest, State) 
 struct Rank {
     rank: u32,
     tier: BlobTier,
+    counter: Arc<SimCounter>,
     link: Arc<Link>,
     /// `Store::other_job`'s cache: a step's commit record is read once per process.
     records_seen: HashMap<u64, ()>,
@@ -166,13 +191,28 @@ impl Rank {
     /// What `PersistJob::run` does on one tier: `write_and_commit`, then `Store::retain`.
     fn persist(&mut self, cfg: &SimConfig, step: u64) -> Result<bool> {
         let (m, src) = logical(step, self.rank, cfg.ranks, cfg.state_bytes);
-        let committed = match cfg.protocol {
-            Protocol::ListAndRead => {
-                self.tier.write_rank(&m, &src, &self.link)?;
-                self.tier.try_commit(step, cfg.ranks)?
+        self.tier.write_rank(&m, &src, &self.link)?;
+        let (committed, retains) = match cfg.protocol {
+            Protocol::ListAndRead => (self.tier.try_commit(step, cfg.ranks)?, true),
+            Protocol::ListRank0 => (self.tier.try_commit(step, cfg.ranks)?, self.rank == 0),
+            Protocol::Counter => {
+                // `Store::commit_counted`: count in once the manifest is durable; the rank
+                // whose add makes N writes the record, deletes the key and retains.
+                let generation = m.generation.as_deref().unwrap_or_default();
+                let key = crate::store::counter_key("sim", "sim", step, generation);
+                let world = i64::from(cfg.ranks);
+                if self.counter.add(&key, 1)? == world {
+                    self.tier.commit_counted(step, cfg.ranks, &m.generation)?;
+                    self.counter.delete(&key)?;
+                    (true, true)
+                } else {
+                    (false, false)
+                }
             }
         };
-        self.retain(cfg)?;
+        if retains {
+            self.retain(cfg)?;
+        }
         Ok(committed)
     }
 
@@ -195,24 +235,34 @@ impl Rank {
 pub fn run(cfg: &SimConfig) -> Vec<StepReport> {
     let blobs = SimBlobs::new(cfg.store.clone());
     let shared: Arc<dyn crate::blobs::Blobs> = Arc::new(blobs.clone());
+    let counter = Arc::new(SimCounter::new(cfg.counter_latency, cfg.counter_service));
     let ranks: Vec<Rank> = (0..cfg.ranks)
         .map(|r| Rank {
             rank: r,
             tier: BlobTier::new("sim", shared.clone(), Compression::none()),
+            counter: counter.clone(),
             link: Link::new("sim", None),
             records_seen: HashMap::new(),
         })
         .collect();
+    let env = Env { blobs, counter };
     if cfg.sequential {
-        run_sequential(cfg, &blobs, ranks)
+        run_sequential(cfg, &env, ranks)
     } else {
-        run_threads(cfg, &blobs, ranks)
+        run_threads(cfg, &env, ranks)
     }
 }
 
 type Outcome = std::result::Result<bool, String>;
 
-fn report(cfg: &SimConfig, blobs: &SimBlobs, step: u64, started: Instant, outcomes: &[Outcome]) -> StepReport {
+/// The simulated stores every rank shares.
+struct Env {
+    blobs: SimBlobs,
+    counter: Arc<SimCounter>,
+}
+
+fn report(cfg: &SimConfig, env: &Env, step: u64, started: Instant, outcomes: &[Outcome]) -> StepReport {
+    let blobs = &env.blobs;
     let wall = started.elapsed();
     let dir = format::step_dir(step);
     let last = (0..cfg.ranks).filter_map(|r| blobs.visible_at(&format!("{dir}/{}", format::manifest_name(r)))).max();
@@ -229,15 +279,16 @@ fn report(cfg: &SimConfig, blobs: &SimBlobs, step: u64, started: Instant, outcom
         failed: errors.len() as u32,
         errors: errors.into_iter().take(3).collect(),
         stopped: blobs.stop.swap(false, std::sync::atomic::Ordering::Relaxed),
+        counter_ops: env.counter.take_ops(),
     }
 }
 
-fn run_sequential(cfg: &SimConfig, blobs: &SimBlobs, mut ranks: Vec<Rank>) -> Vec<StepReport> {
+fn run_sequential(cfg: &SimConfig, env: &Env, mut ranks: Vec<Rank>) -> Vec<StepReport> {
     (1..=cfg.steps)
         .map(|step| {
             let started = Instant::now();
             let outcomes: Vec<Outcome> = ranks.iter_mut().map(|r| r.persist(cfg, step).map_err(|e| e.to_string())).collect();
-            report(cfg, blobs, step, started, &outcomes)
+            report(cfg, env, step, started, &outcomes)
         })
         .collect()
 }
@@ -245,7 +296,7 @@ fn run_sequential(cfg: &SimConfig, blobs: &SimBlobs, mut ranks: Vec<Rank>) -> Ve
 /// Every rank a thread (small stacks: 10,000 of them), all starting each step together, as
 /// the ranks of a synchronous job do; the main thread takes each step's tally between steps
 /// and stops a step that runs past the time limit.
-fn run_threads(cfg: &SimConfig, blobs: &SimBlobs, ranks: Vec<Rank>) -> Vec<StepReport> {
+fn run_threads(cfg: &SimConfig, env: &Env, ranks: Vec<Rank>) -> Vec<StepReport> {
     let n = ranks.len();
     let start = Arc::new(Barrier::new(n + 1));
     let done = Arc::new(Barrier::new(n + 1));
@@ -277,12 +328,12 @@ fn run_threads(cfg: &SimConfig, blobs: &SimBlobs, ranks: Vec<Rank>) -> Vec<StepR
             let left = cfg.time_limit.saturating_sub(started.elapsed());
             match rx.recv_timeout(left.max(Duration::from_millis(1))) {
                 Ok((_, o)) => outcomes.push(o),
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => blobs.stop.store(true, std::sync::atomic::Ordering::Relaxed),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => env.blobs.stop.store(true, std::sync::atomic::Ordering::Relaxed),
                 Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
             }
         }
         done.wait();
-        out.push(report(cfg, blobs, step, started, &outcomes));
+        out.push(report(cfg, env, step, started, &outcomes));
     }
     for h in handles {
         let _ = h.join();

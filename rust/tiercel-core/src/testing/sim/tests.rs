@@ -62,3 +62,50 @@ fn slowdowns_are_answered_and_retried() {
     // Arrivals count refused requests too: the demand, above what the prefix admits.
     assert!(steps[0].tally.peak_writes.0 > 20, "{:?}", steps[0].tally.peak_writes);
 }
+
+/// The counted commit, ranks one after another: 4 requests per rank (its uncommit's two
+/// DELETEs, its data and its manifest), then one commit record and one rank's retention:
+/// 4N + 13 per step, no LIST of the step and no manifest read; N adds and one delete on the
+/// counter.
+#[test]
+fn the_counted_commit_costs_each_rank_its_own_objects_only() {
+    let n = 8u64;
+    let steps = run(&SimConfig { sequential: true, protocol: Protocol::Counter, ..fast(n as u32) });
+    let s = &steps[2];
+    assert_eq!(s.failed, 0, "{:?}", s.errors);
+    let want: BTreeMap<(Req, &str), u64> = [
+        ((Req::Put, "data"), n),
+        ((Req::Put, "manifest"), n),
+        ((Req::Put, "commit"), 1),
+        ((Req::Delete, "commit"), n + 1),
+        ((Req::Delete, "manifest"), n),
+        // The committer's retention: steps 2 and 3 present, step 2 removed.
+        ((Req::List, "step"), 1),
+        ((Req::Post, "step"), 1),
+        ((Req::Get, "commit"), 1),
+        ((Req::Head, "commit"), 4),
+        ((Req::List, "root"), 3),
+        ((Req::List, "other"), 1),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(s.tally.requests, want);
+    assert_eq!(s.tally.total(), 4 * n + 13);
+    assert_eq!(s.counter_ops, n + 1);
+    assert!(s.commit_delay.is_some(), "step 3 did not commit");
+}
+
+/// All 64 ranks at once with the counted commit: still no LIST of the step but retention's
+/// and no manifest read, whichever rank counts last.
+#[test]
+fn the_counted_commit_lists_nothing_when_ranks_race() {
+    let n = 64u64;
+    let steps = run(&SimConfig { protocol: Protocol::Counter, steps: 2, ..fast(n as u32) });
+    let s = &steps[1];
+    assert_eq!(s.failed, 0, "{:?}", s.errors);
+    assert_eq!(s.tally.of(Req::Get, "manifest"), 0);
+    assert_eq!(s.tally.of(Req::List, "step"), 1, "{:?}", s.tally.requests);
+    // The committer reads step 2's record, and step 1's too when it did not commit step 1.
+    assert!((4 * n + 13..=4 * n + 14).contains(&s.tally.total()), "{:?}", s.tally.requests);
+    assert!(s.commit_delay.is_some());
+}
