@@ -109,6 +109,8 @@ pub fn object_class(key: &str) -> &'static str {
 struct Bucket {
     tokens: f64,
     at: Instant,
+    /// Requests admitted since the last `take_tally`.
+    admitted: u64,
 }
 
 /// What one run of requests did: counts by (kind, object class), 503s, and the peak demand
@@ -117,6 +119,8 @@ struct Bucket {
 pub struct Tally {
     pub requests: BTreeMap<(Req, &'static str), u64>,
     pub slowdowns: u64,
+    /// Requests admitted on the busiest prefix (writes, reads), 503s left out.
+    pub admitted: (u64, u64),
     /// Requests (refused ones included) that arrived at the busiest prefix in its busiest
     /// second, by class: (writes, reads), and that prefix.
     pub peak_writes: (u64, String),
@@ -193,6 +197,10 @@ impl SimState {
     /// The tally since the last `take_tally`, and a fresh one from now.
     pub fn take_tally(&self) -> Tally {
         let mut t = std::mem::take(&mut *self.tally.lock());
+        for ((_, write), b) in self.buckets.lock().iter_mut() {
+            let most = if *write { &mut t.admitted.0 } else { &mut t.admitted.1 };
+            *most = (*most).max(std::mem::take(&mut b.admitted));
+        }
         let arrivals = std::mem::take(&mut *self.arrivals.lock());
         for ((prefix, write, _), n) in arrivals {
             let peak = if write { &mut t.peak_writes } else { &mut t.peak_reads };
@@ -227,15 +235,18 @@ impl SimState {
     /// Whether prefix `prefix` admits one more request of this class now.
     fn admit(&self, prefix: &str, write: bool) -> bool {
         let rate = if write { self.opts.write_rate } else { self.opts.read_rate };
-        let now = Instant::now();
-        let sec = now.duration_since(self.start).as_secs();
+        let sec = self.start.elapsed().as_secs();
         *self.arrivals.lock().entry((prefix.to_string(), write, sec)).or_default() += 1;
         let mut buckets = self.buckets.lock();
-        let b = buckets.entry((prefix.to_string(), write)).or_insert(Bucket { tokens: rate, at: now });
+        // The time is read under the lock: a clock read before it could be older than the
+        // bucket's, and refill the same interval twice.
+        let now = Instant::now();
+        let b = buckets.entry((prefix.to_string(), write)).or_insert(Bucket { tokens: rate, at: now, admitted: 0 });
         b.tokens = (b.tokens + rate * now.duration_since(b.at).as_secs_f64()).min(rate);
         b.at = now;
         if b.tokens >= 1.0 {
             b.tokens -= 1.0;
+            b.admitted += 1;
             true
         } else {
             false
