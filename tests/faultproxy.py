@@ -51,6 +51,19 @@ def _rst(sock: socket.socket) -> None:
 RANGE_HEADER = re.compile(rb"\r\nrange: *bytes=", re.IGNORECASE)
 #: A request line of the methods an object store is read with (the requests a test counts).
 READ_REQUEST = re.compile(rb"(GET|HEAD) (/[^ \r\n]*) HTTP/1\.1\r\n")
+#: A request line of any method (`requests` counts them by kind).
+ANY_REQUEST = re.compile(rb"(GET|HEAD|PUT|POST|DELETE) (/[^ \r\n]*) HTTP/1\.1\r\n")
+
+
+def request_kind(method: str, target: str) -> str:
+    """What an S3 request line does: LIST (a bucket listing, objects or multipart uploads),
+    DELETE (one object, or a multi-object delete), or its method."""
+    path, _, query = target.partition("?")
+    if method == "GET" and ("/" not in path.strip("/") or "list-type" in query or query.startswith("uploads")):
+        return "LIST"
+    if method == "POST" and query.startswith("delete"):
+        return "DELETE"
+    return method
 
 
 class FaultProxy:
@@ -84,6 +97,10 @@ class FaultProxy:
         self.ranged_gets = 0
         #: GET and HEAD requests clients sent, by "METHOD /path" (the query left off).
         self.reads: Counter[str] = Counter()
+        #: Every request clients sent, by kind (`request_kind`: LIST, GET, HEAD, PUT, POST, DELETE).
+        self.requests: Counter[str] = Counter()
+        #: Each of them as "KIND target", in order (for messages).
+        self.request_log: list[str] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._listener = socket.socket()
@@ -220,6 +237,11 @@ class FaultProxy:
                             for m in READ_REQUEST.finditer(seen):
                                 if m.end() > len(tail):
                                     self.reads[f"{m[1].decode()} {m[2].decode().split('?')[0]}"] += 1
+                            for m in ANY_REQUEST.finditer(seen):
+                                if m.end() > len(tail):
+                                    kind = request_kind(m[1].decode(), m[2].decode())
+                                    self.requests[kind] += 1
+                                    self.request_log.append(f"{kind} {m[2].decode()}")
                             tail = seen[-2048:]
                     if not data:
                         client.close()

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -199,3 +200,85 @@ def test_gc_removes_a_killed_writers_uncommitted_step_from_memory(tmp_path):
                 p.wait(30)
         for root in roots.values():
             shutil.rmtree(root, ignore_errors=True)
+
+
+# -- the counted commit of several ranks (docs/scale.md, "Commit") -----------------------------
+
+COMMIT_RANKS = 3
+
+COMMIT_WORKER = r"""
+import json, sys
+from datetime import timedelta
+import numpy as np
+import torch.distributed as dist
+import tiercel
+
+policy, step = json.loads(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
+rank = dist.get_rank()
+store = tiercel.Store(policy)
+assert store._core.has_counter(), "the job's coordinator gave no counter: the commit would list"
+state = lambda s: {"w": np.full(5000, s * 10 + rank, dtype=np.float32)}
+if step:
+    h = store.save(step, state(step))
+    store.flush()  # no collective after the save: a rank may abort in its persist
+    print(json.dumps(h.wait(60)), flush=True)
+else:
+    got = store.restore()
+    print(json.dumps({"step": store.last_restore.step, "ok": bool((got["w"] == state(store.last_restore.step)["w"]).all())}), flush=True)
+store.close()
+"""
+
+
+def launch(policy: dict, step: int, tmp_path: Path, failpoint_of) -> list[tuple[int, str]]:
+    """Runs COMMIT_RANKS ranks (gloo on loopback) that save `step` (0: restore the newest);
+    `failpoint_of(rank)` arms a failpoint in that rank. Each rank's (exit code, output)."""
+    from test_multirank import free_port
+
+    port = free_port()
+    procs = []
+    for rank in range(COMMIT_RANKS):
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(COMMIT_RANKS)}
+        if failpoint_of(rank):
+            env["TIERCEL_FAILPOINT"] = failpoint_of(rank)
+        out = open(tmp_path / f"step{step}-rank{rank}.out", "w+")
+        procs.append((subprocess.Popen([PYTHON, "-c", COMMIT_WORKER, json.dumps(policy), str(step)], stdout=out,
+                                       stderr=subprocess.STDOUT, env=child_env(env)), out))
+    results = []
+    for p, out in procs:
+        p.wait(180)
+        out.seek(0)
+        results.append((p.returncode, out.read()))
+        out.close()
+    return results
+
+
+def test_a_counted_commit_survives_the_death_of_its_committer_or_of_a_rank_before_its_manifest(tmp_path, shm_root, disk_root):
+    """Three ranks (torch.distributed gloo: the c10d store counts them in) save step 1, then
+    step 2 with the rank whose add completes the count aborted between the count and the
+    commit record (failpoint `commit_counted`, armed in every rank: only that one reaches it),
+    then step 3 with rank 1 aborted before its manifest (failpoint `persist`). Neither step
+    commits on the fs tier: step 2 has every manifest and no record, step 3 lacks rank 1's;
+    a relaunch on a host whose memory tier is gone restores step 1 on every rank."""
+    policy = make_policy(shm_root, disk_root, every=1, compression="none", disk_opts={"keep": 5})
+    every_rank_ok = launch(policy, 1, tmp_path, lambda r: None)
+    assert all(code == 0 for code, _ in every_rank_ok), every_rank_ok
+    assert (disk_root / "step-000000000001" / "COMMIT").exists()
+
+    step2 = launch(policy, 2, tmp_path, lambda r: "commit_counted")
+    died = [r for r, (code, out) in enumerate(step2) if code != 0]
+    assert len(died) == 1 and step2[died[0]][0] == -signal.SIGABRT and "failpoint 'commit_counted'" in step2[died[0]][1], step2
+    assert all(code == 0 and '"written"' in out for code, out in step2 if code == 0), step2
+    dir2 = disk_root / "step-000000000002"
+    assert sorted(p.name for p in dir2.glob("*.manifest.json")) == [f"rank-{r:05d}.manifest.json" for r in range(COMMIT_RANKS)]
+    assert not (dir2 / "COMMIT").exists(), "committed although its committer died before the record"
+
+    step3 = launch(policy, 3, tmp_path, lambda r: "persist" if r == 1 else None)
+    assert step3[1][0] == -signal.SIGABRT and "failpoint 'persist'" in step3[1][1], step3
+    assert step3[0][0] == 0 and step3[2][0] == 0, step3
+    dir3 = disk_root / "step-000000000003"
+    assert not (dir3 / "rank-00001.manifest.json").exists() and not (dir3 / "COMMIT").exists()
+
+    shutil.rmtree(shm_root)  # the host is gone: only the fs tier is left
+    restored = [json.loads(out.strip().splitlines()[-1]) for code, out in launch(policy, 0, tmp_path, lambda r: None) if code == 0]
+    assert restored == [{"step": 1, "ok": True}] * COMMIT_RANKS, restored

@@ -56,6 +56,11 @@ pub trait Blobs: Send + Sync {
     fn lists_cheaply(&self) -> bool {
         false
     }
+    /// The one name at the root under which everything `leftovers` finds lives, if there is
+    /// one: a root listing without it means there are none (no request to look).
+    fn leftovers_under(&self) -> Option<&str> {
+        None
+    }
     /// Deletes `key`; a missing key is not an error.
     fn delete(&self, key: &str) -> Result<()>;
     /// Deletes everything under `prefix`.

@@ -27,6 +27,21 @@ pub struct GcOptions {
     pub temp_age: Option<Duration>,
     /// Committed steps of other jobs: not counted towards `keep`, never removed.
     pub foreign: Vec<u64>,
+    /// The tier's steps as the caller listed them just now (`Tier::list_steps`), so that
+    /// the plan does not list them again; None: the plan lists them itself.
+    pub listed: Option<Listed>,
+}
+
+/// A tier's steps from one listing (`Tier::list_steps`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Listed {
+    /// Every step with something stored, committed or not, oldest first.
+    pub all: Vec<u64>,
+    /// The committed ones, oldest first.
+    pub committed: Vec<u64>,
+    /// The names at the tier's root as listed (None where the tier does not say): whether
+    /// anything a dead writer left can be there at all (`Blobs::leftovers_under`).
+    pub names: Option<Vec<String>>,
 }
 
 /// Something gc removes.

@@ -170,6 +170,10 @@ impl Blobs for ObjectBlobs {
         block_on(self.inner.delete_prefix(prefix))
     }
 
+    fn leftovers_under(&self) -> Option<&str> {
+        Some(super::uploads::UPLOADS_DIR)
+    }
+
     fn leftovers(&self, temp_age: Option<Duration>) -> Result<Vec<Removal>> {
         block_on(self.inner.abandoned(temp_age))
     }

@@ -12,10 +12,11 @@
 //! requests per rank. Either way one rank per step runs retention. docs/scale.md, "Commit",
 //! has the protocol, why it is correct and what a crash at each point leaves.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use super::{Store, TierSlot};
 use crate::error::{Error, Result};
@@ -61,6 +62,35 @@ pub fn counter_key(launch: &str, tier: &str, step: u64, generation: &str) -> Str
     format!("tiercel/commit/{launch}/{tier}/{step}/{generation}")
 }
 
+/// What a retraction adds to a count (`Store::retract_count`): more than any job has ranks,
+/// so a poisoned count never reaches the world size again.
+const POISON: i64 = 1 << 40;
+
+/// How long a rank that saves a step again waits for the commit of its earlier save, once
+/// that save's count has reached every rank (its committer is writing the record).
+const RETRACT_WAIT: Duration = Duration::from_secs(30);
+
+/// How many counted saves a process remembers (per tier and step), as `REMEMBERED_STEPS`.
+const REMEMBERED_COUNTS: usize = 4096;
+
+/// The counter and what this process counted with it.
+#[derive(Default)]
+pub(super) struct Commits {
+    counter: RwLock<Option<Arc<dyn StepCounter>>>,
+    /// (tier, step) -> (counter key, generation) of this rank's save counted in there, until
+    /// it is known committed: what `retract_count` poisons before the step is written again.
+    counted: Mutex<BTreeMap<(String, u64), (String, Option<String>)>>,
+}
+
+impl Commits {
+    /// A job of one process counts in this process.
+    pub(super) fn local() -> Commits {
+        let c = Commits::default();
+        *c.counter.write() = Some(Arc::new(LocalCounter::default()));
+        c
+    }
+}
+
 /// How one rank's commit attempt on a tier ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Outcome {
@@ -74,19 +104,63 @@ pub struct Outcome {
 impl Store {
     /// Sets the job-wide counter that commits count ranks in (`commit`); None: commits list.
     pub fn set_counter(&self, counter: Option<Arc<dyn StepCounter>>) {
-        *self.counter.write() = counter;
+        *self.commits.counter.write() = counter;
     }
 
     /// Whether commits count ranks in rather than list (a counter is set).
     pub fn has_counter(&self) -> bool {
-        self.counter.read().is_some()
+        self.commits.counter.read().is_some()
+    }
+
+    /// Before this rank writes step `step` to `slot`'s tier again: the count of its earlier
+    /// save of the step there, if it counted one in that may not have committed, is poisoned
+    /// (`POISON` taken off), so that the ranks still to count that save in never bring it to
+    /// the world size: their manifests would be committed with this rank's new one. Where
+    /// the count had reached every rank already, its committer is writing (or has written)
+    /// the record: this waits for it (bounded), so that the uncommit that follows removes
+    /// it rather than race it. Without this, rank 0 saving step 5 again while rank 1 still
+    /// writes the first save would let rank 1 commit rank 0's new part with its old one.
+    pub(super) fn retract_count(&self, slot: &TierSlot, step: u64) {
+        let tier = &slot.config.name;
+        let Some((key, generation)) = self.commits.counted.lock().remove(&(tier.clone(), step)) else { return };
+        let Some(counter) = self.commits.counter.read().clone() else { return };
+        let before = match counter.add(&key, -POISON) {
+            Ok(n) => n + POISON,
+            Err(e) => {
+                // The earlier save may still commit with this rank's new part: a reader then
+                // finds its manifest of another save than the commit's, and skips the tier.
+                log::warn!("tier '{tier}': step {step} rank {}: cannot retract the earlier save's count '{key}': {e}", self.rank);
+                return;
+            }
+        };
+        if before == 0 {
+            // The committer removed the key: the record was written before, and the uncommit
+            // removes it. Nobody counts under the key any more.
+            let _ = counter.delete(&key);
+            return;
+        }
+        if before < i64::from(self.world_size) {
+            return; // poisoned before it was whole: that save never commits here
+        }
+        let deadline = Instant::now() + RETRACT_WAIT;
+        while Instant::now() < deadline {
+            if slot.tier.commit_record(step).is_ok_and(|r| r.generation == generation) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        log::warn!(
+            "tier '{tier}': step {step}: the earlier save's count reached every rank but its commit record did not appear in {} s \
+             (its committer died?); writing the step again",
+            RETRACT_WAIT.as_secs()
+        );
     }
 
     /// Commits this rank's save `manifest`, now durable on `slot`'s tier, there if it is the
     /// last of the ranks: counted where the job has a counter, the save a generation and the
     /// tier counts commits; else by listing.
     pub(super) fn commit_persisted(&self, slot: &TierSlot, manifest: &Manifest) -> Result<Outcome> {
-        let counter = self.counter.read().clone();
+        let counter = self.commits.counter.read().clone();
         let launch = self.launch.read().clone();
         if let (Some(counter), Some(launch), Some(generation)) = (counter, launch, &manifest.generation) {
             if slot.tier.counts_commits() {
@@ -122,6 +196,12 @@ impl Store {
         };
         let world = i64::from(self.world_size);
         if n < world {
+            // Remembered until a save of the step again retracts it (`retract_count`).
+            let mut counted = self.commits.counted.lock();
+            counted.insert((tier.clone(), step), (key.to_string(), manifest.generation.clone()));
+            while counted.len() > REMEMBERED_COUNTS {
+                counted.pop_first();
+            }
             return Ok(Some(Outcome { committed: false, retains: false }));
         }
         if n > world {
@@ -129,6 +209,7 @@ impl Store {
             // one store and launch token), so the count proves nothing here.
             return counting_failed(Error::integrity(format!("the count is {n}, more than the {world} ranks of this job")));
         }
+        crate::failpoint::hit("commit_counted");
         slot.tier.commit_counted(step, self.world_size, &manifest.generation).map_err(|e| e.with_tier(tier).at(step, rank))?;
         if let Err(e) = counter.delete(key) {
             log::debug!("tier '{tier}': step {step}: the counter key '{key}' stays: {e}");

@@ -247,7 +247,12 @@ impl Store {
             return vec![]; // replicas carry no commit record of their own
         }
         let steps = slot.tier.committed_steps().unwrap_or_default();
-        steps.into_iter().filter(|s| self.other_job(slot, *s).is_some()).collect()
+        self.foreign_among(slot, &steps)
+    }
+
+    /// Which of `committed`, steps committed on `slot`'s tier, are other jobs'.
+    pub fn foreign_among(&self, slot: &TierSlot, committed: &[u64]) -> Vec<u64> {
+        committed.iter().copied().filter(|s| self.other_job(slot, *s).is_some()).collect()
     }
 
     /// At open, for a job without a run id: steps that jobs without one saved at another

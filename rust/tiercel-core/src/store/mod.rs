@@ -77,8 +77,8 @@ pub struct Store {
     launch: parking_lot::RwLock<Option<String>>,
     committed: parking_lot::Mutex<std::collections::BTreeMap<u64, u32>>,
     /// The job-wide counter that commits on shared tiers count ranks in (`commit`): the
-    /// coordinator's (`set_counter`), this process's own in a job of one; None: they list.
-    counter: parking_lot::RwLock<Option<Arc<dyn commit::StepCounter>>>,
+    /// coordinator's (`set_counter`), this process's own in a job of one; none: they list.
+    commits: commit::Commits,
     /// The relay replicas of a group pass chunks over on restore (started on first use).
     relay: parking_lot::Mutex<Option<Arc<crate::transport::relay::Relay>>>,
     /// Whether segments for this process's next save are (being) pre-faulted: after each
@@ -179,9 +179,7 @@ impl Store {
             // at open (`set_launch`); until then saves carry no generation.
             launch: parking_lot::RwLock::new((world_size == 1).then(launch_token)),
             committed: Default::default(),
-            counter: parking_lot::RwLock::new(
-                (world_size == 1).then(|| Arc::new(commit::LocalCounter::default()) as Arc<dyn commit::StepCounter>),
-            ),
+            commits: if world_size == 1 { commit::Commits::local() } else { Default::default() },
             relay: Default::default(),
             prefaulting: Default::default(),
             save_order: Default::default(),
@@ -427,7 +425,14 @@ impl Store {
     /// Retention on one tier, as after every save: `keep`, uncommitted leftovers, abandoned
     /// uploads (see `gc`). Returns the removed steps.
     pub fn retain(&self, slot: &TierSlot) -> Result<Vec<u64>> {
-        let done = run_gc(&*slot.tier, &GcOptions { keep: slot.config.keep, temp_age: None, foreign: self.foreign_steps(slot) })?;
+        // One listing serves the foreign steps and the plan (a tier with commit records).
+        let opts = if slot.config.capabilities().commit_records {
+            let listed = slot.tier.list_steps()?;
+            GcOptions { keep: slot.config.keep, temp_age: None, foreign: self.foreign_among(slot, &listed.committed), listed: Some(listed) }
+        } else {
+            GcOptions { keep: slot.config.keep, ..Default::default() }
+        };
+        let done = run_gc(&*slot.tier, &opts)?;
         for r in done.iter().filter(|r| r.step().is_none()) {
             log::info!("tier '{}': removed {}", slot.config.name, r.reason);
         }

@@ -242,7 +242,10 @@ impl PersistJob {
 /// None when the store closed without waiting and cut the write off (`LinkClosed`).
 fn write_and_commit(store: &Store, slot: &TierSlot, manifest: &Manifest, parts: &[Arc<Segment>]) -> Option<Result<super::Outcome>> {
     let src = SegmentSource { manifest, segments: parts };
-    let write = || slot.tier.write_rank(manifest, &src, &slot.link).and_then(|_| store.commit_persisted(slot, manifest));
+    let write = || {
+        store.retract_count(slot, manifest.step);
+        slot.tier.write_rank(manifest, &src, &slot.link).and_then(|_| store.commit_persisted(slot, manifest))
+    };
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(write)) {
         Ok(res) => Some(res),
         Err(p) if p.is::<LinkClosed>() => None,

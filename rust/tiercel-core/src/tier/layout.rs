@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::blobs::Blobs;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{self, ChunkMeta, CommitRecord, JobId, Manifest};
-use crate::gc::{self, GcOptions, Removal, Target};
+use crate::gc::{self, GcOptions, Listed, Removal, Target};
 
 pub struct StepLayout {
     tier: String,
@@ -46,13 +46,22 @@ impl StepLayout {
 
     /// Committed steps, oldest first.
     pub fn committed_steps(&self) -> Result<Vec<u64>> {
-        let mut out = vec![];
-        for s in self.all_steps()? {
+        Ok(self.list_steps()?.committed)
+    }
+
+    /// All steps, the committed ones and the names at the root, from one listing (and one
+    /// look per step for its commit record).
+    pub fn list_steps(&self) -> Result<Listed> {
+        let names = self.blobs.list("")?;
+        let mut all: Vec<u64> = names.iter().filter_map(|n| format::parse_step_dir(n)).collect();
+        all.sort_unstable();
+        let mut committed = vec![];
+        for &s in &all {
             if self.blobs.exists(&key(s, format::COMMIT_NAME))? {
-                out.push(s);
+                committed.push(s);
             }
         }
-        Ok(out)
+        Ok(Listed { all, committed, names: Some(names) })
     }
 
     pub fn commit_record(&self, step: u64) -> Result<CommitRecord> {
@@ -229,8 +238,12 @@ impl StepLayout {
     pub fn gc_plan(&self, opts: &GcOptions) -> Result<Vec<Removal>> {
         // Another job's steps are neither counted towards `keep` nor removed.
         let mine = |s: &u64| !opts.foreign.contains(s);
-        let committed: Vec<u64> = self.committed_steps()?.into_iter().filter(mine).collect();
-        let all: Vec<u64> = self.all_steps()?.into_iter().filter(mine).collect();
+        let listed = match &opts.listed {
+            Some(l) => l.clone(),
+            None => self.list_steps()?,
+        };
+        let committed: Vec<u64> = listed.committed.into_iter().filter(mine).collect();
+        let all: Vec<u64> = listed.all.into_iter().filter(mine).collect();
         let mut plan = gc::step_removals(&committed, &all, opts.keep);
         let gone = gc::steps_of(&plan);
         // A temporary file inside a step that goes anyway is not listed twice; an upload is:
@@ -239,7 +252,12 @@ impl StepLayout {
             Target::TempFile { key, .. } => format::parse_step_dir(key.split('/').next().unwrap_or("")).is_some_and(|s| gone.contains(&s)),
             _ => false,
         };
-        let leftovers = self.blobs.leftovers(opts.temp_age)?;
+        // Where leftovers live under one name at the root (an object store's upload markers),
+        // a root without it has none: no request to look.
+        let leftovers = match (self.blobs.leftovers_under(), &listed.names) {
+            (Some(under), Some(names)) if !names.iter().any(|n| n == under) => vec![],
+            _ => self.blobs.leftovers(opts.temp_age)?,
+        };
         plan.extend(leftovers.into_iter().filter(|r| !in_gone_step(r)));
         Ok(plan)
     }
@@ -296,6 +314,10 @@ macro_rules! forward_to_layout {
 
         fn committed_steps(&self) -> crate::error::Result<Vec<u64>> {
             self.layout.committed_steps()
+        }
+
+        fn list_steps(&self) -> crate::error::Result<crate::gc::Listed> {
+            self.layout.list_steps()
         }
 
         fn commit_record(&self, step: u64) -> crate::error::Result<crate::format::CommitRecord> {

@@ -97,6 +97,12 @@ pub trait Tier: Send + Sync {
     /// Committed steps, oldest first.
     fn committed_steps(&self) -> Result<Vec<u64>>;
 
+    /// All steps and the committed ones from one listing (retention's, which hands it to
+    /// `gc_plan` in `GcOptions::listed` rather than list twice).
+    fn list_steps(&self) -> Result<crate::gc::Listed> {
+        Ok(crate::gc::Listed { all: self.all_steps()?, committed: self.committed_steps()?, names: None })
+    }
+
     /// The commit record of a committed step (NotFound otherwise).
     fn commit_record(&self, step: u64) -> Result<CommitRecord>;
 
