@@ -120,8 +120,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="N = 8 only (a smoke test)")
     ap.add_argument("--ranks", default=None, help="comma-separated N (default 8,32,128,512,2048,10000)")
-    ap.add_argument("--protocols", default="list,counter",
-                    help="commit protocols, comma-separated: list (before issue 34), list-rank0 (no coordinator), counter")
+    ap.add_argument("--protocols", default="list-all,counter",
+                    help="commit protocols, comma-separated: list-all (before issue 34: every rank lists, reads "
+                         "and retains), list (no coordinator: rank 0 retains), counter")
     ap.add_argument("--steps", type=int, default=2, help="steps per run; the last is reported")
     ap.add_argument("--latency-ms", type=float, default=20.0, help="object store round trip")
     ap.add_argument("--kv-latency-ms", type=float, default=1.0, help="coordinator round trip")

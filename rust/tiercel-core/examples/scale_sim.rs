@@ -4,7 +4,7 @@
 //!
 //!   cargo run --release -p tiercel-core --features testing --example scale_sim -- \
 //!       --ranks 8,128 [--steps 3] [--keep 1] [--bytes 4096] [--latency-ms 20] \
-//!       [--write-rate 3500] [--read-rate 5500] [--protocol list|list-rank0|counter] \
+//!       [--write-rate 3500] [--read-rate 5500] [--protocol list-all|list|counter] \
 //!       [--kv-latency-ms 1] [--kv-service-us 10] [--time-limit-s 600] [--sequential]
 
 use std::time::Duration;

@@ -28,12 +28,13 @@ use store::{SimBlobs, SimOptions, Tally};
 /// How a rank commits a step, and which ranks run retention after it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Protocol {
-    /// Before issue 34: every rank LISTs the step after writing its manifest, a rank that
+    /// As before issue 34: every rank LISTs the step after writing its manifest, a rank that
     /// sees every manifest reads them all (the generation rule) and writes the commit
     /// record, and every rank runs retention.
-    ListAndRead,
-    /// The same commit, with retention by rank 0 alone: a job without a coordinator now.
-    ListRank0,
+    ListAll,
+    /// The same commit, with retention by rank 0 alone: a job without a coordinator now
+    /// (`Store::commit_persisted` without a counter).
+    List,
     /// The counted commit (`store::commit`): each rank adds 1 to the save's counter key
     /// after its manifest; the rank whose add returns N writes the record
     /// (`Tier::commit_counted`, no LIST, no manifest read) and alone runs retention.
@@ -41,12 +42,12 @@ pub enum Protocol {
 }
 
 impl Protocol {
-    pub const ALL: [Protocol; 3] = [Protocol::ListAndRead, Protocol::ListRank0, Protocol::Counter];
+    pub const ALL: [Protocol; 3] = [Protocol::ListAll, Protocol::List, Protocol::Counter];
 
     pub fn name(self) -> &'static str {
         match self {
-            Protocol::ListAndRead => "list",
-            Protocol::ListRank0 => "list-rank0",
+            Protocol::ListAll => "list-all",
+            Protocol::List => "list",
             Protocol::Counter => "counter",
         }
     }
@@ -77,7 +78,7 @@ impl Default for SimConfig {
             steps: 3,
             keep: 1,
             state_bytes: 4096,
-            protocol: Protocol::ListAndRead,
+            protocol: Protocol::ListAll,
             sequential: false,
             time_limit: Duration::from_secs(600),
             store: SimOptions::default(),
@@ -193,8 +194,8 @@ impl Rank {
         let (m, src) = logical(step, self.rank, cfg.ranks, cfg.state_bytes);
         self.tier.write_rank(&m, &src, &self.link)?;
         let (committed, retains) = match cfg.protocol {
-            Protocol::ListAndRead => (self.tier.try_commit(step, cfg.ranks)?, true),
-            Protocol::ListRank0 => (self.tier.try_commit(step, cfg.ranks)?, self.rank == 0),
+            Protocol::ListAll => (self.tier.try_commit(step, cfg.ranks)?, true),
+            Protocol::List => (self.tier.try_commit(step, cfg.ranks)?, self.rank == 0),
             Protocol::Counter => {
                 // `Store::commit_counted`: count in once the manifest is durable; the rank
                 // whose add makes N writes the record, deletes the key and retains.
@@ -216,17 +217,19 @@ impl Rank {
         Ok(committed)
     }
 
-    /// `Store::retain`: the gc plan with the tier's `keep`, other jobs' steps left out
-    /// (`Store::foreign_steps`: the committed steps, each one's commit record read once).
+    /// `Store::retain`: one listing of the tier's steps, each committed step's record read
+    /// once per process (`Store::foreign_among`, for other jobs' steps), then the gc plan
+    /// with the tier's `keep` over that listing.
     fn retain(&mut self, cfg: &SimConfig) -> Result<()> {
-        for s in self.tier.committed_steps()? {
+        let listed = self.tier.list_steps()?;
+        for &s in &listed.committed {
             if let std::collections::hash_map::Entry::Vacant(e) = self.records_seen.entry(s) {
                 if self.tier.commit_record(s).is_ok() {
                     e.insert(());
                 }
             }
         }
-        run_gc(&self.tier, &GcOptions { keep: Some(cfg.keep), temp_age: None, foreign: vec![] })?;
+        run_gc(&self.tier, &GcOptions { keep: Some(cfg.keep), temp_age: None, foreign: vec![], listed: Some(listed) })?;
         Ok(())
     }
 }

@@ -12,7 +12,7 @@
 //! upload (POST, marker PUT, one PUT per part, POST, marker DELETE); `get`, `get_range` one
 //! GET; `exists` one HEAD; `list` one LIST per 1,000 names; `delete` one DELETE;
 //! `delete_prefix` a recursive LIST and one DeleteObjects POST per 1,000 keys; `leftovers`
-//! a LIST of `.uploads/`.
+//! a LIST of `.uploads/` (which gc skips where the root has none, as on S3).
 //!
 //! A prefix, for the rates, is a key's directory (everything before its last '/'; the
 //! prefix itself for a listing): all ranks of one step share one, as all objects directly
@@ -418,6 +418,10 @@ impl Blobs for SimBlobs {
             })?;
         }
         Ok(())
+    }
+
+    fn leftovers_under(&self) -> Option<&str> {
+        Some(crate::object::UPLOADS_DIR)
     }
 
     fn leftovers(&self, _temp_age: Option<std::time::Duration>) -> Result<Vec<crate::gc::Removal>> {

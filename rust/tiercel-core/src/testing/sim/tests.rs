@@ -9,8 +9,8 @@ fn fast(ranks: u32) -> SimConfig {
 }
 
 /// Ranks one after another, in the steady state (step 3, keep 1: each step removes the one
-/// before): the requests of today's protocol are exactly the formula of docs/scale.md,
-/// 15N + 4 per step, and the last rank alone reads every manifest.
+/// before), each running retention as before issue 34: the requests are exactly
+/// 10N + 4 per step (docs/scale.md), and the last rank alone reads every manifest.
 #[test]
 fn requests_per_step_follow_the_formula() {
     let n = 8u64;
@@ -32,16 +32,14 @@ fn requests_per_step_follow_the_formula() {
         ((Req::Get, "manifest"), n),
         // Each process reads each committed step's record once (`Store::other_job`).
         ((Req::Get, "commit"), n),
-        // Retention: committed steps twice (3 LISTs of the root with all steps), one HEAD
-        // per step present (2) each time, and the upload markers.
-        ((Req::Head, "commit"), 4 * n),
-        ((Req::List, "root"), 3 * n),
-        ((Req::List, "other"), n),
+        // Each rank's retention: one LIST of the root and a HEAD per step there (2).
+        ((Req::Head, "commit"), 2 * n),
+        ((Req::List, "root"), n),
     ]
     .into_iter()
     .collect();
     assert_eq!(s.tally.requests, want);
-    assert_eq!(s.tally.total(), 15 * n + 4);
+    assert_eq!(s.tally.total(), 10 * n + 4);
     assert_eq!(s.tally.slowdowns, 0);
     assert!(s.commit_delay.is_some(), "step 3 did not commit");
 }
@@ -65,7 +63,7 @@ fn slowdowns_are_answered_and_retried() {
 
 /// The counted commit, ranks one after another: 4 requests per rank (its uncommit's two
 /// DELETEs, its data and its manifest), then one commit record and one rank's retention:
-/// 4N + 13 per step, no LIST of the step and no manifest read; N adds and one delete on the
+/// 4N + 8 per step, no LIST of the step and no manifest read; N adds and one delete on the
 /// counter.
 #[test]
 fn the_counted_commit_costs_each_rank_its_own_objects_only() {
@@ -83,14 +81,13 @@ fn the_counted_commit_costs_each_rank_its_own_objects_only() {
         ((Req::List, "step"), 1),
         ((Req::Post, "step"), 1),
         ((Req::Get, "commit"), 1),
-        ((Req::Head, "commit"), 4),
-        ((Req::List, "root"), 3),
-        ((Req::List, "other"), 1),
+        ((Req::Head, "commit"), 2),
+        ((Req::List, "root"), 1),
     ]
     .into_iter()
     .collect();
     assert_eq!(s.tally.requests, want);
-    assert_eq!(s.tally.total(), 4 * n + 13);
+    assert_eq!(s.tally.total(), 4 * n + 8);
     assert_eq!(s.counter_ops, n + 1);
     assert!(s.commit_delay.is_some(), "step 3 did not commit");
 }
@@ -106,7 +103,7 @@ fn the_counted_commit_lists_nothing_when_ranks_race() {
     assert_eq!(s.tally.of(Req::Get, "manifest"), 0);
     assert_eq!(s.tally.of(Req::List, "step"), 1, "{:?}", s.tally.requests);
     // The committer reads step 2's record, and step 1's too when it did not commit step 1.
-    assert!((4 * n + 13..=4 * n + 14).contains(&s.tally.total()), "{:?}", s.tally.requests);
+    assert!((4 * n + 8..=4 * n + 9).contains(&s.tally.total()), "{:?}", s.tally.requests);
     assert!(s.commit_delay.is_some());
 }
 
