@@ -5,9 +5,14 @@ trip and queues calls on one server, as a TCPStore's single server thread does.
 
 Only two things are not tiercel's: the key-value store (simulated here), and each rank's local
 view of its tiers (`SimCore`: the steps it has committed and a reader of one, which a real
-restore opens from its own tiers and reads through afterwards; it costs nothing here). The
-rank threads share this machine's cores, so at large N the time also holds every rank's own
-Python work done one after another (`cpu_s` says how much): it is an upper bound there.
+restore opens from its own tiers and reads through afterwards; it costs nothing here).
+
+The rank threads share this machine's cores (and one interpreter lock), so at large N the
+measured time also holds every rank's own Python work done one after another, which a job's
+ranks do at once on their own hosts: there it is an upper bound. `estimate_s` is the time of
+the critical path instead: `ROUND_TRIPS` round trips, the one server's time for every call
+(calls × `service`), and the combining rank's work (measured: its thread's CPU time in
+`coordinator._combined`, which reads the N values and combines them).
 """
 
 from __future__ import annotations
@@ -20,6 +25,11 @@ from typing import Any, Callable
 
 from tiercel import coordinator as coordination
 from tiercel import newest
+
+#: Round trips on the critical path of one agreement (two rounds): per round a rank's append
+#: and add, then the combining rank's get and set, the others' get answered (together about
+#: one more), their add out; 5 a round; then the last reader's 4 deletes.
+ROUND_TRIPS = 2 * 5 + 4
 
 
 class LatencyStore:
@@ -134,6 +144,8 @@ class AgreeResult:
     steps: set[int | None] = field(default_factory=set)
     cpu_s: float = 0.0
     errors: list[str] = field(default_factory=list)
+    combine_cpu_s: float = 0.0
+    estimate_s: float = 0.0
 
     @property
     def ops_per_rank(self) -> float:
@@ -161,8 +173,19 @@ def run(ranks: int, latency: float = 0.001, service: float = 10e-6, steps: tuple
             errors.append(f"rank {r}: {type(e).__name__}: {e}")
         ends[r] = time.perf_counter()
 
+    combine_cpu = [0.0]
+    real_combined = coordination._combined
+
+    def timed_combined(values: Any, world_size: int, combine: Callable[[list[Any]], Any]) -> bytes:
+        t = time.thread_time()
+        try:
+            return real_combined(values, world_size, combine)
+        finally:
+            combine_cpu[0] += time.thread_time() - t
+
     saved = coordination._rounds
     coordination._rounds = _RoundsPerThread()
+    coordination._combined = timed_combined  # type: ignore[assignment]
     old_stack = threading.stack_size(256 << 10)
     try:
         threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(ranks)]
@@ -177,4 +200,7 @@ def run(ranks: int, latency: float = 0.001, service: float = 10e-6, steps: tuple
     finally:
         threading.stack_size(old_stack)
         coordination._rounds = saved
-    return AgreeResult(ranks, max(ends) - t0, sum(store.ops.values()), dict(store.ops), set(chosen), cpu, errors[:3])
+        coordination._combined = real_combined
+    ops = sum(store.ops.values())
+    estimate = ROUND_TRIPS * latency + ops * service + combine_cpu[0]
+    return AgreeResult(ranks, max(ends) - t0, ops, dict(store.ops), set(chosen), cpu, errors[:3], combine_cpu[0], estimate)
