@@ -22,6 +22,7 @@ import json, os, sys
 import jax
 jax.config.update("jax_num_cpu_devices", 2)
 pid, port, base, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+disk = f"{out}/disk"  # one directory both processes write: its commit counts them in through JAX
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 import numpy as np
 import tiercel
@@ -30,6 +31,7 @@ policy = {
     "tier": [
         {"name": "ram", "kind": "memory", "root": f"{base}/{host}", "keep": 2},
         {"name": "peer", "kind": "peer", "listen": "127.0.0.1:0", "replicas": 2},
+        {"name": "disk", "kind": "fs", "url": disk, "every": 1, "compression": "none"},
     ],
     "restore": {"order": ["ram", "peer"]},
 }
@@ -37,10 +39,12 @@ os.environ["TIERCEL_HOST"] = host
 store = tiercel.Store(policy)
 assert type(store.coordinator).__name__ == "JaxCoordinator", store.coordinator
 assert (store.rank, store.world_size) == (pid, 2)
+assert store._core.has_counter(), "no counter from JAX's key_value_increment: the disk commit lists"
 for step in (1, 2):
     w = np.full((1000,), step * 10 + pid, dtype=np.float32)
-    states = store.save(step, {"w": {"x": w}}).wait(60)
-    assert states == {"ram": "committed", "peer": "committed"}, states
+    # commit=True: the process that did not write the disk's commit learns of it by its probe.
+    states = store.save(step, {"w": {"x": w}}).wait(60, commit=True)
+    assert states == {"ram": "committed", "peer": "committed", "disk": "committed"}, states
 # Every peer server must stay up until everyone's replicas are in.
 store.coordinator.all_gather("saved")
 store.close()

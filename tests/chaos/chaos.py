@@ -25,7 +25,7 @@ from chaos_state import state
 from conftest import PYTHON, assert_same, child_env
 
 # The points the core can abort at (rust/tiercel-core/src/failpoint.rs).
-FAILPOINTS = ("commit", "evict", "persist")
+FAILPOINTS = ("commit", "commit_counted", "evict", "persist")
 
 # The trainer loop the campaign kills (shared with tests/test_kill.py).
 SAVER = Path(__file__).resolve().parent.parent / "saver.py"

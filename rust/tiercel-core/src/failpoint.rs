@@ -3,6 +3,8 @@
 //! (default 1) execution reaches `hit(name)`. Unset, `hit` costs one relaxed atomic load.
 //!
 //! Points: `commit` (a tier's data and manifests are written, its COMMIT record is not),
+//! `commit_counted` (on the counted commit of `store::commit`: this rank's add completed the
+//! count of a step's ranks, the COMMIT record is not written yet),
 //! `evict` (the memory tier removed a step's COMMIT record, not yet its data), `persist`
 //! (a slower tier's data object is written, its manifest is not), `replicate` (before each
 //! data frame of a replica push), `upload` (an object store's multipart upload is started,

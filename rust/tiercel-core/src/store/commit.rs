@@ -180,7 +180,8 @@ impl Store {
     /// generation was durable (a rank adds only after writing it, once per save and tier),
     /// so N adds mean every rank's part of this one save is there: the generation rule (never
     /// commit two saves mixed) holds without reading a manifest. A save of the step again has
-    /// another generation, so another key: two racing saves never count towards one commit.
+    /// another generation, so another key: two racing saves never count towards one commit
+    /// (and the rank that saves again takes its count off the earlier key: `retract_count`).
     /// None: the counter failed (logged), and the caller commits by listing: whether the add
     /// happened is unknown, and the listing path is correct either way (it checks every
     /// manifest itself).
