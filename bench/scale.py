@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
@@ -78,7 +79,7 @@ def table(saves: list[dict], agrees: dict[int, _agree_sim.AgreeResult], args: ar
             f"coordinator: {args.kv_latency_ms:g} ms a call, {args.kv_service_us:g} µs of its server each.\n\n"
             "| ranks | commit | requests per rank | GET | LIST | HEAD | PUT | DELETE (+ multi) | busiest prefix, writes / reads per s | "
             "503s | commit after last data (s) | restore agreement (s): critical path (simulated here) | "
-            "coordinator calls per rank |\n"
+            "agreement: coordinator calls per rank |\n"
             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     return head + "\n".join(row(s, agrees.get(s["ranks"])) for s in saves) + "\n"
 
@@ -94,8 +95,13 @@ def plot(saves: list[dict], agrees: dict[int, _agree_sim.AgreeResult], path: Pat
         runs = [s for s in saves if s["protocol"] == protocol]
         n = [s["ranks"] for s in runs]
         ax[0][0].plot(n, [s["per_rank"] for s in runs], "o-", label=protocol)
-        ax[0][1].plot(n, [s["peak_prefix_writes_per_s"] for s in runs], "o-", label=f"{protocol}: writes")
-        ax[0][1].plot(n, [s["peak_prefix_reads_per_s"] for s in runs], "s--", label=f"{protocol}: reads")
+        for s in runs:
+            if s["failed_ranks"]:
+                ax[0][0].annotate(f"{s['failed_ranks']:,} ranks failed\n(503s past the retries)", (s["ranks"], s["per_rank"]),
+                                  textcoords="offset points", xytext=(-110, 8), fontsize=7)
+        for key, style, what in (("peak_prefix_writes_per_s", "o-", "writes"), ("peak_prefix_reads_per_s", "s--", "reads")):
+            seen = [s for s in runs if s[key] > 0]  # a log scale: a run without any is left out
+            ax[0][1].plot([s["ranks"] for s in seen], [s[key] for s in seen], style, label=f"{protocol}: {what}")
         done = [s for s in runs if s["commit_delay_s"] is not None]
         ax[1][0].plot([s["ranks"] for s in done], [s["commit_delay_s"] for s in done], "o-", label=protocol)
     ax[0][1].axhline(S3_WRITES, color="grey", lw=0.8, ls=":", label="S3 writes / prefix")
@@ -118,6 +124,15 @@ def plot(saves: list[dict], agrees: dict[int, _agree_sim.AgreeResult], path: Pat
     print(f"wrote {path}")
 
 
+def redraw(out: Path) -> int:
+    """The table and the plot again, from a run's results."""
+    data = json.loads(Path(f"{out}.json").read_text())
+    agrees = {int(n): SimpleNamespace(**a) for n, a in data["agreement"].items()}
+    Path(f"{out}.md").write_text(table(data["saves"], agrees, argparse.Namespace(**data["args"])))  # type: ignore[arg-type]
+    plot(data["saves"], agrees, Path(f"{out}.png"))  # type: ignore[arg-type]
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="N = 8 only (a smoke test)")
@@ -131,7 +146,10 @@ def main() -> int:
     ap.add_argument("--kv-service-us", type=float, default=10.0, help="coordinator server time per call")
     ap.add_argument("--time-limit-s", type=float, default=300.0, help="a step still running after this is stopped")
     ap.add_argument("--out", default=str(ROOT / "bench/results/scale"), help="results prefix (.json, .md, .png)")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the table and plot from the results prefix's .json")
     args = ap.parse_args()
+    if args.plot_only:
+        return redraw(Path(args.out))
     ranks = [8] if args.quick else [int(n) for n in args.ranks.split(",")] if args.ranks else RANKS
     binary = build()
     saves, agrees = [], {}
