@@ -169,6 +169,11 @@ pub struct SimState {
     seed: AtomicU64,
 }
 
+/// Where `key` lives, for messages.
+fn describe(key: &str) -> String {
+    format!("sim://{}", key.trim_matches('/'))
+}
+
 fn split(key: &str) -> (&str, &str) {
     let key = key.trim_matches('/');
     match key.rfind('/') {
@@ -260,7 +265,9 @@ impl SimState {
         let mut backoff = 0.1f64;
         for attempt in 0..=self.opts.retries {
             if self.stop.load(Ordering::Relaxed) {
-                return Err(Error::unavailable(format!("sim store: {} {key}: the run was stopped (past its time limit)", kind.name())));
+                let what = describe(key);
+                return Err(Error::unavailable(format!("sim store: {} {what}: the run was stopped (past its time limit)", kind.name()))
+                    .with_path(what));
             }
             *self.tally.lock().requests.entry((kind, object_class(key))).or_default() += 1;
             if self.admit(prefix, kind.is_write()) {
@@ -279,10 +286,13 @@ impl SimState {
             }
         }
         Err(Error::unavailable(format!(
-            "sim store: {} {key}: 503 SlowDown after {} retries (prefix '{prefix}' is over its rate)",
+            "sim store: {} {}: 503 SlowDown after {} retries (prefix '{prefix}' is over its rate: spread the keys, or lower \
+             the request rate)",
             kind.name(),
+            describe(key),
             self.opts.retries
-        )))
+        ))
+        .with_path(describe(key)))
     }
 
     fn store(&self, key: &str, data: Vec<u8>, only_new: bool) -> bool {
@@ -306,7 +316,7 @@ impl SimState {
     }
 
     fn missing(&self, key: &str) -> Error {
-        Error::not_found(format!("sim store: {key}: not found"))
+        Error::not_found(format!("sim store: {}: not found", describe(key))).with_path(describe(key))
     }
 
     /// Keys under `prefix`, recursively (what a LIST without a delimiter returns).
@@ -329,7 +339,7 @@ impl SimState {
 
 impl Blobs for SimBlobs {
     fn describe(&self, key: &str) -> String {
-        format!("sim://{}", key.trim_matches('/'))
+        describe(key)
     }
 
     fn put(&self, key: &str, data: &[u8]) -> Result<()> {
@@ -352,7 +362,9 @@ impl Blobs for SimBlobs {
         let data = self.get(key)?;
         let (a, b) = (offset as usize, offset as usize + dst.len());
         if b > data.len() {
-            return Err(Error::integrity(format!("sim store: {key} is shorter than its manifest says")));
+            return Err(
+                Error::integrity(format!("sim store: {} is shorter than its manifest says", describe(key))).with_path(describe(key))
+            );
         }
         dst.copy_from_slice(&data[a..b]);
         Ok(())
