@@ -79,8 +79,11 @@ pub(super) struct Commits {
     counter: RwLock<Option<Arc<dyn StepCounter>>>,
     /// (tier, step) -> (counter key, generation) of this rank's save counted in there, until
     /// it is known committed: what `retract_count` poisons before the step is written again.
-    counted: Mutex<BTreeMap<(String, u64), (String, Option<String>)>>,
+    counted: Mutex<BTreeMap<(String, u64), Counted>>,
 }
+
+/// One save this rank counted in: its counter key and generation.
+type Counted = (String, Option<String>);
 
 impl Commits {
     /// A job of one process counts in this process.
