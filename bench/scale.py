@@ -175,7 +175,7 @@ def main() -> int:
     md = table(saves, agrees, args)
     print("\n" + md)
     write_results(f"{out}.json", {
-        "args": vars(args), "saves": saves,
+        "args": {**vars(args), "out": os.path.relpath(args.out, ROOT)}, "saves": saves,
         "agreement": {n: {"seconds": a.seconds, "estimate_s": a.estimate_s, "combine_cpu_s": a.combine_cpu_s, "ops": a.ops,
                           "ops_per_rank": a.ops_per_rank, "ops_by_kind": a.ops_by_kind, "cpu_s": a.cpu_s}
                       for n, a in agrees.items()},
