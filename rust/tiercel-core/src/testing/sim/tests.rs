@@ -108,9 +108,7 @@ fn the_counted_commit_lists_nothing_when_ranks_race() {
 }
 
 /// 64 ranks at once against a prefix that admits 100 writes a second (and holds a second's
-/// worth): no step's busiest prefix admits more than 100 + 100 per second of the step. The
-/// buckets once read the clock before their lock, and under contention refilled the same
-/// interval twice (40,000 writes a step at 10,000 ranks went through in 3 s).
+/// worth): no step's busiest prefix admits more than 100 + 100 per second of the step.
 #[test]
 fn a_prefix_admits_no_more_than_its_rate() {
     let mut cfg = SimConfig { protocol: Protocol::Counter, steps: 2, ..fast(64) };
