@@ -114,9 +114,18 @@ _chaos: build
 	TIERCEL_FUZZ_SECS=60 cargo test --release -p tiercel-core --lib fuzz -- --nocapture
 	TIERCEL_FUZZ_SECS=60 $(PY) -m pytest -q -s tests/test_tree_fuzz.py
 
+BENCH_STAMP := $(VENV)/.tiercel-bench-deps
+
+# The benchmarks' own packages (requirements-bench.txt: matplotlib for the plots, ...).
+$(BENCH_STAMP): $(DEPS_STAMP) requirements-bench.txt
+	@$(LOCKED) $(SHELL) -ec '[ $@ -nt requirements-bench.txt ] && exit 0; \
+	  echo "$(PY) -m pip install -r requirements-bench.txt"; \
+	  $(PY) -m pip install --progress-bar on -r requirements-bench.txt; \
+	  touch $@'
+
 # The benchmarks of docs/performance.md (methods: docs/benchmarks.md), each against its physical limit and the framework's
 # own checkpointer in the same run. Run them on an otherwise idle machine.
-bench: $(DEPS_STAMP)
+bench: $(BENCH_STAMP)
 	@$(LOCKED_MAKE) _bench
 
 _bench: build
@@ -127,6 +136,7 @@ _bench: build
 	$(PY) bench/orbax.py
 	$(PY) bench/interleave.py
 	$(PY) bench/broadcast.py
+	$(PY) bench/scale.py
 
 # The frameworks' own checkpoint tests (DeepSpeed, Orbax, DCP) with tiercel in place of their
 # stock backends, pass counts next to the stock ones: docs/peer-suites.md. Not part of `make

@@ -1,7 +1,7 @@
 //! Runs the conformance suites of `tiercel_core::testing` against every implementation: the
 //! tier suite on memory, fs (each codec), s3 (moto, as `tests/servers.py` starts it), gcs
 //! (a real bucket, when configured) and peer (two hosts on loopback); the `Blobs` suite on
-//! fs, s3 and gcs. A kind whose server is not configured is reported as ignored, and the
+//! fs, s3, gcs and the scale simulator's store. A kind whose server is not configured is reported as ignored, and the
 //! reason is printed first: never a silent "ok".
 
 use std::process::ExitCode;
@@ -56,6 +56,7 @@ fn blobs_kinds() -> Vec<Kind<BlobsSubject>> {
     let r = Rules::default();
     vec![
         kind("fs", r, None, subjects::fs_blobs),
+        kind("sim", r, None, subjects::sim_blobs),
         kind("s3", r, s3_missing(), || subjects::object_blobs(TierKind::S3, S3)),
         kind("gcs", r, gcs_missing(), || subjects::object_blobs(TierKind::Gcs, GCS)),
     ]

@@ -5,9 +5,11 @@
 //!
 //! `subjects` builds the implementations under test (a memory tier, an fs tier per codec, an
 //! object-store tier on a test server, a two-host peer tier on loopback); `tiers` and `blobs`
-//! are the suites. The crate's own runner is `tests/conformance.rs`.
+//! are the suites. The crate's own runner is `tests/conformance.rs`. `sim` is the scale
+//! simulator (tiercel's commit and retention code for N ranks on a simulated object store).
 
 pub mod blobs;
+pub mod sim;
 pub mod subjects;
 pub mod tiers;
 

@@ -121,6 +121,15 @@ pub fn object_tier(kind: TierKind, var: &str, compression: Compression) -> TierS
     TierSubject { tier, storage: blobs, rules: Rules::default(), rank1: None, guard }
 }
 
+/// The scale simulator's object store (`sim::store`), without latency or rate limits: it
+/// must keep the same contract as the stores it stands in for. Parts of 5 MiB, as the
+/// object-store subjects', so that the suite's large object goes up as a multipart upload.
+pub fn sim_blobs() -> BlobsSubject {
+    use super::sim::store::{SimBlobs, SimOptions};
+    let opts = SimOptions { latency: Duration::ZERO, write_rate: 1e9, read_rate: 1e9, part_size: 5 << 20, ..Default::default() };
+    BlobsSubject { blobs: Arc::new(SimBlobs::new(opts)), guard: Box::new(()) }
+}
+
 pub fn fs_blobs() -> BlobsSubject {
     let dir = tempdir_in(&temp_base());
     BlobsSubject { blobs: Arc::new(FsBlobs::new("disk", dir.path()).expect("open fs blobs")), guard: Box::new(dir) }
