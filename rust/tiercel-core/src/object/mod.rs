@@ -25,9 +25,11 @@
 //! (`endpoint`, `region`, `allow_http`, `timeout`). No message ever carries a credential.
 
 mod bucket;
+mod gate;
 mod inner;
 mod server_uploads;
 mod settings;
+mod throttle;
 mod uploads;
 mod writer;
 
