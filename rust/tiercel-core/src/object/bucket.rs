@@ -12,9 +12,9 @@ use object_store::path::Path as ObjPath;
 use object_store::ObjectStore;
 
 use super::block_on;
+use super::gate::Gate;
 use super::inner::Inner;
 use super::server_uploads::S3Uploads;
-use super::gate::Gate;
 use super::settings::{gcs_builder, s3_builder, sanitize, throttle_config, Env, NoCredentials, Secrets};
 use super::uploads::host_id;
 use super::writer::ObjectWriter;

@@ -193,7 +193,12 @@ impl NoCredentials {
     }
 }
 
-pub(super) fn s3_builder(url: &str, o: &ObjectOptions, env: &Env, gate: &Arc<Gate>) -> Result<(AmazonS3Builder, Secrets, Option<NoCredentials>)> {
+pub(super) fn s3_builder(
+    url: &str,
+    o: &ObjectOptions,
+    env: &Env,
+    gate: &Arc<Gate>,
+) -> Result<(AmazonS3Builder, Secrets, Option<NoCredentials>)> {
     let mut b = AmazonS3Builder::new();
     let mut secrets = Secrets::default();
     let mut set_by_env = std::collections::HashSet::new();
@@ -476,7 +481,9 @@ mod tests {
     #[test]
     fn gcs_settings() {
         let none = ObjectOptions::default();
-        let g = |vars: &[(&str, &str)], o: &ObjectOptions| gcs_builder("gs://bkt/p", o, &env(vars, None), &Gate::new("t", throttle_config(o))).unwrap().0;
+        let g = |vars: &[(&str, &str)], o: &ObjectOptions| {
+            gcs_builder("gs://bkt/p", o, &env(vars, None), &Gate::new("t", throttle_config(o))).unwrap().0
+        };
         let b = g(&[("STORAGE_EMULATOR_HOST", "127.0.0.1:4443")], &none);
         assert_eq!(b.get_config_value(&GoogleConfigKey::BaseUrl).as_deref(), Some("http://127.0.0.1:4443"));
         assert_eq!(b.get_config_value(&GoogleConfigKey::SkipSignature).as_deref(), Some("true"));

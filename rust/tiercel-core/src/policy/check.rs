@@ -44,17 +44,8 @@ pub(super) const TIER_KEYS: &[&str] = &[
     "options",
 ];
 /// Keys that only object-store tiers (s3, gcs) take.
-pub(super) const OBJECT_KEYS: &[&str] = &[
-    "endpoint",
-    "region",
-    "allow_http",
-    "part_size",
-    "concurrency",
-    "timeout",
-    "retries",
-    "ramp_period",
-    "throttle_timeout",
-];
+pub(super) const OBJECT_KEYS: &[&str] =
+    &["endpoint", "region", "allow_http", "part_size", "concurrency", "timeout", "retries", "ramp_period", "throttle_timeout"];
 /// Keys that only a peer tier takes.
 const PEER_KEYS: &[&str] = &["replicas", "placement", "listen", "secret"];
 const RESTORE_KEYS: &[&str] = &["order", "resume_from", "replicated", "relay_window", "relay_timeout"];

@@ -51,7 +51,12 @@ const NO_LIMIT: u64 = u64::MAX;
 
 impl Default for RequestCounters {
     fn default() -> Self {
-        RequestCounters { by_kind: Default::default(), throttled: AtomicU64::new(0), wait_nanos: AtomicU64::new(0), limit: AtomicU64::new(NO_LIMIT) }
+        RequestCounters {
+            by_kind: Default::default(),
+            throttled: AtomicU64::new(0),
+            wait_nanos: AtomicU64::new(0),
+            limit: AtomicU64::new(NO_LIMIT),
+        }
     }
 }
 
