@@ -8,10 +8,11 @@
 //! - A throttled answer lowers the allowed rate to half of what was sent in the last second
 //!   (or of the limit, if lower): multiplicative decrease, at most once per second, however
 //!   many requests in flight are refused at once, and never below `MIN_RATE`.
-//! - Every answer that is not throttled raises it again by `base / ramp_period` per second,
-//!   where `base` is the rate right after the last decrease: an additive ramp that takes a
-//!   whole `ramp_period` to double (GCS asks for at most 2x per 20 minutes), and less than
-//!   doubles in every later period.
+//! - Every answer that is not throttled raises it again along a ramp in wall time since the
+//!   last decrease: additive within each `ramp_period` (from r to 2r in a straight line), the
+//!   slope doubling from one period to the next, so the rate doubles once per period and never
+//!   more than doubles within any span of one period (GCS asks for at most 2x per 20 minutes).
+//!   A straight line alone would take 100 periods back from the floor to 50 requests/s.
 //! - Requests are paced to the limit: each is handed the next free slot, `1 / limit` after the
 //!   one before it.
 //! - The request that was refused waits `backoff` before it goes again (exponential, with
@@ -48,12 +49,11 @@ pub(super) struct Throttle {
     cfg: ThrottleConfig,
     /// Requests per second allowed now; None: unlimited (never throttled yet).
     limit: Option<f64>,
-    /// The limit right after the last decrease: what the ramp adds per `ramp_period`.
+    /// The limit right after the last decrease: where the ramp starts.
     base: f64,
     /// When the next request may go.
     next_free: f64,
-    /// When the limit last changed (the ramp counts from there).
-    changed: f64,
+    /// When the limit was last lowered (the ramp counts from there).
     last_decrease: Option<f64>,
     /// When each request of the last `WINDOW` went.
     sent: VecDeque<f64>,
@@ -61,7 +61,7 @@ pub(super) struct Throttle {
 
 impl Throttle {
     pub(super) fn new(cfg: ThrottleConfig) -> Throttle {
-        Throttle { cfg, limit: None, base: 0.0, next_free: 0.0, changed: 0.0, last_decrease: None, sent: VecDeque::new() }
+        Throttle { cfg, limit: None, base: 0.0, next_free: 0.0, last_decrease: None, sent: VecDeque::new() }
     }
 
     /// Requests per second allowed now (None: unlimited).
@@ -107,7 +107,6 @@ impl Throttle {
         let lowered = (current * DECREASE).max(MIN_RATE);
         self.limit = Some(lowered);
         self.base = lowered;
-        self.changed = now;
         self.last_decrease = Some(now);
         // The slots handed out at the old pace are not taken back; the next ones are farther apart.
         true
@@ -115,12 +114,12 @@ impl Throttle {
 
     /// A request at `now` got an answer that was not "slow down": ramp the limit up.
     pub(super) fn succeeded(&mut self, now: f64) {
-        let Some(l) = self.limit else { return };
-        // Time without requests earns no ramp: the server has seen no load meanwhile.
-        let idle_cap = (2.0 / l).max(WINDOW);
-        let dt = (now - self.changed).clamp(0.0, idle_cap);
-        self.limit = Some(l + self.base * dt / self.cfg.ramp_period.as_secs_f64().max(1e-9));
-        self.changed = now;
+        let (Some(_), Some(since)) = (self.limit, self.last_decrease) else { return };
+        // Wall time, not only time with requests: a job that saves every half hour gets its
+        // rate back over a few saves instead of never.
+        let periods = ((now - since) / self.cfg.ramp_period.as_secs_f64().max(1e-9)).max(0.0);
+        let (whole, part) = (periods.floor().min(60.0), periods.fract());
+        self.limit = Some(self.base * 2f64.powf(whole) * (1.0 + part));
     }
 
     /// How long a request refused for the `attempt`-th time (1, 2, ...) waits before it goes
@@ -221,21 +220,30 @@ mod tests {
                 assert!(later <= 2.0 * l + 1e-6, "{l} at {s} became {later} one period later");
             }
         }
-        // Half a period: 1.5x (additive).
+        // Half a period: 1.5x (a straight line within the period); two periods: 4x.
         let half = limit_at(1.0 + period / 2.0);
         assert!((half / start - 1.5).abs() < 0.01, "{half}");
+        let two = limit_at(1.0 + 2.0 * period);
+        assert!((two / start - 4.0).abs() < 0.02, "{two}");
     }
 
+    /// Between saves (no requests) the ramp goes on at the same slope: a job that saves
+    /// every half hour gets its rate back, and still never faster than 2x per period.
     #[test]
-    fn idle_time_earns_no_ramp() {
-        let mut th = throttle(60);
+    fn time_between_saves_ramps_at_the_same_slope() {
+        let mut th = throttle(1200);
         send(&mut th, 0.0, 1.0, 20);
         th.throttled(1.0); // 10/s
         th.succeeded(1.0);
-        // An hour without requests, then one success: at most one idle cap's worth of ramp.
-        th.succeeded(3601.0);
-        let l = th.limit().unwrap();
-        assert!(l <= 10.0 + 10.0 * 1.0 / 60.0 + 1e-9, "{l}");
+        // Twenty minutes without requests, then one success: doubled, no more.
+        th.succeeded(1201.0);
+        assert!((th.limit().unwrap() - 20.0).abs() < 1e-9, "{:?}", th.limit());
+        // From the floor, 50/s is seven periods away (a straight line would take a hundred).
+        th.admit(1202.0);
+        th.throttled(1202.0); // halves what was sent (1/s at the least), not the limit
+        assert_eq!(th.limit(), Some(MIN_RATE));
+        th.succeeded(1202.0 + 7.0 * 1200.0);
+        assert_eq!(th.limit(), Some(64.0));
     }
 
     #[test]
