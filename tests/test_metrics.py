@@ -190,7 +190,8 @@ def test_prometheus_text_serve_and_tiercel_stats(slow, capsys):
         assert cli.main(["stats", "--url", url]) == 0
         out = capsys.readouterr().out.splitlines()
         assert out[0].split() == ["TIER", "RANK", "STEPS", "WRITTEN", "RATE", "LAST", "LAG", "LAG", "S", "COMMITTED",
-                                  "AGE", "S", "UNWRITTEN", "QUEUE", "SKIPS", "FAILS", "READ"]
+                                  "AGE", "S", "UNWRITTEN", "QUEUE", "SKIPS", "FAILS", "READ", "REQUESTS",
+                                  "SLOWDOWNS"]
         assert [l.split()[:3] for l in out[1:]] == [["ram", "0", "1"], ["disk", "0", "1"]]
         assert cli.main(["stats", "--json", "--url", f"http://{url}/metrics"]) == 0
         rows = json.loads(capsys.readouterr().out)["tiers"]

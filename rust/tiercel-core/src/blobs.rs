@@ -48,6 +48,11 @@ pub trait Blobs: Send + Sync {
     fn merged_reads(&self) -> Option<MergedReads> {
         None
     }
+    /// What this backend counts of its requests (an object store's client), for
+    /// `store.metrics()`; None: it counts none.
+    fn requests(&self) -> Option<std::sync::Arc<crate::store::metrics::RequestCounters>> {
+        None
+    }
     fn exists(&self, key: &str) -> Result<bool>;
     /// Names of the entries directly under `prefix` ("" for the root).
     fn list(&self, prefix: &str) -> Result<Vec<String>>;

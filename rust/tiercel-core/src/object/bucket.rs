@@ -12,9 +12,10 @@ use object_store::path::Path as ObjPath;
 use object_store::ObjectStore;
 
 use super::block_on;
+use super::gate::Gate;
 use super::inner::Inner;
 use super::server_uploads::S3Uploads;
-use super::settings::{gcs_builder, s3_builder, sanitize, Env, NoCredentials, Secrets};
+use super::settings::{gcs_builder, s3_builder, sanitize, throttle_config, Env, NoCredentials, Secrets};
 use super::uploads::host_id;
 use super::writer::ObjectWriter;
 use crate::blobs::{BlobWriter, Blobs, MergedReads};
@@ -42,6 +43,7 @@ impl ObjectBlobs {
             Error::config(format!("tier '{name}': cannot set up a client for {url}: {}", sanitize(&e.to_string(), secrets)))
         };
         let context = |e: Error| e.context(format!("tier '{name}'"));
+        let gate = Gate::new(name, throttle_config(opts));
         type Clients = (
             Arc<dyn ObjectStore>,
             Arc<dyn MultipartStore>,
@@ -53,7 +55,7 @@ impl ObjectBlobs {
         );
         let (store, multipart, lister, endpoint, secrets, no_credentials, server_uploads): Clients = match spec {
             TierSpec::Gcs(_) => {
-                let (b, secrets) = gcs_builder(&url, opts, env).map_err(context)?;
+                let (b, secrets) = gcs_builder(&url, opts, env, &gate).map_err(context)?;
                 let endpoint = b
                     .get_config_value(&object_store::gcp::GoogleConfigKey::BaseUrl)
                     .unwrap_or_else(|| "https://storage.googleapis.com".into());
@@ -62,7 +64,7 @@ impl ObjectBlobs {
             }
             _ => {
                 use object_store::aws::AmazonS3ConfigKey;
-                let (b, secrets, no_credentials) = s3_builder(&url, opts, env).map_err(context)?;
+                let (b, secrets, no_credentials) = s3_builder(&url, opts, env, &gate).map_err(context)?;
                 let endpoint = b.get_config_value(&AmazonS3ConfigKey::Endpoint).unwrap_or_else(|| {
                     format!("AWS (region {})", b.get_config_value(&AmazonS3ConfigKey::Region).unwrap_or_else(|| "us-east-1".into()))
                 });
@@ -89,6 +91,7 @@ impl ObjectBlobs {
                 no_conditional_put: AtomicBool::new(false),
                 host: host_id(),
                 server_uploads,
+                requests: gate.counters.clone(),
             }),
         })
     }
@@ -152,6 +155,10 @@ impl Blobs for ObjectBlobs {
     /// download reads them.
     fn merged_reads(&self) -> Option<MergedReads> {
         Some(MergedReads { bytes: self.inner.part_size as u64, in_flight: self.inner.concurrency })
+    }
+
+    fn requests(&self) -> Option<Arc<crate::store::metrics::RequestCounters>> {
+        Some(self.inner.requests.clone())
     }
 
     fn exists(&self, key: &str) -> Result<bool> {

@@ -41,6 +41,8 @@ pub(super) struct Inner {
     pub(super) host: String,
     /// The server's own list of multipart uploads (S3 only; see `server_uploads`).
     pub(super) server_uploads: Option<S3Uploads>,
+    /// What the tier's gate counts of its requests (`gate`).
+    pub(super) requests: Arc<crate::store::metrics::RequestCounters>,
 }
 
 impl Inner {

@@ -1,7 +1,8 @@
 //! Object stores (S3 and S3-compatible servers, Google Cloud Storage) as `Blobs`, on the
 //! `object_store` crate, driven from one small shared tokio runtime. `settings` reads
 //! credentials and options, `inner` holds what every request needs and makes the requests,
-//! `bucket` is the `Blobs` implementation, `writer` the streaming multipart writer, `uploads`
+//! `bucket` is the `Blobs` implementation, `writer` the streaming multipart writer, `gate` and
+//! `throttle` what every request passes (counts, pace, slow-down answers), `uploads`
 //! the markers of running uploads and the removal of abandoned ones, `server_uploads` S3's own
 //! list of the uploads under a prefix (what a writer killed before its marker leaves).
 //!
@@ -18,6 +19,11 @@
 //! - `get_range` is one ranged GET whose body is copied straight into the destination.
 //! - Requests are retried with exponential backoff on 5xx answers, connection resets and
 //!   timeouts (`object_store`'s retry layer; bodies of GETs resume where they broke off).
+//! - Every HTTP request passes the tier's `gate` (the client `object_store` sends through): it
+//!   is counted by kind for `store.metrics()`, paced to the tier's `throttle`, and a "slow
+//!   down" answer (503, 429) lowers the tier's rate and is retried there, after a backoff,
+//!   for up to `throttle_timeout`; the rate ramps up again while answers succeed.
+//! - Parts grow with the upload (`writer::part_len`) so that an object fits in 10,000 parts.
 //!
 //! Where the settings come from, last wins: the SDKs' config files (`~/.aws/config` and
 //! `~/.aws/credentials` for `$AWS_PROFILE`; Google's application-default credentials file),
@@ -25,9 +31,11 @@
 //! (`endpoint`, `region`, `allow_http`, `timeout`). No message ever carries a credential.
 
 mod bucket;
+mod gate;
 mod inner;
 mod server_uploads;
 mod settings;
+mod throttle;
 mod uploads;
 mod writer;
 

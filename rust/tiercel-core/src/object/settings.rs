@@ -10,6 +10,8 @@ use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::gcp::{GcpCredential, GoogleCloudStorageBuilder, GoogleConfigKey};
 use object_store::{ClientConfigKey, RetryConfig, StaticCredentialProvider};
 
+use super::gate::{Gate, GatedConnector};
+use super::throttle::ThrottleConfig;
 use crate::error::{Error, Result};
 use crate::policy::ObjectOptions;
 
@@ -148,6 +150,14 @@ fn is_http(url: &str) -> bool {
     url.trim().to_ascii_lowercase().starts_with("http://")
 }
 
+/// The throttle settings of a tier's options.
+pub(super) fn throttle_config(o: &ObjectOptions) -> ThrottleConfig {
+    ThrottleConfig {
+        ramp_period: std::time::Duration::from_secs(o.ramp_period),
+        give_up_after: std::time::Duration::from_secs(o.throttle_timeout),
+    }
+}
+
 fn duration_secs(s: u64) -> String {
     format!("{s}s")
 }
@@ -183,7 +193,12 @@ impl NoCredentials {
     }
 }
 
-pub(super) fn s3_builder(url: &str, o: &ObjectOptions, env: &Env) -> Result<(AmazonS3Builder, Secrets, Option<NoCredentials>)> {
+pub(super) fn s3_builder(
+    url: &str,
+    o: &ObjectOptions,
+    env: &Env,
+    gate: &Arc<Gate>,
+) -> Result<(AmazonS3Builder, Secrets, Option<NoCredentials>)> {
     let mut b = AmazonS3Builder::new();
     let mut secrets = Secrets::default();
     let mut set_by_env = std::collections::HashSet::new();
@@ -263,6 +278,7 @@ pub(super) fn s3_builder(url: &str, o: &ObjectOptions, env: &Env) -> Result<(Ama
     if let Some(r) = o.retries {
         b = b.with_retry(RetryConfig { max_retries: r, ..Default::default() });
     }
+    b = b.with_http_connector(GatedConnector(gate.clone()));
     // A custom endpoint and no credentials anywhere: requests go unsigned, rather than to the
     // cloud's instance-metadata address (object_store's last resort), which only a VM in AWS
     // has. A server that wants signatures then answers 403, and the message says what to set.
@@ -294,7 +310,7 @@ pub(super) fn s3_builder(url: &str, o: &ObjectOptions, env: &Env) -> Result<(Ama
 }
 
 /// The GCS client builder for `url` with settings from files, environment and policy.
-pub(super) fn gcs_builder(url: &str, o: &ObjectOptions, env: &Env) -> Result<(GoogleCloudStorageBuilder, Secrets)> {
+pub(super) fn gcs_builder(url: &str, o: &ObjectOptions, env: &Env, gate: &Arc<Gate>) -> Result<(GoogleCloudStorageBuilder, Secrets)> {
     let mut b = GoogleCloudStorageBuilder::new();
     let mut secrets = Secrets::default();
     if let Some(p) = env.get("SERVICE_ACCOUNT") {
@@ -355,7 +371,7 @@ pub(super) fn gcs_builder(url: &str, o: &ObjectOptions, env: &Env) -> Result<(Go
     if let Some(r) = o.retries {
         b = b.with_retry(RetryConfig { max_retries: r, ..Default::default() });
     }
-    Ok((b.with_url(url), secrets))
+    Ok((b.with_http_connector(GatedConnector(gate.clone())).with_url(url), secrets))
 }
 
 #[cfg(test)]
@@ -368,7 +384,7 @@ mod tests {
     }
 
     fn s3(vars: &[(&str, &str)], home: Option<&std::path::Path>, o: &ObjectOptions) -> AmazonS3Builder {
-        s3_builder("s3://bkt/pre", o, &env(vars, home)).unwrap().0
+        s3_builder("s3://bkt/pre", o, &env(vars, home), &Gate::new("t", throttle_config(o))).unwrap().0
     }
 
     fn v(b: &AmazonS3Builder, k: AmazonS3ConfigKey) -> Option<String> {
@@ -449,7 +465,7 @@ mod tests {
         assert_eq!(v(&s3(&[], h, &big), AmazonS3ConfigKey::Client(ClientConfigKey::Timeout)).as_deref(), Some("512s"));
         assert_eq!(v(&s3(&[("AWS_TIMEOUT", "5s")], h, &big), AmazonS3ConfigKey::Client(ClientConfigKey::Timeout)).as_deref(), Some("5s"));
         // A profile that is nowhere is an error, as in the SDKs.
-        let e = s3_builder("s3://bkt", &none, &env(&[("AWS_PROFILE", "nope")], h)).unwrap_err();
+        let e = s3_builder("s3://bkt", &none, &env(&[("AWS_PROFILE", "nope")], h), &Gate::new("t", throttle_config(&none))).unwrap_err();
         assert_eq!(e.kind, ErrorKind::Config);
         assert!(e.message.contains("AWS profile 'nope'"), "{}", e.message);
         // No files and no environment: nothing set, no error; requests to AWS itself may then
@@ -465,7 +481,9 @@ mod tests {
     #[test]
     fn gcs_settings() {
         let none = ObjectOptions::default();
-        let g = |vars: &[(&str, &str)], o: &ObjectOptions| gcs_builder("gs://bkt/p", o, &env(vars, None)).unwrap().0;
+        let g = |vars: &[(&str, &str)], o: &ObjectOptions| {
+            gcs_builder("gs://bkt/p", o, &env(vars, None), &Gate::new("t", throttle_config(o))).unwrap().0
+        };
         let b = g(&[("STORAGE_EMULATOR_HOST", "127.0.0.1:4443")], &none);
         assert_eq!(b.get_config_value(&GoogleConfigKey::BaseUrl).as_deref(), Some("http://127.0.0.1:4443"));
         assert_eq!(b.get_config_value(&GoogleConfigKey::SkipSignature).as_deref(), Some("true"));

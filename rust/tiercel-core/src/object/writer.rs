@@ -18,6 +18,23 @@ use super::{block_on, runtime};
 use crate::blobs::BlobWriter;
 use crate::error::{Error, Result};
 
+/// After every this many parts of one upload, its part size doubles (see `part_len`).
+pub(super) const PARTS_PER_DOUBLING: usize = 1000;
+/// S3's limits on one multipart upload (GCS's XML API has the same): parts, and bytes per part.
+pub(super) const MAX_PARTS: usize = 10_000;
+const MAX_PART_LEN: usize = 5 << 30;
+
+/// The size of part `index` (from 0) of an upload whose tier has `part_size`: `part_size` for
+/// the first `PARTS_PER_DOUBLING` parts, then twice that for as many, and so on, up to 5 GiB.
+/// A writer does not know an object's size in advance; this way a small object takes parts
+/// of `part_size` (as many requests per GiB as that gives, no more), and a large one fits in
+/// S3's 10,000 parts: 4.88 TiB from the 5 MiB minimum; from the 16 MiB default, 15.6 GiB in
+/// the first 1,000 parts, and past S3's largest object (5 TiB) in 8,284.
+pub(super) fn part_len(part_size: usize, index: usize) -> usize {
+    let doublings = (index / PARTS_PER_DOUBLING).min(20) as u32;
+    part_size.saturating_mul(1usize << doublings).min(MAX_PART_LEN)
+}
+
 struct Upload {
     id: String,
     marker: String,
@@ -87,6 +104,15 @@ impl ObjectWriter {
         let data = std::mem::take(&mut self.buf);
         let up = self.upload.as_mut().unwrap();
         let idx = up.parts.len();
+        if idx >= MAX_PARTS {
+            return Err(Error::invalid(format!(
+                "tier '{}': {} would take more than {MAX_PARTS} parts (S3's limit; {} bytes so far): the object is \
+                 larger than the store accepts; raise the tier's `part_size`",
+                self.inner.tier,
+                self.inner.describe(&self.key),
+                self.total
+            )));
+        }
         up.parts.push(None);
         let (mp, path, id) = (self.inner.multipart.clone(), self.inner.path(&self.key), up.id.clone());
         let handle = runtime().spawn(async move { mp.put_part(&path, &id, idx, PutPayload::from(data)).await });
@@ -165,9 +191,9 @@ impl ObjectWriter {
 
 impl BlobWriter for ObjectWriter {
     fn write(&mut self, mut data: &[u8]) -> Result<()> {
-        let part = self.inner.part_size;
         self.total += data.len() as u64;
         while !data.is_empty() {
+            let part = part_len(self.inner.part_size, self.upload.as_ref().map_or(0, |u| u.parts.len()));
             if self.buf.capacity() == 0 {
                 self.buf.reserve_exact(part);
             }
@@ -203,5 +229,45 @@ impl Drop for ObjectWriter {
         if !self.closed {
             self.cleanup();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+    const GIB: u64 = 1 << 30;
+
+    /// Parts an object of `size` bytes takes.
+    fn parts(part_size: usize, size: u64) -> usize {
+        let (mut n, mut covered) = (0, 0u64);
+        while covered < size {
+            covered += part_len(part_size, n) as u64;
+            n += 1;
+        }
+        n
+    }
+
+    #[test]
+    fn parts_grow_so_that_the_largest_objects_fit_in_ten_thousand() {
+        assert_eq!(part_len(16 * MIB, 0), 16 * MIB);
+        assert_eq!(part_len(16 * MIB, 999), 16 * MIB);
+        assert_eq!(part_len(16 * MIB, 1000), 32 * MIB);
+        assert_eq!(part_len(16 * MIB, 9999), 5 << 30);
+        // 10,000 parts: 4.88 TiB from the 5 MiB minimum, S3's largest object (5 TiB) from the default.
+        assert!(parts(5 * MIB, 4_990 * GIB) <= MAX_PARTS);
+        assert!(parts(5 * MIB, 5_000 * GIB) > MAX_PARTS);
+        assert!(parts(16 * MIB, 5 << 40) <= MAX_PARTS);
+        // Requests per GiB never exceed those of `part_size` parts, and fall for large objects.
+        for part_size in [5 * MIB, 16 * MIB, 64 * MIB] {
+            let per_gib = (GIB as usize).div_ceil(part_size);
+            for gib in [1u64, 10, 100, 1000, 4000] {
+                let n = parts(part_size, gib * GIB);
+                assert!(n as u64 <= per_gib as u64 * gib, "{part_size} {gib} GiB: {n} parts");
+            }
+        }
+        assert_eq!(parts(16 * MIB, GIB), 64);
+        assert_eq!(parts(16 * MIB, 100 * GIB), 1000 + 1000 + 850);
     }
 }

@@ -39,11 +39,14 @@ pub(super) const TIER_KEYS: &[&str] = &[
     "concurrency",
     "timeout",
     "retries",
+    "ramp_period",
+    "throttle_timeout",
     "factory",
     "options",
 ];
 /// Keys that only object-store tiers (s3, gcs) take.
-pub(super) const OBJECT_KEYS: &[&str] = &["endpoint", "region", "allow_http", "part_size", "concurrency", "timeout", "retries"];
+pub(super) const OBJECT_KEYS: &[&str] =
+    &["endpoint", "region", "allow_http", "part_size", "concurrency", "timeout", "retries", "ramp_period", "throttle_timeout"];
 /// Keys that only a peer tier takes.
 const PEER_KEYS: &[&str] = &["replicas", "placement", "listen", "secret"];
 const RESTORE_KEYS: &[&str] = &["order", "resume_from", "replicated", "relay_window", "relay_timeout"];
@@ -532,6 +535,24 @@ impl Checker<'_> {
                 Value::Int(r) if (0..=100).contains(&r) => o.retries = Some(r as usize),
                 _ => return Err(self.expected(n, &p, "an integer from 0 to 100")),
             }
+        }
+        if let Some((n, p)) = optional("ramp_period") {
+            o.ramp_period = self.positive_int(n, &p)?;
+        }
+        if let Some((n, p)) = optional("throttle_timeout") {
+            let t = self.positive_int(n, &p)?;
+            if t > MAX_THROTTLE_TIMEOUT {
+                return Err(self.at(
+                    n,
+                    &p,
+                    format!(
+                        "expected seconds up to {MAX_THROTTLE_TIMEOUT} (a request is sent again with its first signature, \
+                         which S3 accepts for 15 minutes), got {}",
+                        n.describe()
+                    ),
+                ));
+            }
+            o.throttle_timeout = t;
         }
         Ok(o)
     }

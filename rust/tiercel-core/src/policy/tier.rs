@@ -243,6 +243,13 @@ pub(super) const MAX_PART_SIZE: u64 = 5 << 30;
 /// Default number of parts of one object uploaded at once.
 pub const DEFAULT_CONCURRENCY: usize = 4;
 pub(super) const MAX_CONCURRENCY: usize = 64;
+/// Default `ramp_period`: GCS's "at most double the request rate every 20 minutes".
+pub const DEFAULT_RAMP_PERIOD: u64 = 20 * 60;
+/// Default `throttle_timeout`: ten minutes.
+pub const DEFAULT_THROTTLE_TIMEOUT: u64 = 10 * 60;
+/// A request refused longer than this is sent again with a signature S3 no longer accepts
+/// (a SigV4 signature is valid for 15 minutes after its time).
+pub(super) const MAX_THROTTLE_TIMEOUT: u64 = 14 * 60;
 
 /// How an s3 or gcs tier reaches its bucket. What is `None` here comes from the environment
 /// and the SDK config files, as the AWS and Google SDKs read them (see `crate::object`).
@@ -263,6 +270,12 @@ pub struct ObjectOptions {
     pub timeout: Option<u64>,
     /// `retries`: how often a failed request is retried (backoff from 0.1 s up to 15 s).
     pub retries: Option<usize>,
+    /// `ramp_period`: seconds the tier's request rate takes to double again after the server
+    /// said "slow down" (GCS asks for at most 2x per 20 minutes).
+    pub ramp_period: u64,
+    /// `throttle_timeout`: seconds one request may keep being refused as "slow down" before
+    /// it fails.
+    pub throttle_timeout: u64,
 }
 
 impl Default for ObjectOptions {
@@ -275,6 +288,8 @@ impl Default for ObjectOptions {
             concurrency: DEFAULT_CONCURRENCY,
             timeout: None,
             retries: None,
+            ramp_period: DEFAULT_RAMP_PERIOD,
+            throttle_timeout: DEFAULT_THROTTLE_TIMEOUT,
         }
     }
 }

@@ -18,6 +18,79 @@ use crate::error::{Error, Result};
 /// How many saves' times are remembered, to tell how far behind a tier is in seconds.
 const SAVE_TIMES_KEPT: usize = 4096;
 
+/// Kinds of request to an object store, as `RequestCounters` counts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestKind {
+    Get,
+    Put,
+    List,
+    Head,
+    Delete,
+    /// One part of a multipart upload.
+    Part,
+    /// The start or the completion of a multipart upload.
+    Multipart,
+}
+
+const REQUEST_KINDS: usize = 7;
+
+/// What a tier's client sent, counted where it sends each HTTP request (`object::gate`):
+/// requests by kind (retries included: each is billed and counted against the server's rate),
+/// the answers that said "slow down", the time requests waited for the tier's throttle, and
+/// the rate it allows now.
+#[derive(Debug)]
+pub struct RequestCounters {
+    by_kind: [AtomicU64; REQUEST_KINDS],
+    throttled: AtomicU64,
+    wait_nanos: AtomicU64,
+    /// The throttle's rate limit as f64 bits; `NO_LIMIT`: none.
+    limit: AtomicU64,
+}
+
+const NO_LIMIT: u64 = u64::MAX;
+
+impl Default for RequestCounters {
+    fn default() -> Self {
+        RequestCounters {
+            by_kind: Default::default(),
+            throttled: AtomicU64::new(0),
+            wait_nanos: AtomicU64::new(0),
+            limit: AtomicU64::new(NO_LIMIT),
+        }
+    }
+}
+
+impl RequestCounters {
+    pub fn sent(&self, kind: RequestKind) {
+        self.by_kind[kind as usize].fetch_add(1, Relaxed);
+    }
+    /// The server answered a request "slow down" (503, 429).
+    pub fn throttled(&self) {
+        self.throttled.fetch_add(1, Relaxed);
+    }
+    /// A request waited this long for the throttle (backoff or pace).
+    pub fn waited(&self, d: Duration) {
+        self.wait_nanos.fetch_add(d.as_nanos() as u64, Relaxed);
+    }
+    /// The requests per second the throttle allows now (None: unlimited).
+    pub fn set_limit(&self, limit: Option<f64>) {
+        self.limit.store(limit.map_or(NO_LIMIT, f64::to_bits), Relaxed);
+    }
+    pub fn count(&self, kind: RequestKind) -> u64 {
+        self.by_kind[kind as usize].load(Relaxed)
+    }
+    /// Every request sent, of every kind.
+    pub fn total(&self) -> u64 {
+        self.by_kind.iter().map(|c| c.load(Relaxed)).sum()
+    }
+    pub fn throttled_count(&self) -> u64 {
+        self.throttled.load(Relaxed)
+    }
+    fn limit(&self) -> Option<f64> {
+        Some(self.limit.load(Relaxed)).filter(|b| *b != NO_LIMIT).map(f64::from_bits)
+    }
+}
+
 /// Counters of one tier.
 #[derive(Default)]
 pub struct TierCounters {
@@ -40,6 +113,11 @@ pub struct TierCounters {
     outstanding: Mutex<BTreeMap<u64, u64>>,
     /// The learned traffic schedule's checkpoint interval (0: none planned).
     interval: AtomicU64,
+    /// What the tier's client sends (object stores; unset for the others).
+    requests: std::sync::OnceLock<std::sync::Arc<RequestCounters>>,
+    /// Where the newest save's requests count from: (step, requests, throttled answers) when
+    /// it was made.
+    save_mark: Mutex<Option<(u64, u64, u64)>>,
 }
 
 impl TierCounters {
@@ -94,6 +172,16 @@ impl TierCounters {
     }
     pub fn read(&self, bytes: u64) {
         self.bytes_read.fetch_add(bytes, Relaxed);
+    }
+    /// The tier's client counts its requests in `r`.
+    pub fn set_requests(&self, r: std::sync::Arc<RequestCounters>) {
+        let _ = self.requests.set(r);
+    }
+    /// A save of `step` begins: the tier's requests count from here for it.
+    fn mark_save(&self, step: u64) {
+        if let Some(r) = self.requests.get() {
+            *self.save_mark.lock() = Some((step, r.total(), r.throttled_count()));
+        }
     }
 }
 
@@ -195,6 +283,19 @@ snapshot! {
         skips: u64, Counter, "saves the tier did not get (replaced by a newer save while queued, not enough hosts)";
         failures: u64, Counter, "writes to the tier that failed";
         effective_interval: Option<u64>, Gauge, "iterations between checkpoints that reach the tier (learned traffic schedule)";
+        requests_get: Option<u64>, Counter, "GET requests the tier's client sent (object stores; every retry counts)";
+        requests_put: Option<u64>, Counter, "PUT requests of whole objects (data no larger than one part, manifests, commit records, upload markers)";
+        requests_list: Option<u64>, Counter, "LIST requests (one per page of a listing)";
+        requests_head: Option<u64>, Counter, "HEAD requests";
+        requests_delete: Option<u64>, Counter, "DELETE requests (objects, aborted uploads, multi-object deletes)";
+        requests_part: Option<u64>, Counter, "parts of multipart uploads (PUT)";
+        requests_multipart: Option<u64>, Counter, "multipart uploads started and completed (POST)";
+        requests_throttled: Option<u64>, Counter, "answers that said slow down (503 SlowDown, 429): each met with a backoff, and a lower request rate for the tier";
+        throttle_wait_seconds: Option<f64>, Counter, "seconds requests waited for the tier's throttle: backoff after a slow-down answer, pacing at the lowered rate";
+        request_rate_limit: Option<f64>, Gauge, "requests per second the tier's throttle allows now (None: unlimited, never told to slow down)";
+        save_step: Option<u64>, Gauge, "the step of this rank's newest save (what save_requests counts for)";
+        save_requests: Option<u64>, Gauge, "requests the tier's client sent since save_step was saved: its persist (data, manifest, commit record), retention, and what the save had other tiers ask of this one";
+        save_throttled: Option<u64>, Gauge, "slow-down answers among save_requests";
     }
 }
 
@@ -286,6 +387,9 @@ impl Metrics {
 
     /// A save of `step` was made now.
     pub fn saved(&self, step: u64) {
+        for (_, c) in &self.tiers {
+            c.mark_save(step);
+        }
         let mut s = self.saves.lock();
         s.insert(step, now());
         while s.len() > SAVE_TIMES_KEPT {
@@ -308,6 +412,8 @@ impl Metrics {
                     (out.first_key_value().map(|(s, _)| *s), out.values().sum())
                 };
                 let committed_step = *c.committed_step.lock();
+                let req = c.requests.get();
+                let mark = *c.save_mark.lock();
                 // A step saved before this process (restored) or forgotten has no known age.
                 let committed_age_seconds = committed_step.and_then(|s| saves.get(&s)).map(|then| (at_now - then).max(0.0));
                 let lag_steps = match (newest, last_step, oldest) {
@@ -339,6 +445,19 @@ impl Metrics {
                     skips: c.skips.load(Relaxed),
                     failures: c.failures.load(Relaxed),
                     effective_interval: Some(c.interval.load(Relaxed)).filter(|n| *n > 0),
+                    requests_get: req.map(|r| r.count(RequestKind::Get)),
+                    requests_put: req.map(|r| r.count(RequestKind::Put)),
+                    requests_list: req.map(|r| r.count(RequestKind::List)),
+                    requests_head: req.map(|r| r.count(RequestKind::Head)),
+                    requests_delete: req.map(|r| r.count(RequestKind::Delete)),
+                    requests_part: req.map(|r| r.count(RequestKind::Part)),
+                    requests_multipart: req.map(|r| r.count(RequestKind::Multipart)),
+                    requests_throttled: req.map(|r| r.throttled_count()),
+                    throttle_wait_seconds: req.map(|r| r.wait_nanos.load(Relaxed) as f64 / 1e9),
+                    request_rate_limit: req.and_then(|r| r.limit()),
+                    save_step: mark.map(|m| m.0),
+                    save_requests: mark.zip(req).map(|(m, r)| r.total().saturating_sub(m.1)),
+                    save_throttled: mark.zip(req).map(|(m, r)| r.throttled_count().saturating_sub(m.2)),
                 }
             })
             .collect()

@@ -160,6 +160,11 @@ impl Store {
             c.join_alone(&job.run.clone().unwrap_or_default())?;
         }
         let metrics = Metrics::new(policy.tiers.iter().map(|t| t.name.clone()));
+        for (i, s) in slots.iter().enumerate() {
+            if let Some(r) = s.tier.requests() {
+                metrics.tier(i).set_requests(r);
+            }
+        }
         let store = Store {
             policy,
             rank,

@@ -70,6 +70,10 @@ impl Tier for BlobTier {
         self.layout.blobs().merged_reads()
     }
 
+    fn requests(&self) -> Option<Arc<crate::store::metrics::RequestCounters>> {
+        self.layout.blobs().requests()
+    }
+
     fn read_stored_run(&self, m: &Manifest, chunks: &[ChunkMeta], dst: &mut [u8]) -> Result<()> {
         self.layout.read_stored_run(m, chunks, dst)
     }

@@ -60,6 +60,11 @@ pub trait Tier: Send + Sync {
         None
     }
 
+    /// What the tier's client counts of its requests (object stores), for `store.metrics()`.
+    fn requests(&self) -> Option<Arc<crate::store::metrics::RequestCounters>> {
+        None
+    }
+
     /// Reads the stored bytes of `chunks`, which lie back to back in one object (each stored
     /// where the previous ends), into `dst` (their `stored_len`s together).
     fn read_stored_run(&self, m: &Manifest, chunks: &[format::ChunkMeta], dst: &mut [u8]) -> Result<()> {
