@@ -78,6 +78,29 @@ impl Cluster {
             .collect()
     }
 
+    /// Where a read of saved rank `rank`'s copy may find it, host by host: the holders the
+    /// placement names (when the rank is one of this job's), then every other host but
+    /// `reader`'s own. A job restarted on fewer (or other) hosts holds the steps of the
+    /// job before it where that job's placement put them, which this job's placement does
+    /// not know: each surviving host's server answers for its replicas and for its own
+    /// ranks' copies (an elastic restore). On each host the process with `reader`'s local
+    /// index first, then its neighbours (they serve the same shared memory).
+    fn sources(&self, rank: u32, reader: u32) -> Vec<HolderHost> {
+        let mut out = if (rank as usize) < self.host_of.len() { self.holders(rank) } else { vec![] };
+        let mine = self.host_of[reader as usize];
+        let local: Vec<usize> = (0..self.host_of.len()).filter(|r| self.host_of[*r] == mine).collect();
+        let my_index = local.iter().position(|r| *r == reader as usize).unwrap_or(0);
+        for (h, name) in self.names.iter().enumerate() {
+            if h == mine || out.iter().any(|o| &o.name == name) {
+                continue;
+            }
+            let ranks: Vec<usize> = (0..self.host_of.len()).filter(|r| self.host_of[*r] == h).collect();
+            let n = ranks.len();
+            out.push(HolderHost { name: name.clone(), addrs: (0..n).map(|i| self.addrs[ranks[(my_index + i) % n]].clone()).collect() });
+        }
+        out
+    }
+
     fn ident(&self, rank: u32) -> Ident {
         Ident { job: self.job.clone(), host: self.names[self.host_of[rank as usize]].clone(), rank }
     }
@@ -277,9 +300,30 @@ impl PeerTier {
         Ok(c.holders(rank))
     }
 
-    /// Every address that may hold `rank`'s replicas, with its host's name.
-    fn holder_addrs(&self, rank: u32) -> Result<Vec<(String, String)>> {
-        Ok(self.holders(rank)?.into_iter().flat_map(|h| h.addrs.into_iter().map(move |a| (a, h.name.clone()))).collect())
+    /// The hosts a read of saved rank `rank`'s copy asks, in order (`Cluster::sources`).
+    fn sources(&self, rank: u32) -> Result<Vec<HolderHost>> {
+        if self.degraded.read().is_some() {
+            return Ok(vec![]); // no peer host: nothing is held, nothing to ask
+        }
+        let c = self.cluster.read();
+        let c = c.as_ref().ok_or_else(|| {
+            Error::unavailable(format!("tier '{}': the peers are not known yet (the store was not connected to its cluster)", self.name))
+        })?;
+        Ok(c.sources(rank, self.rank))
+    }
+
+    /// Serves this host's own memory tier too, besides the replicas it holds: a job
+    /// restarted on fewer hosts reads a lost host's ranks from their replicas and the
+    /// survivors' ranks from wherever a copy is left, their own host's RAM included.
+    pub fn serve_own(&self, memory: Arc<MemoryTier>) {
+        self.holding.serve_own(memory);
+    }
+
+    /// This host's replica of `rank`'s `step`, read straight from the replica store (no
+    /// connection): a host holds replicas for ranks of other hosts, which a job restarted
+    /// on fewer hosts may have placed on this one.
+    fn local_manifest(&self, step: u64, rank: u32) -> Option<Manifest> {
+        self.replicas.read_manifest(step, rank).ok()
     }
 
     fn me(&self) -> Result<Ident> {
@@ -390,21 +434,34 @@ impl PeerTier {
         if let Some(hit) = self.manifests.lock().get(&(step, rank)) {
             return Ok(hit.clone());
         }
+        if let Some(m) = self.local_manifest(step, rank) {
+            self.manifests.lock().insert((step, rank), (m.clone(), LOCAL.to_string()));
+            return Ok((m, LOCAL.to_string()));
+        }
         let mut errs = vec![];
         let mut kinds = vec![];
-        for (addr, host) in self.holder_addrs(rank)? {
-            match self.with_conn(&addr, &host, |c| c.manifest(step, rank)) {
-                Ok(Some(m)) if m.step == step && m.rank == rank => {
-                    self.manifests.lock().insert((step, rank), (m.clone(), addr.clone()));
-                    return Ok((m, addr));
-                }
-                Ok(_) => {
-                    kinds.push(ErrorKind::Integrity);
-                    errs.push(format!("{addr}: wrong manifest"));
-                }
-                Err(e) => {
-                    kinds.push(e.kind);
-                    errs.push(e.message)
+        for host in self.sources(rank)? {
+            // One answer per host (its processes serve the same root): the next address
+            // only when one cannot answer.
+            for addr in host.addrs {
+                match self.with_conn(&addr, &host.name, |c| c.manifest(step, rank)) {
+                    Ok(Some(m)) if m.step == step && m.rank == rank => {
+                        self.manifests.lock().insert((step, rank), (m.clone(), addr.clone()));
+                        return Ok((m, addr));
+                    }
+                    Ok(_) => {
+                        kinds.push(ErrorKind::Integrity);
+                        errs.push(format!("{addr}: wrong manifest"));
+                        break;
+                    }
+                    Err(e) => {
+                        let answered = e.kind != ErrorKind::TierUnavailable;
+                        kinds.push(e.kind);
+                        errs.push(e.message);
+                        if answered {
+                            break;
+                        }
+                    }
                 }
             }
         }
@@ -501,6 +558,31 @@ impl PeerTier {
     }
 }
 
+/// Where the manifests cache says a copy came from this host's own replica store.
+const LOCAL: &str = "this host";
+
+impl PeerTier {
+    /// One chunk of this host's replica, checked against its checksum here (a peer's data
+    /// frames are checked by `Conn::read`; `verifies_reads` speaks for both).
+    fn read_local(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8]) -> Result<()> {
+        if c.codec != crate::codec::RAW {
+            return self.replicas.read_stored(m, c, dst); // decoded and verified by the reader
+        }
+        let mut digest = crate::checksum::Crc32c::new();
+        self.replicas.read_stored_blocks(m, c, dst, &mut |b| digest.update(b))?;
+        let got = digest.finish();
+        if got != c.crc32c {
+            return Err(Error::integrity(format!(
+                "tier '{}': step {} rank {}: this host's replica of a chunk has checksum {got:08x}, the manifest says {:08x}",
+                self.name, m.step, m.rank, c.crc32c
+            ))
+            .with_tier(&self.name)
+            .at(m.step, m.rank));
+        }
+        Ok(())
+    }
+}
+
 /// How often `drain` looks again, and when it says what it waits for.
 const DRAIN_POLL: Duration = Duration::from_millis(50);
 const DRAIN_NOTE_AFTER: Duration = Duration::from_secs(2);
@@ -542,10 +624,20 @@ impl Tier for PeerTier {
     fn read_stored(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8]) -> Result<()> {
         // The holder that sent the manifest first, then the others.
         let first = self.manifests.lock().get(&(m.step, m.rank)).map(|(_, a)| a.clone());
-        let mut addrs = self.holder_addrs(m.rank)?;
+        let (mut errs, mut kinds) = (vec![], vec![]);
+        if first.as_deref() == Some(LOCAL) {
+            match self.read_local(m, c, dst) {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    kinds.push(e.kind);
+                    errs.push(e.message)
+                }
+            }
+        }
+        let mut addrs: Vec<(String, String)> =
+            self.sources(m.rank)?.into_iter().flat_map(|h| h.addrs.into_iter().map(move |a| (a, h.name.clone()))).collect();
         addrs.sort_by_key(|(a, _)| Some(a) != first.as_ref());
         let object = m.objects[c.object as usize].name.clone();
-        let (mut errs, mut kinds) = (vec![], vec![]);
         for (addr, host) in &addrs {
             let res = self.with_conn(addr, host, |conn| conn.read(m.step, m.rank, &object, c.stored_offset, c.crc32c, dst));
             match res {
@@ -599,8 +691,20 @@ impl Tier for PeerTier {
         self.committed_steps()
     }
 
+    /// From this rank's copy on a peer; else (a job restarted on fewer hosts, whose rank's
+    /// copy is in its own host's RAM only) from any rank's replica of the step this host
+    /// holds: the record says who saved the step and which save it is, for any rank's read.
     fn commit_record(&self, step: u64) -> Result<CommitRecord> {
-        let (m, _) = self.fetch_manifest(step, self.rank)?;
+        let m = match self.fetch_manifest(step, self.rank) {
+            Ok((m, _)) => m,
+            Err(e) => {
+                let held = self.replicas.ranks_written(step).unwrap_or_default();
+                match held.into_iter().find_map(|r| self.local_manifest(step, r)) {
+                    Some(m) => m,
+                    None => return Err(e),
+                }
+            }
+        };
         let mut record = CommitRecord::new(step, m.world_size, &self.name);
         record.generation = m.generation;
         Ok(record)
