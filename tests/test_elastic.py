@@ -17,6 +17,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from conftest import assert_same
 from test_dcp import load, run_job
 from test_multirank import run_ranks
@@ -132,3 +134,25 @@ def test_every_saved_rank_reads_from_ram_and_peers_on_2_of_3_hosts(tmp_path, shm
     # host B: saved rank 0 from its replica store, saved rank 2 from host A's.
     assert reports[0]["tiers"]["1"] == {"peer": 2} and reports[0]["tiers"]["2"] == {"peer": 2}, reports
     assert reports[1]["tiers"]["0"] == {"peer": 2} and reports[1]["tiers"]["2"] == {"peer": 2}, reports
+
+
+def test_orbax_reshards_3_to_2_hosts_from_ram_and_peers(tmp_path, shm_root):
+    """Multi-process JAX (tests/orbax_worker.py): 3 processes x 2 CPU devices save a (3, 2)
+    mesh's shards; 2 processes x 2 devices restore them on a (2, 2) mesh."""
+    pytest.importorskip("orbax.checkpoint")
+    from test_orbax import run_job as run_jax
+
+    def cfg_of(pid: int) -> dict[str, Any]:
+        policy = json.loads(json.dumps(elastic_policy(shm_root, tmp_path / "disk")).replace("{host}", HOSTS[pid]))
+        return {"policy": policy, "dir": str(tmp_path / "orbax"), "host": HOSTS[pid]}
+
+    saved = run_jax(tmp_path, "elastic_save", cfg_of, nproc=3, ndev=2)
+    every = {"ram": "committed", "peer": "committed", "disk": "committed"}
+    assert all(s["states"] == every for s in saved), saved
+    lose_host_c(shm_root)
+    restored = run_jax(tmp_path, "elastic_restore", cfg_of, nproc=2, ndev=2)
+    print("bytes read per tier:", [r["bytes_read"] for r in restored])
+    for pid, r in enumerate(restored):
+        assert r["bytes_read"]["disk"] == 0, (pid, r)
+        assert set(r["tiers"]) <= {"ram", "peer"}, (pid, r)
+    assert all(r["bytes_read"]["peer"] > 0 for r in restored), restored

@@ -61,7 +61,7 @@ def run_job(
                 p.kill()
                 p.wait()
     text = "\n".join(f"--- {log.name}\n{log.read_text()[-4000:]}" for log in logs)
-    killed = phase == "save"
+    killed = phase in ("save", "elastic_save")
     for pid, p in enumerate(procs):
         if killed:
             # SIGKILL, or SIGABRT from JAX's client once the coordination service (process 0) is gone.
