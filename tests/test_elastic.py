@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_dcp import load, run_job
 
 from conftest import assert_same
-from test_dcp import load, run_job
 from test_multirank import run_ranks
 
 HOSTS = ["hostA", "hostB", "hostC"]

@@ -11,6 +11,8 @@
 //! `replicas` is the holder's side (what this process stores for others and serves through
 //! the transport's server); this file is the saving and restoring rank's side.
 
+mod membership;
+mod reads;
 mod replicas;
 #[cfg(test)]
 mod tests;
@@ -36,75 +38,12 @@ use crate::tier::memory::MemoryTier;
 use crate::tier::Tier;
 use crate::transport::server::{self, Limits, Stats};
 use crate::transport::{Conn, Ident};
+pub use membership::Cluster;
+use membership::HolderHost;
+use reads::LOCAL;
 use replicas::ReplicaStore;
 
 pub use replicas::REPLICA_DIR;
-
-/// Who is where: filled in once every rank has published its address via the coordinator.
-pub struct Cluster {
-    /// The job every member belongs to (connections from or to another job are refused).
-    pub job: String,
-    /// Host index of each rank (failure domain = host).
-    pub host_of: Vec<usize>,
-    /// Host names, by host index.
-    pub names: Vec<String>,
-    /// Address ("ip:port") of each rank's peer server.
-    pub addrs: Vec<String>,
-    pub placement: Placement,
-}
-
-/// The processes of one peer host that may hold a rank's replicas.
-struct HolderHost {
-    name: String,
-    addrs: Vec<String>,
-}
-
-impl Cluster {
-    /// Addresses that may hold `rank`'s replicas, grouped by peer host: on each peer host the
-    /// process with the same local index first (it received them), then its neighbours,
-    /// which serve the same shared-memory root if that one is gone.
-    fn holders(&self, rank: u32) -> Vec<HolderHost> {
-        let host = self.host_of[rank as usize];
-        let local: Vec<usize> = (0..self.host_of.len()).filter(|r| self.host_of[*r] == host).collect();
-        let my_index = local.iter().position(|r| *r == rank as usize).unwrap_or(0);
-        self.placement
-            .peers(host)
-            .into_iter()
-            .map(|h| {
-                let ranks: Vec<usize> = (0..self.host_of.len()).filter(|r| self.host_of[*r] == h).collect();
-                let n = ranks.len();
-                HolderHost { name: self.names[h].clone(), addrs: (0..n).map(|i| self.addrs[ranks[(my_index + i) % n]].clone()).collect() }
-            })
-            .collect()
-    }
-
-    /// Where a read of saved rank `rank`'s copy may find it, host by host: the holders the
-    /// placement names (when the rank is one of this job's), then every other host but
-    /// `reader`'s own. A job restarted on fewer (or other) hosts holds the steps of the
-    /// job before it where that job's placement put them, which this job's placement does
-    /// not know: each surviving host's server answers for its replicas and for its own
-    /// ranks' copies (an elastic restore). On each host the process with `reader`'s local
-    /// index first, then its neighbours (they serve the same shared memory).
-    fn sources(&self, rank: u32, reader: u32) -> Vec<HolderHost> {
-        let mut out = if (rank as usize) < self.host_of.len() { self.holders(rank) } else { vec![] };
-        let mine = self.host_of[reader as usize];
-        let local: Vec<usize> = (0..self.host_of.len()).filter(|r| self.host_of[*r] == mine).collect();
-        let my_index = local.iter().position(|r| *r == reader as usize).unwrap_or(0);
-        for (h, name) in self.names.iter().enumerate() {
-            if h == mine || out.iter().any(|o| &o.name == name) {
-                continue;
-            }
-            let ranks: Vec<usize> = (0..self.host_of.len()).filter(|r| self.host_of[*r] == h).collect();
-            let n = ranks.len();
-            out.push(HolderHost { name: name.clone(), addrs: (0..n).map(|i| self.addrs[ranks[(my_index + i) % n]].clone()).collect() });
-        }
-        out
-    }
-
-    fn ident(&self, rank: u32) -> Ident {
-        Ident { job: self.job.clone(), host: self.names[self.host_of[rank as usize]].clone(), rank }
-    }
-}
 
 /// Steps whose pushes this process remembers (for `try_commit`): far more than any `keep`.
 const PUSHED_KEPT: usize = 1024;
@@ -300,30 +239,11 @@ impl PeerTier {
         Ok(c.holders(rank))
     }
 
-    /// The hosts a read of saved rank `rank`'s copy asks, in order (`Cluster::sources`).
-    fn sources(&self, rank: u32) -> Result<Vec<HolderHost>> {
-        if self.degraded.read().is_some() {
-            return Ok(vec![]); // no peer host: nothing is held, nothing to ask
-        }
-        let c = self.cluster.read();
-        let c = c.as_ref().ok_or_else(|| {
-            Error::unavailable(format!("tier '{}': the peers are not known yet (the store was not connected to its cluster)", self.name))
-        })?;
-        Ok(c.sources(rank, self.rank))
-    }
-
     /// Serves this host's own memory tier too, besides the replicas it holds: a job
     /// restarted on fewer hosts reads a lost host's ranks from their replicas and the
     /// survivors' ranks from wherever a copy is left, their own host's RAM included.
     pub fn serve_own(&self, memory: Arc<MemoryTier>) {
         self.holding.serve_own(memory);
-    }
-
-    /// This host's replica of `rank`'s `step`, read straight from the replica store (no
-    /// connection): a host holds replicas for ranks of other hosts, which a job restarted
-    /// on fewer hosts may have placed on this one.
-    fn local_manifest(&self, step: u64, rank: u32) -> Option<Manifest> {
-        self.replicas.read_manifest(step, rank).ok()
     }
 
     fn me(&self) -> Result<Ident> {
@@ -429,46 +349,6 @@ impl PeerTier {
         .at(m.step, m.rank))
     }
 
-    /// The manifest of `rank`'s `step` from the first holder that has it.
-    fn fetch_manifest(&self, step: u64, rank: u32) -> Result<(Manifest, String)> {
-        if let Some(hit) = self.manifests.lock().get(&(step, rank)) {
-            return Ok(hit.clone());
-        }
-        if let Some(m) = self.local_manifest(step, rank) {
-            self.manifests.lock().insert((step, rank), (m.clone(), LOCAL.to_string()));
-            return Ok((m, LOCAL.to_string()));
-        }
-        let mut errs = vec![];
-        let mut kinds = vec![];
-        for host in self.sources(rank)? {
-            // One answer per host (its processes serve the same root): the next address
-            // only when one cannot answer.
-            for addr in host.addrs {
-                match self.with_conn(&addr, &host.name, |c| c.manifest(step, rank)) {
-                    Ok(Some(m)) if m.step == step && m.rank == rank => {
-                        self.manifests.lock().insert((step, rank), (m.clone(), addr.clone()));
-                        return Ok((m, addr));
-                    }
-                    Ok(_) => {
-                        kinds.push(ErrorKind::Integrity);
-                        errs.push(format!("{addr}: wrong manifest"));
-                        break;
-                    }
-                    Err(e) => {
-                        let answered = e.kind != ErrorKind::TierUnavailable;
-                        kinds.push(e.kind);
-                        errs.push(e.message);
-                        if answered {
-                            break;
-                        }
-                    }
-                }
-            }
-        }
-        let msg = format!("tier '{}': no peer holds step {step} of rank {rank} ({})", self.name, errs.join("; "));
-        Err(Error::new(combined_kind(&kinds), msg).with_tier(&self.name).at(step, rank))
-    }
-
     /// Stops serving (on store close), once the replicas other hosts still push here have
     /// arrived (`drain`).
     pub fn shutdown(&self) {
@@ -555,31 +435,6 @@ impl PeerTier {
             parts.push(format!("{arriving} replica(s) arriving"));
         }
         Some(format!("tier '{}': {}", self.name, parts.join(" and ")))
-    }
-}
-
-/// Where the manifests cache says a copy came from this host's own replica store.
-const LOCAL: &str = "this host";
-
-impl PeerTier {
-    /// One chunk of this host's replica, checked against its checksum here (a peer's data
-    /// frames are checked by `Conn::read`; `verifies_reads` speaks for both).
-    fn read_local(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8]) -> Result<()> {
-        if c.codec != crate::codec::RAW {
-            return self.replicas.read_stored(m, c, dst); // decoded and verified by the reader
-        }
-        let mut digest = crate::checksum::Crc32c::new();
-        self.replicas.read_stored_blocks(m, c, dst, &mut |b| digest.update(b))?;
-        let got = digest.finish();
-        if got != c.crc32c {
-            return Err(Error::integrity(format!(
-                "tier '{}': step {} rank {}: this host's replica of a chunk has checksum {got:08x}, the manifest says {:08x}",
-                self.name, m.step, m.rank, c.crc32c
-            ))
-            .with_tier(&self.name)
-            .at(m.step, m.rank));
-        }
-        Ok(())
     }
 }
 

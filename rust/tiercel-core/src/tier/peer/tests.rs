@@ -302,7 +302,7 @@ fn a_job_on_fewer_hosts_reads_every_saved_rank_from_the_survivors() {
         t.shutdown();
     }
     std::fs::remove_dir_all(dir.path().join("hostC")).unwrap(); // host C is lost
-    // The job restarts on hosts A and B: rank 0 on A, rank 1 on B.
+                                                                // The job restarts on hosts A and B: rank 0 on A, rank 1 on B.
     let new: Vec<Arc<PeerTier>> = (0..2).map(|r| open_tier(dir.path(), r, &hosts[r as usize], 2, timeout, Limits::default())).collect();
     new[1].serve_own(own_b.clone());
     let addrs: Vec<String> = new.iter().map(|t| t.local_addr().to_string()).collect();
