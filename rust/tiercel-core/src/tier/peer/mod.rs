@@ -489,8 +489,11 @@ impl Tier for PeerTier {
                 }
             }
         }
-        let mut addrs: Vec<(String, String)> =
-            self.sources(m.rank)?.into_iter().flat_map(|h| h.addrs.into_iter().map(move |a| (a, h.name.clone()))).collect();
+        let mut addrs: Vec<(String, String)> = self
+            .sources(m.rank, Some(m.world_size))?
+            .into_iter()
+            .flat_map(|h| h.addrs.into_iter().map(move |a| (a, h.name.clone())))
+            .collect();
         addrs.sort_by_key(|(a, _)| Some(a) != first.as_ref());
         let object = m.objects[c.object as usize].name.clone();
         for (addr, host) in &addrs {

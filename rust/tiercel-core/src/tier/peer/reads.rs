@@ -30,7 +30,12 @@ impl PeerTier {
     }
 
     /// The hosts a read of saved rank `rank`'s copy asks, in order (`Cluster::sources`).
-    pub(super) fn sources(&self, rank: u32) -> Result<Vec<HolderHost>> {
+    /// `saved_world`: how many ranks saved the step, where known. Only a step saved by
+    /// another number of ranks than this job has (or a rank this job does not have) is looked
+    /// for beyond the placement's holders: for a step of this job's shape they are where its
+    /// copies are, and asking every host instead (a step whose replication was skipped) would
+    /// cost each rank a request per host, the job a number that grows as the square of it.
+    pub(super) fn sources(&self, rank: u32, saved_world: Option<u32>) -> Result<Vec<HolderHost>> {
         if self.degraded.read().is_some() {
             return Ok(vec![]); // no peer host: nothing is held, nothing to ask
         }
@@ -38,7 +43,18 @@ impl PeerTier {
         let c = c.as_ref().ok_or_else(|| {
             Error::unavailable(format!("tier '{}': the peers are not known yet (the store was not connected to its cluster)", self.name))
         })?;
-        Ok(c.sources(rank, self.rank))
+        let n = c.host_of.len();
+        let elastic = rank as usize >= n || saved_world.is_some_and(|w| w as usize != n);
+        Ok(c.sources(rank, self.rank, elastic))
+    }
+
+    /// How many ranks saved `step`, as this host knows without asking anyone: its memory
+    /// tier's commit record of it, else a replica of it that this host holds.
+    fn saved_world(&self, step: u64) -> Option<u32> {
+        self.holding.own_world_size(step).or_else(|| {
+            let held = self.replicas.ranks_written(step).ok()?;
+            held.into_iter().find_map(|r| self.local_manifest(step, r)).map(|m| m.world_size)
+        })
     }
 
     /// This host's replica of `rank`'s `step`, read straight from the replica store (no
@@ -59,7 +75,7 @@ impl PeerTier {
         }
         let mut errs = vec![];
         let mut kinds = vec![];
-        for host in self.sources(rank)? {
+        for host in self.sources(rank, self.saved_world(step))? {
             // One answer per host (its processes serve the same root): the next address
             // only when one cannot answer.
             for addr in host.addrs {

@@ -53,6 +53,12 @@ impl ReplicaStore {
         *self.own.write() = Some(memory);
     }
 
+    /// How many ranks saved `step`, as this host's memory tier's commit record of it says.
+    pub(super) fn own_world_size(&self, step: u64) -> Option<u32> {
+        let own = self.own.read().clone()?;
+        own.commit_record(step).ok().map(|r| r.world_size)
+    }
+
     /// `rank`'s own copy of `step` in this host's memory tier: served only where that tier
     /// committed the step with the rank in it and the manifest is of the committed save (a
     /// part being saved again is never handed out).
