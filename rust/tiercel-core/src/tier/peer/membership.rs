@@ -45,22 +45,28 @@ impl Cluster {
     }
 
     /// Where a read of saved rank `rank`'s copy may find it, host by host: the holders the
-    /// placement names (when the rank is one of this job's); with `elastic` (the step was
-    /// saved by a job of another shape: `PeerTier::sources` decides), then every other host
-    /// but `reader`'s own. A job restarted on fewer (or other) hosts holds the steps of the
+    /// placement names and the rank's own host (when the rank is one of this job's: its
+    /// server serves the rank's own copy, which a replaced host needs of what another rank
+    /// wrote); with `elastic` (the step was saved by a job of another shape:
+    /// `PeerTier::sources` decides), every other host but `reader`'s own instead of the
+    /// rank's own host. A job restarted on fewer (or other) hosts holds the steps of the
     /// job before it where that job's placement put them, which this job's placement does
     /// not know: each surviving host's server answers for its replicas and for its own
     /// ranks' copies (an elastic restore). On each host the process with `reader`'s local
     /// index first, then its neighbours (they serve the same shared memory).
     pub(super) fn sources(&self, rank: u32, reader: u32, elastic: bool) -> Vec<HolderHost> {
-        let mut out = if (rank as usize) < self.host_of.len() { self.holders(rank) } else { vec![] };
-        if !elastic {
-            return out;
-        }
+        let ours = (rank as usize) < self.host_of.len();
+        let mut out = if ours { self.holders(rank) } else { vec![] };
         let mine = self.host_of[reader as usize];
         let local: Vec<usize> = (0..self.host_of.len()).filter(|r| self.host_of[*r] == mine).collect();
         let my_index = local.iter().position(|r| *r == reader as usize).unwrap_or(0);
-        for (h, name) in self.names.iter().enumerate() {
+        let more: Vec<usize> = match (elastic, ours) {
+            (true, _) => (0..self.names.len()).collect(),
+            (false, true) => vec![self.host_of[rank as usize]],
+            (false, false) => vec![],
+        };
+        for h in more {
+            let name = &self.names[h];
             if h == mine || out.iter().any(|o| &o.name == name) {
                 continue;
             }

@@ -298,11 +298,13 @@ fn a_job_on_fewer_hosts_reads_every_saved_rank_from_the_survivors() {
     m1.world_size = 3;
     own_b.write_rank(&m1, &VecSource(data[1].clone()), &link).unwrap();
     assert!(own_b.try_commit(1, 3).unwrap());
-    // A step of this job's shape is looked for where the placement put it, nowhere else;
-    // one saved by another number of ranks on every other host too.
+    // A step of this job's shape is looked for where the placement put it (and another
+    // rank's on that rank's own host), nowhere else; one saved by another number of ranks on
+    // every other host too.
     let names = |hs: Vec<HolderHost>| hs.into_iter().map(|h| h.name).collect::<Vec<_>>();
-    assert_eq!(names(old[0].sources(1, Some(3)).unwrap()), ["hostC"]);
-    assert_eq!(names(old[0].sources(1, Some(4)).unwrap()), ["hostC", "hostB"]);
+    assert_eq!(names(old[0].sources(0, Some(3)).unwrap()), ["hostB"]);
+    assert_eq!(names(old[0].sources(1, Some(3)).unwrap()), ["hostC", "hostB"]);
+    assert_eq!(names(old[0].sources(0, Some(4)).unwrap()), ["hostB", "hostC"]);
     for t in &old {
         t.shutdown();
     }
