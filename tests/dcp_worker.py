@@ -201,7 +201,9 @@ def resume(cfg: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     step = reader.step
     assert step is not None
     loaded = app_state(model, opt)
-    report: dict[str, Any] = {"step": step, "tiers": dict(reader.tiers)}
+    # Bytes this process read from each tier (the elastic restore reads none from a durable one).
+    read = {tier: m["bytes_read"] or 0 for tier, m in reader.store.metrics().items()}
+    report: dict[str, Any] = {"step": step, "tiers": dict(reader.tiers), "bytes_read": read}
     if world == int(cfg["saved_world"]):
         torch.save(local_copy(loaded), out / f"loaded-{step}-{rank}.pt")
     full = full_copy(loaded)

@@ -493,6 +493,55 @@ def leaf_kinds(policy: dict, directory: str) -> dict:
     }
 
 
+def elastic_values(step: int) -> dict[str, np.ndarray]:
+    """The state of the elastic phases: rows that 3 and 2 processes (x 2 devices) divide."""
+    w = (np.arange(384 * 256, dtype=np.float32).reshape(384, 256) + 1000.0 * step) / 7.0
+    return {"w": w, "b": np.arange(256, dtype=np.float32) * step - 0.5}
+
+
+def elastic_state(step: int, m: Mesh) -> dict[str, Any]:
+    sh = {"w": NamedSharding(m, P("x", "y")), "b": NamedSharding(m, P())}
+    g = elastic_values(step)
+    return {k: jax.make_array_from_callback(g[k].shape, sh[k], lambda idx, k=k: g[k][idx]) for k in sh}
+
+
+def elastic_save_phase() -> None:
+    """3 processes (hosts) x 2 devices save one step on a (3, 2) mesh, wait for every tier,
+    then all die."""
+    handler = tiercel.orbax.TiercelCheckpointHandler(CFG["policy"])
+    mngr = manager(handler, CFG["dir"])
+    assert mngr.save(1, args=ocp.args.Composite(state=tiercel.orbax.Save(elastic_state(1, mesh((3, 2), ("x", "y"))))))
+    mngr.wait_until_finished()
+    assert handler.last_save is not None
+    states = handler.last_save.wait(120, commit=True)
+    handler.store.flush()
+    handler.store.coordinator.all_gather("flushed")
+    report("elastic_save", {"states": states})
+    handler.store.coordinator.all_gather("saved")  # every peer server up until all replicas are in
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def elastic_restore_phase() -> None:
+    """2 processes (a host fewer) x 2 devices restore that step on a (2, 2) mesh: each
+    addressable shard bit-identical; the bytes read per tier reported."""
+    handler = tiercel.orbax.TiercelCheckpointHandler(CFG["policy"])
+    mngr = manager(handler, CFG["dir"])
+    m = mesh((2, 2), ("x", "y"))
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, elastic_state(0, m))
+    restored = restore(mngr, 1, target)
+    g = elastic_values(1)
+    for k, x in restored.items():
+        assert x.sharding.is_equivalent_to(target[k].sharding, x.ndim), (k, x.sharding)
+        for s in x.addressable_shards:
+            assert np.asarray(s.data).tobytes() == g[k][s.index].tobytes(), (k, s.index)
+    out = {"tiers": handler.last_restore.tiers,
+           "bytes_read": {t: v["bytes_read"] or 0 for t, v in handler.store.metrics().items()}}
+    handler.store.coordinator.all_gather("restored")  # every peer server up until all have read
+    report("elastic_restore", out)
+    mngr.close()
+    jax.distributed.shutdown()
+
+
 def main() -> None:
     CFG.update(json.loads(sys.argv[1]))
     if CFG.get("failpoint"):  # read by the core at its first use
@@ -504,7 +553,8 @@ def main() -> None:
     if CFG.get("host"):
         os.environ["TIERCEL_HOST"] = CFG["host"]
     {"save": save_phase, "restore": restore_phase, "single": single_phase, "peer_restore": peer_restore_phase,
-     "replicas": replicas_phase}[CFG["phase"]]()
+     "replicas": replicas_phase, "elastic_save": elastic_save_phase,
+     "elastic_restore": elastic_restore_phase}[CFG["phase"]]()
 
 
 if __name__ == "__main__":

@@ -378,7 +378,7 @@ impl Store {
             cluster.set_secret(s)?;
         }
         let members: Vec<HostMembers> = members.into_iter().map(|(index, name, ranks)| HostMembers { index, name, ranks }).collect();
-        Ok(cluster.join_hosts(job, hosts, &members)?)
+        Ok(cluster.join_hosts(job, self.inner.world_size, hosts, &members)?)
     }
 
     /// The peer server's connection counters (open, unauthenticated, refused, idle_closed),

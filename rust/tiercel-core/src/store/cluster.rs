@@ -65,8 +65,8 @@ impl Cluster {
 
     /// Joins the job `job` of `hosts` hosts knowing only the members of this process's own
     /// host and of its placement neighbours (`neighbours`).
-    pub fn join_hosts(&self, job: &str, hosts: usize, members: &[HostMembers]) -> Result<()> {
-        self.tier.set_members(job, hosts, members)
+    pub fn join_hosts(&self, job: &str, world_size: u32, hosts: usize, members: &[HostMembers]) -> Result<()> {
+        self.tier.set_members(job, world_size, hosts, members)
     }
 
     /// Joins a job of one process: its one host, this process's own address. Too few hosts

@@ -96,7 +96,7 @@ fn peer_timeout() -> Result<Duration> {
 }
 
 /// Opens a peer tier for `rank`: its replica store lives under the memory tier's root.
-fn open_peer(cfg: &TierConfig, p: &PeerConfig, rank: u32, memory: &MemoryTier) -> Result<Arc<PeerTier>> {
+fn open_peer(cfg: &TierConfig, p: &PeerConfig, rank: u32, memory: &Arc<MemoryTier>) -> Result<Arc<PeerTier>> {
     // An empty or short secret is refused wherever it comes from (the policy checks its own
     // key when it is parsed; the environment is checked here).
     let secret = match (&p.secret, std::env::var_os("TIERCEL_PEER_SECRET")) {
@@ -117,5 +117,7 @@ fn open_peer(cfg: &TierConfig, p: &PeerConfig, rank: u32, memory: &MemoryTier) -
         timeout: peer_timeout().map_err(|e| opening(cfg, e))?,
         limits: Default::default(),
     };
-    PeerTier::open(&cfg.name, rank, memory.root(), opts).map_err(|e| e.context(format!("opening tier '{}'", cfg.name)))
+    let peer = PeerTier::open(&cfg.name, rank, memory.root(), opts).map_err(|e| e.context(format!("opening tier '{}'", cfg.name)))?;
+    peer.serve_own(memory.clone());
+    Ok(peer)
 }

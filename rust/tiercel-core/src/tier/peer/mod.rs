@@ -11,6 +11,8 @@
 //! `replicas` is the holder's side (what this process stores for others and serves through
 //! the transport's server); this file is the saving and restoring rank's side.
 
+mod membership;
+mod reads;
 mod replicas;
 #[cfg(test)]
 mod tests;
@@ -36,108 +38,12 @@ use crate::tier::memory::MemoryTier;
 use crate::tier::Tier;
 use crate::transport::server::{self, Limits, Stats};
 use crate::transport::{Conn, Ident};
+pub use membership::{neighbours, Cluster, HostMembers};
+use membership::HolderHost;
+use reads::LOCAL;
 use replicas::ReplicaStore;
 
 pub use replicas::REPLICA_DIR;
-
-/// One host of the job as a process learns it when the store opens: its index in the
-/// placement, its name, and its ranks with their peer servers' addresses.
-#[derive(Clone, Debug)]
-pub struct HostMembers {
-    pub index: usize,
-    pub name: String,
-    /// (rank, "ip:port"), ascending by rank.
-    pub ranks: Vec<(u32, String)>,
-}
-
-/// Who is where, as far as this process needs to know: its own host and the hosts the
-/// placement pairs with it (those that hold its replicas and those whose replicas it holds),
-/// O(m) hosts however many the job has. Filled in once the store joined its cluster.
-pub struct Cluster {
-    /// The job every member belongs to (connections from or to another job are refused).
-    pub job: String,
-    /// Host index of each rank known here (failure domain = host).
-    pub host_of: HashMap<u32, usize>,
-    /// Host names, by host index, of the hosts known here.
-    pub names: HashMap<usize, String>,
-    /// Address ("ip:port") of the peer server of each rank known here.
-    pub addrs: HashMap<u32, String>,
-    /// The ranks of each host known here, ascending.
-    ranks_on: HashMap<usize, Vec<u32>>,
-    pub placement: Placement,
-}
-
-/// The processes of one peer host that may hold a rank's replicas.
-struct HolderHost {
-    name: String,
-    addrs: Vec<String>,
-}
-
-impl Cluster {
-    fn new(job: &str, members: &[HostMembers], placement: Placement) -> Cluster {
-        let mut c = Cluster {
-            job: job.to_string(),
-            host_of: HashMap::new(),
-            names: HashMap::new(),
-            addrs: HashMap::new(),
-            ranks_on: HashMap::new(),
-            placement,
-        };
-        for h in members {
-            c.names.insert(h.index, h.name.clone());
-            let mut ranks: Vec<u32> = h.ranks.iter().map(|(r, _)| *r).collect();
-            ranks.sort_unstable();
-            c.ranks_on.insert(h.index, ranks);
-            for (r, a) in &h.ranks {
-                c.host_of.insert(*r, h.index);
-                c.addrs.insert(*r, a.clone());
-            }
-        }
-        c
-    }
-
-    /// Addresses that may hold `rank`'s replicas, grouped by peer host: on each peer host the
-    /// process with the same local index first (it received them), then its neighbours,
-    /// which serve the same shared-memory root if that one is gone. None when `rank` is on a
-    /// host this process does not know (neither its own nor a placement neighbour's); a
-    /// holder host it does not know is left out.
-    fn holders(&self, rank: u32) -> Option<Vec<HolderHost>> {
-        let host = *self.host_of.get(&rank)?;
-        let local = &self.ranks_on[&host];
-        let my_index = local.iter().position(|r| *r == rank).unwrap_or(0);
-        let holders = self
-            .placement
-            .peers(host)
-            .into_iter()
-            .filter_map(|h| {
-                let ranks = self.ranks_on.get(&h)?;
-                let n = ranks.len();
-                Some(HolderHost {
-                    name: self.names[&h].clone(),
-                    addrs: (0..n).map(|i| self.addrs[&ranks[(my_index + i) % n]].clone()).collect(),
-                })
-            })
-            .collect();
-        Some(holders)
-    }
-
-    fn ident(&self, rank: u32) -> Ident {
-        Ident { job: self.job.clone(), host: self.names[&self.host_of[&rank]].clone(), rank }
-    }
-}
-
-/// The hosts each host talks to under `placement` (those holding its replicas and those it
-/// holds replicas for), by host index, ascending: what a host must learn of the others.
-pub fn neighbours(placement: &Placement, hosts: usize) -> Vec<Vec<usize>> {
-    let mut out: Vec<std::collections::BTreeSet<usize>> = vec![Default::default(); hosts];
-    for h in 0..hosts {
-        for p in placement.peers(h) {
-            out[h].insert(p);
-            out[p].insert(h);
-        }
-    }
-    out.into_iter().map(|s| s.into_iter().collect()).collect()
-}
 
 /// Steps whose pushes this process remembers (for `try_commit`): far more than any `keep`.
 const PUSHED_KEPT: usize = 1024;
@@ -287,7 +193,7 @@ impl PeerTier {
         for (rank, (h, a)) in host_of.iter().zip(addrs).enumerate() {
             members[*h].ranks.push((rank as u32, a.clone()));
         }
-        self.set_members(job, names.len(), &members)
+        self.set_members(job, addrs.len() as u32, names.len(), &members)
     }
 
     /// The placement of `hosts` hosts, or None when they are too few for `replicas` (the
@@ -309,9 +215,9 @@ impl PeerTier {
     }
 
     /// Tells the tier which job it runs (connections to or from another job are refused),
-    /// how many hosts the job has, and the hosts it must know: its own, with this rank,
+    /// how many ranks and hosts the job has, and the hosts it must know: its own, with this rank,
     /// and its placement neighbours (`neighbours`), each with its ranks' server addresses.
-    pub fn set_members(&self, job: &str, hosts: usize, members: &[HostMembers]) -> Result<()> {
+    pub fn set_members(&self, job: &str, world_size: u32, hosts: usize, members: &[HostMembers]) -> Result<()> {
         let mine = members.iter().find(|h| h.ranks.iter().any(|(r, _)| *r == self.rank));
         let Some(mine) = mine else {
             return Err(Error::invalid(format!("tier '{}': rank {} is on none of the hosts it was given", self.name, self.rank)));
@@ -336,7 +242,7 @@ impl PeerTier {
                 self.name, mine.name, mine.index
             )));
         }
-        *self.cluster.write() = Some(Cluster::new(job, members, placement));
+        *self.cluster.write() = Some(Cluster::new(job, world_size, members, placement));
         self.idle.lock().clear();
         self.down.lock().clear();
         self.manifests.lock().clear();
@@ -383,9 +289,11 @@ impl PeerTier {
         })
     }
 
-    /// Every address that may hold `rank`'s replicas, with its host's name.
-    fn holder_addrs(&self, rank: u32) -> Result<Vec<(String, String)>> {
-        Ok(self.holders(rank)?.into_iter().flat_map(|h| h.addrs.into_iter().map(move |a| (a, h.name.clone()))).collect())
+    /// Serves this host's own memory tier too, besides the replicas it holds: a job
+    /// restarted on fewer hosts reads a lost host's ranks from their replicas and the
+    /// survivors' ranks from wherever a copy is left, their own host's RAM included.
+    pub fn serve_own(&self, memory: Arc<MemoryTier>) {
+        self.holding.serve_own(memory);
     }
 
     fn me(&self) -> Result<Ident> {
@@ -489,33 +397,6 @@ impl PeerTier {
         ))
         .with_tier(&self.name)
         .at(m.step, m.rank))
-    }
-
-    /// The manifest of `rank`'s `step` from the first holder that has it.
-    fn fetch_manifest(&self, step: u64, rank: u32) -> Result<(Manifest, String)> {
-        if let Some(hit) = self.manifests.lock().get(&(step, rank)) {
-            return Ok(hit.clone());
-        }
-        let mut errs = vec![];
-        let mut kinds = vec![];
-        for (addr, host) in self.holder_addrs(rank)? {
-            match self.with_conn(&addr, &host, |c| c.manifest(step, rank)) {
-                Ok(Some(m)) if m.step == step && m.rank == rank => {
-                    self.manifests.lock().insert((step, rank), (m.clone(), addr.clone()));
-                    return Ok((m, addr));
-                }
-                Ok(_) => {
-                    kinds.push(ErrorKind::Integrity);
-                    errs.push(format!("{addr}: wrong manifest"));
-                }
-                Err(e) => {
-                    kinds.push(e.kind);
-                    errs.push(e.message)
-                }
-            }
-        }
-        let msg = format!("tier '{}': no peer holds step {step} of rank {rank} ({})", self.name, errs.join("; "));
-        Err(Error::new(combined_kind(&kinds), msg).with_tier(&self.name).at(step, rank))
     }
 
     /// Stops serving (on store close), once the replicas other hosts still push here have
@@ -660,10 +541,23 @@ impl Tier for PeerTier {
     fn read_stored(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8]) -> Result<()> {
         // The holder that sent the manifest first, then the others.
         let first = self.manifests.lock().get(&(m.step, m.rank)).map(|(_, a)| a.clone());
-        let mut addrs = self.holder_addrs(m.rank)?;
+        let (mut errs, mut kinds) = (vec![], vec![]);
+        if first.as_deref() == Some(LOCAL) {
+            match self.read_local(m, c, dst) {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    kinds.push(e.kind);
+                    errs.push(e.message)
+                }
+            }
+        }
+        let mut addrs: Vec<(String, String)> = self
+            .sources(m.rank, Some(m.world_size))?
+            .into_iter()
+            .flat_map(|h| h.addrs.into_iter().map(move |a| (a, h.name.clone())))
+            .collect();
         addrs.sort_by_key(|(a, _)| Some(a) != first.as_ref());
         let object = m.objects[c.object as usize].name.clone();
-        let (mut errs, mut kinds) = (vec![], vec![]);
         for (addr, host) in &addrs {
             let res = self.with_conn(addr, host, |conn| conn.read(m.step, m.rank, &object, c.stored_offset, c.crc32c, dst));
             match res {
@@ -717,8 +611,20 @@ impl Tier for PeerTier {
         self.committed_steps()
     }
 
+    /// From this rank's copy on a peer; else (a job restarted on fewer hosts, whose rank's
+    /// copy is in its own host's RAM only) from any rank's replica of the step this host
+    /// holds: the record says who saved the step and which save it is, for any rank's read.
     fn commit_record(&self, step: u64) -> Result<CommitRecord> {
-        let (m, _) = self.fetch_manifest(step, self.rank)?;
+        let m = match self.fetch_manifest(step, self.rank) {
+            Ok((m, _)) => m,
+            Err(e) => {
+                let held = self.replicas.ranks_written(step).unwrap_or_default();
+                match held.into_iter().find_map(|r| self.local_manifest(step, r)) {
+                    Some(m) => m,
+                    None => return Err(e),
+                }
+            }
+        };
         let mut record = CommitRecord::new(step, m.world_size, &self.name);
         record.generation = m.generation;
         Ok(record)

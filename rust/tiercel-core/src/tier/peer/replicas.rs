@@ -9,7 +9,7 @@ use std::sync::Arc;
 use parking_lot::{Mutex, RwLock};
 
 use super::Cluster;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::format::{self, Manifest};
 use crate::gc;
 use crate::shm::{Segment, View};
@@ -32,6 +32,10 @@ pub(super) struct ReplicaStore {
     keep: usize,
     /// Steps with a replica on its way in (by count): retention leaves them alone.
     receiving: Mutex<HashMap<u64, usize>>,
+    /// The host's own memory tier, served too (`serve_own`): after a host is lost, a rank's
+    /// own copy may be the only one left of it, and a job restarted on fewer hosts reads it
+    /// from here (an elastic restore, docs/restore.md).
+    own: RwLock<Option<Arc<MemoryTier>>>,
 }
 
 impl ReplicaStore {
@@ -42,7 +46,34 @@ impl ReplicaStore {
         keep: usize,
         cluster: Arc<RwLock<Option<Cluster>>>,
     ) -> ReplicaStore {
-        ReplicaStore { tier: tier.into(), rank, replicas, cluster, keep, receiving: Mutex::new(HashMap::new()) }
+        ReplicaStore { tier: tier.into(), rank, replicas, cluster, keep, receiving: Mutex::new(HashMap::new()), own: RwLock::new(None) }
+    }
+
+    pub(super) fn serve_own(&self, memory: Arc<MemoryTier>) {
+        *self.own.write() = Some(memory);
+    }
+
+    /// How many ranks saved `step`, as this host's memory tier's commit record of it says.
+    pub(super) fn own_world_size(&self, step: u64) -> Option<u32> {
+        let own = self.own.read().clone()?;
+        own.commit_record(step).ok().map(|r| r.world_size)
+    }
+
+    /// `rank`'s own copy of `step` in this host's memory tier: served only where that tier
+    /// committed the step with the rank in it and the manifest is of the committed save (a
+    /// part being saved again is never handed out).
+    fn own_manifest(&self, step: u64, rank: u32) -> Result<(Arc<MemoryTier>, Manifest)> {
+        let not_here = || Error::not_found(format!("tier '{}': no copy of step {step} rank {rank} on this host", self.tier));
+        let own = self.own.read().clone().ok_or_else(not_here)?;
+        let record = own.commit_record(step)?;
+        if record.ranks.as_ref().is_some_and(|rs| !rs.contains(&rank)) {
+            return Err(not_here());
+        }
+        let m = own.read_manifest(step, rank)?;
+        if m.generation != record.generation {
+            return Err(not_here());
+        }
+        Ok((own, m))
     }
 
     /// Runs `f` on the membership, or says it is not known yet.
@@ -209,24 +240,41 @@ impl Handler for ReplicaStore {
         }
     }
 
+    /// The steps of `rank` this host holds: its replicas, and its own copies (`serve_own`).
     fn list(&self, rank: u32) -> Result<Vec<u64>> {
-        let mut out = vec![];
+        let mut out = std::collections::BTreeSet::new();
         for step in self.replicas.all_steps()? {
             if self.replicas.ranks_written(step)?.contains(&rank) {
-                out.push(step);
+                out.insert(step);
             }
         }
-        Ok(out)
+        let own = self.own.read().clone();
+        for step in own.map(|t| t.committed_steps()).transpose()?.unwrap_or_default() {
+            if self.own_manifest(step, rank).is_ok() {
+                out.insert(step);
+            }
+        }
+        Ok(out.into_iter().collect())
     }
 
+    /// A replica first; else the rank's own copy in this host's memory tier.
     fn manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
-        self.replicas.read_manifest(step, rank)
+        match self.replicas.read_manifest(step, rank) {
+            Err(e) if e.kind == ErrorKind::NotFound => self.own_manifest(step, rank).map(|(_, m)| m).map_err(|_| e),
+            r => r,
+        }
     }
 
     fn view(&self, step: u64, rank: u32, object: &str) -> Result<Arc<View>> {
         let prefix = format!("rank-{rank:05}.");
         if !object.starts_with(&prefix) || object.contains('/') {
             return Err(Error::invalid(format!("object '{object}' is not rank {rank}'s")));
+        }
+        // From where `manifest` answers: the replica while its manifest is there.
+        if self.replicas.read_manifest(step, rank).is_err() {
+            if let Ok((own, _)) = self.own_manifest(step, rank) {
+                return own.map_view(step, object);
+            }
         }
         self.replicas.map_view(step, object)
     }

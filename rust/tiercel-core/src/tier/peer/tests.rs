@@ -271,7 +271,7 @@ fn a_tier_that_knows_only_its_neighbours_replicates_and_reads_back() {
     for (i, t) in tiers.iter().enumerate() {
         let mut known = vec![host(i)];
         known.extend(around[i].iter().map(|&k| host(k)));
-        t.set_members("job", 4, &known).unwrap();
+        t.set_members("job", 4, 4, &known).unwrap();
     }
     let data = vec![(0..5000u32).map(|i| (i % 13) as u8).collect::<Vec<u8>>()];
     let m = manifest(2, 0, &data);
@@ -289,9 +289,85 @@ fn a_tier_that_knows_only_its_neighbours_replicates_and_reads_back() {
     assert_eq!(e.kind, ErrorKind::NotFound, "{e}");
     assert!(e.message.contains("rank 0's replicas"), "{e}");
     // Members without the placement neighbour: refused, naming what is missing.
-    let e = tiers[0].set_members("job", 4, &[host(0)]).unwrap_err();
+    let e = tiers[0].set_members("job", 4, 4, &[host(0)]).unwrap_err();
     assert!(e.message.contains("placement neighbours [1]"), "{e}");
     for t in &tiers {
+        t.shutdown();
+    }
+}
+
+/// Reads `rank`'s step `step` whole through `tier` (manifest, then every chunk).
+fn read_whole(tier: &PeerTier, step: u64, rank: u32) -> Result<Vec<Vec<u8>>> {
+    let m = tier.read_manifest(step, rank)?;
+    let mut out = vec![];
+    for (i, it) in m.items.iter().enumerate() {
+        let mut buf = vec![0u8; it.nbytes as usize];
+        for (c, ch) in it.chunks.iter().enumerate() {
+            crate::tier::read_chunk(tier, &m, i, c, &mut buf[ch.offset as usize..(ch.offset + ch.len) as usize])?;
+        }
+        out.push(buf);
+    }
+    Ok(out)
+}
+
+/// A job of 3 hosts (ring: A's replicas on B, B's on C, C's on A) loses host C and goes on
+/// with 2: each saved rank's copy is read from wherever one is left, though this job's
+/// placement places none of them: rank 2's from host A's replica store (on A, from its files;
+/// on B, from A's server), rank 1's from host B's own memory tier (its replica was on C).
+#[test]
+fn a_job_on_fewer_hosts_reads_every_saved_rank_from_the_survivors() {
+    let dir = shm_dir();
+    let timeout = Duration::from_secs(5);
+    let hosts: Vec<String> = ["hostA", "hostB", "hostC"].map(String::from).to_vec();
+    let old: Vec<Arc<PeerTier>> = (0..3).map(|r| open_tier(dir.path(), r, &hosts[r as usize], 2, timeout, Limits::default())).collect();
+    let addrs: Vec<String> = old.iter().map(|t| t.local_addr().to_string()).collect();
+    let data: Vec<Vec<Vec<u8>>> = (0..3u32).map(|r| vec![(0..5000u32).map(|i| (i * (r + 3)) as u8).collect()]).collect();
+    let link = Link::new("peer", None);
+    for t in &old {
+        t.set_cluster("job", &hosts, &addrs).unwrap();
+    }
+    for (r, t) in old.iter().enumerate() {
+        let mut m = manifest(1, r as u32, &data[r]);
+        m.world_size = 3;
+        t.write_rank(&m, &VecSource(data[r].clone()), &link).unwrap();
+    }
+    // Host B's own memory tier holds (and committed) rank 1's step, as its Store would.
+    let own_b = MemoryTier::open("ram", &dir.path().join("hostB"), None).unwrap();
+    own_b.set_local_ranks(vec![1]);
+    let mut m1 = manifest(1, 1, &data[1]);
+    m1.world_size = 3;
+    own_b.write_rank(&m1, &VecSource(data[1].clone()), &link).unwrap();
+    assert!(own_b.try_commit(1, 3).unwrap());
+    // A step of this job's shape is looked for where the placement put it (and another
+    // rank's on that rank's own host), nowhere else; one saved by another number of ranks on
+    // every other host too.
+    let names = |hs: Vec<HolderHost>| hs.into_iter().map(|h| h.name).collect::<Vec<_>>();
+    assert_eq!(names(old[0].sources(0, Some(3)).unwrap()), ["hostB"]);
+    assert_eq!(names(old[0].sources(1, Some(3)).unwrap()), ["hostC", "hostB"]);
+    assert_eq!(names(old[0].sources(0, Some(4)).unwrap()), ["hostB", "hostC"]);
+    for t in &old {
+        t.shutdown();
+    }
+    std::fs::remove_dir_all(dir.path().join("hostC")).unwrap(); // host C is lost
+                                                                // The job restarts on hosts A and B: rank 0 on A, rank 1 on B.
+    let new: Vec<Arc<PeerTier>> = (0..2).map(|r| open_tier(dir.path(), r, &hosts[r as usize], 2, timeout, Limits::default())).collect();
+    new[1].serve_own(own_b.clone());
+    let addrs: Vec<String> = new.iter().map(|t| t.local_addr().to_string()).collect();
+    for t in &new {
+        t.set_cluster("job2", &hosts[..2], &addrs).unwrap();
+    }
+    assert_eq!(read_whole(&new[0], 1, 2).unwrap(), data[2]);
+    assert_eq!(new[0].manifests.lock().get(&(1, 2)).unwrap().1, LOCAL, "host A's own replica store, no connection");
+    assert_eq!(read_whole(&new[1], 1, 2).unwrap(), data[2]);
+    assert_eq!(read_whole(&new[0], 1, 1).unwrap(), data[1]);
+    assert_eq!(read_whole(&new[1], 1, 0).unwrap(), data[0]);
+    // Rank 1's copy is on no peer of B: its commit record comes from a replica B holds.
+    assert_eq!(new[1].commit_record(1).unwrap().world_size, 3);
+    // B's peer tier never asks its own host (B's RAM is its memory tier's to read), and no
+    // other host has rank 1: a clear NotFound.
+    let e = read_whole(&new[1], 1, 1).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::NotFound, "{e}");
+    for t in &new {
         t.shutdown();
     }
 }
