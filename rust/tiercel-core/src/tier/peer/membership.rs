@@ -77,7 +77,10 @@ impl Cluster {
     fn host(&self, h: usize, local_index: usize) -> Option<HolderHost> {
         let ranks = self.ranks_on.get(&h)?;
         let n = ranks.len();
-        Some(HolderHost { name: self.names[&h].clone(), addrs: (0..n).map(|i| self.addrs[&ranks[(local_index + i) % n]].clone()).collect() })
+        Some(HolderHost {
+            name: self.names[&h].clone(),
+            addrs: (0..n).map(|i| self.addrs[&ranks[(local_index + i) % n]].clone()).collect(),
+        })
     }
 
     /// `rank`'s index among the ranks of its host (0 for a rank not known here).

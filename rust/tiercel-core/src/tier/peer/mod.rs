@@ -38,8 +38,8 @@ use crate::tier::memory::MemoryTier;
 use crate::tier::Tier;
 use crate::transport::server::{self, Limits, Stats};
 use crate::transport::{Conn, Ident};
-pub use membership::{neighbours, Cluster, HostMembers};
 use membership::HolderHost;
+pub use membership::{neighbours, Cluster, HostMembers};
 use reads::LOCAL;
 use replicas::ReplicaStore;
 

@@ -73,9 +73,30 @@ impl PeerTier {
             self.manifests.lock().insert((step, rank), (m.clone(), LOCAL.to_string()));
             return Ok((m, LOCAL.to_string()));
         }
+        let sources = self.sources(rank, self.saved_world(step))?;
+        if let Some(why) = self.degraded.read().clone() {
+            return Err(Error::not_found(format!(
+                "tier '{}': no peer copies ({why}): read rank {rank}'s part from another tier",
+                self.name
+            ))
+            .with_tier(&self.name)
+            .at(step, rank));
+        }
+        if sources.is_empty() {
+            // A process learns the members of its own host and its placement neighbours only
+            // (O(m) hosts), not where every rank's copies are.
+            return Err(Error::not_found(format!(
+                "tier '{}': no host this process knows holds step {step} of rank {rank} (it knows its own host and its \
+                 placement neighbours, which hold rank {rank}'s replicas only if rank {rank} is on one of them); read rank \
+                 {rank}'s part from another tier",
+                self.name
+            ))
+            .with_tier(&self.name)
+            .at(step, rank));
+        }
         let mut errs = vec![];
         let mut kinds = vec![];
-        for host in self.sources(rank, self.saved_world(step))? {
+        for host in sources {
             // One answer per host (its processes serve the same root): the next address
             // only when one cannot answer.
             for addr in host.addrs {

@@ -287,7 +287,7 @@ fn a_tier_that_knows_only_its_neighbours_replicates_and_reads_back() {
     assert_eq!(tiers[1].read_manifest(2, 0).unwrap().items, m.items);
     let e = tiers[2].read_manifest(2, 0).unwrap_err();
     assert_eq!(e.kind, ErrorKind::NotFound, "{e}");
-    assert!(e.message.contains("rank 0's replicas"), "{e}");
+    assert!(e.message.contains("no host this process knows holds step 2 of rank 0"), "{e}");
     // Members without the placement neighbour: refused, naming what is missing.
     let e = tiers[0].set_members("job", 4, 4, &[host(0)]).unwrap_err();
     assert!(e.message.contains("placement neighbours [1]"), "{e}");
