@@ -5,9 +5,11 @@
 //! drive it without sleeping; `gate` applies it to every HTTP request of the tier.
 //!
 //! - Until the first throttled answer the tier is unlimited.
-//! - A throttled answer lowers the allowed rate to half of what was sent in the last second
-//!   (or of the limit, if lower): multiplicative decrease, at most once per second, however
-//!   many requests in flight are refused at once, and never below `MIN_RATE`.
+//! - A throttled answer halves the allowed rate: multiplicative decrease, at most once per
+//!   second, however many requests in flight are refused at once, and never below `MIN_RATE`.
+//!   The first halves what was sent in the last second, but at least `FIRST_RATE`: requests
+//!   come in bursts, and a refusal of a rank's first request (one sent in the last second)
+//!   must not hold the tier to the floor for the ramp's whole climb back.
 //! - Every answer that is not throttled raises it again along a ramp in wall time since the
 //!   last decrease: additive within each `ramp_period` (from r to 2r in a straight line), the
 //!   slope doubling from one period to the next, so the rate doubles once per period and never
@@ -24,6 +26,8 @@ use std::time::Duration;
 /// The lowest rate a throttled tier is held to, requests per second: below this a storm is
 /// met by the backoff of each request, not by the pace.
 pub(super) const MIN_RATE: f64 = 0.5;
+/// The least rate the first decrease halves, requests per second (see the module's doc).
+const FIRST_RATE: f64 = 64.0;
 /// What a decrease multiplies the rate by.
 const DECREASE: f64 = 0.5;
 /// Answers refused within this many seconds of a decrease are one event (the requests that
@@ -102,8 +106,7 @@ impl Throttle {
         if self.last_decrease.is_some_and(|t| now - t < DECREASE_GAP) {
             return false;
         }
-        let sent = self.sent_rate(now);
-        let current = self.limit.map_or(sent, |l| l.min(sent));
+        let current = self.limit.unwrap_or_else(|| self.sent_rate(now).max(FIRST_RATE));
         let lowered = (current * DECREASE).max(MIN_RATE);
         self.limit = Some(lowered);
         self.base = lowered;
@@ -167,7 +170,7 @@ mod tests {
             assert!(!th.throttled(1.0 + k as f64 * 0.04));
         }
         assert_eq!(th.limit(), Some(50.0));
-        // Refused again a second later: halved again (from the limit, since 50/s were sent).
+        // Refused again a second later: the limit is halved again.
         send(&mut th, 1.0, 1.0, 50);
         assert!(th.throttled(2.0));
         assert_eq!(th.limit(), Some(25.0));
@@ -182,10 +185,10 @@ mod tests {
     fn requests_are_paced_to_the_limit() {
         let mut th = throttle(1200);
         send(&mut th, 0.0, 1.0, 20);
-        th.throttled(1.0); // 10/s
+        th.throttled(1.0); // 20/s sent: FIRST_RATE halved, 32/s
         let waits: Vec<f64> = (0..5).map(|_| th.admit(1.0)).collect();
         for (i, w) in waits.iter().enumerate() {
-            assert!((w - i as f64 * 0.1).abs() < 1e-9, "{waits:?}");
+            assert!((w - i as f64 / 32.0).abs() < 1e-9, "{waits:?}");
         }
         // A request after a pause goes at once.
         assert_eq!(th.admit(10.0), 0.0);
@@ -200,7 +203,7 @@ mod tests {
         send(&mut th, 0.0, 1.0, 40);
         th.throttled(1.0);
         let start = th.limit().unwrap();
-        assert_eq!(start, 20.0);
+        assert_eq!(start, FIRST_RATE / 2.0); // 40/s sent, fewer than FIRST_RATE
         let mut at = vec![(1.0, start)];
         let mut t = 1.0;
         // Requests at the pace of the limit, each succeeding, for three periods.
@@ -233,16 +236,18 @@ mod tests {
     fn time_between_saves_ramps_at_the_same_slope() {
         let mut th = throttle(1200);
         send(&mut th, 0.0, 1.0, 20);
-        th.throttled(1.0); // 10/s
+        th.throttled(1.0); // 32/s
         th.succeeded(1.0);
         // Twenty minutes without requests, then one success: doubled, no more.
         th.succeeded(1201.0);
-        assert!((th.limit().unwrap() - 20.0).abs() < 1e-9, "{:?}", th.limit());
-        // From the floor, 50/s is seven periods away (a straight line would take a hundred).
-        th.admit(1202.0);
-        th.throttled(1202.0); // halves what was sent (1/s at the least), not the limit
+        assert!((th.limit().unwrap() - 64.0).abs() < 1e-9, "{:?}", th.limit());
+        // A storm of seven seconds halves it seven times, to the floor; 64/s is then seven
+        // periods away (a straight line would take a hundred).
+        for k in 0..7 {
+            th.throttled(1202.0 + k as f64);
+        }
         assert_eq!(th.limit(), Some(MIN_RATE));
-        th.succeeded(1202.0 + 7.0 * 1200.0);
+        th.succeeded(1208.0 + 7.0 * 1200.0);
         assert_eq!(th.limit(), Some(64.0));
     }
 
