@@ -13,7 +13,8 @@
 //! abort: the count-th chunk passed on has one bit flipped after its checksum was taken (`fires`).
 //! `persist_late:N` does not abort either: the N-th save of the process (in save order) hands
 //! its persists to the scheduler only after the next save has handed over its own, as when two
-//! background flushes finish in the other order (`armed_at`).
+//! background flushes finish in the other order (`armed_at`); with no later save, once a
+//! flush finds nothing else to run.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;

@@ -90,11 +90,47 @@ pub struct Store {
     save_order: std::sync::atomic::AtomicU64,
     /// Persists held back by the `persist_late` failpoint until a later save's are queued,
     /// with their save's order.
-    held_persists: parking_lot::Mutex<Vec<(u64, HeldPersists)>>,
+    held_persists: parking_lot::Mutex<HeldPersists>,
 }
 
 /// The persists of one save, handed to the scheduler when called (see `held_persists`).
-type HeldPersists = Box<dyn FnOnce() + Send>;
+type QueuePersists = Box<dyn FnOnce() + Send>;
+
+/// The saves whose persists the `persist_late` failpoint holds back, and the saves already
+/// due (every save before `due_below`). Both under one lock: a save held after the later save
+/// released the ones before it would otherwise wait for a release that already happened, and
+/// its handle would say `pending` forever.
+#[derive(Default)]
+struct HeldPersists {
+    due_below: u64,
+    held: Vec<(u64, QueuePersists)>,
+}
+
+impl HeldPersists {
+    /// Holds the persists of the save at `order`; hands them back to be queued at once when
+    /// a later save queued its own already.
+    fn hold(&mut self, order: u64, queue: QueuePersists) -> Option<QueuePersists> {
+        if order < self.due_below {
+            return Some(queue);
+        }
+        self.held.push((order, queue));
+        None
+    }
+
+    /// The held persists of the saves before `order`, due now (as are those held later).
+    fn release(&mut self, order: u64) -> Vec<QueuePersists> {
+        self.due_below = self.due_below.max(order);
+        let (due, keep) = std::mem::take(&mut self.held).into_iter().partition(|(o, _)| *o < order);
+        self.held = keep;
+        due.into_iter().map(|(_, q)| q).collect()
+    }
+
+    /// Every held persist, leaving later saves' to the failpoint (a flush found nothing
+    /// else to run: no later save is coming to release them).
+    fn take_all(&mut self) -> Vec<QueuePersists> {
+        std::mem::take(&mut self.held).into_iter().map(|(_, q)| q).collect()
+    }
+}
 
 /// How many steps' save counts a process remembers: a step saved again after this many other
 /// steps counts from 1 again (its generation then names the launch and 1).
@@ -392,19 +428,28 @@ impl Store {
 
     /// Blocks until the background queue is empty.
     pub fn flush(&self) {
-        self.release_held_persists(u64::MAX);
         self.scheduler.wait_idle();
+        while self.queue_held_when_idle() {
+            self.scheduler.wait_idle();
+        }
+    }
+
+    /// Queues the persists the `persist_late` failpoint still holds once the scheduler is
+    /// idle (not before: a flush still running may be the later save that is to come
+    /// first); whether there were any.
+    fn queue_held_when_idle(&self) -> bool {
+        let held = self.held_persists.lock().take_all();
+        let any = !held.is_empty();
+        for queue in held {
+            queue();
+        }
+        any
     }
 
     /// Queues the persists the `persist_late` failpoint held back for saves before `order`.
     fn release_held_persists(&self, order: u64) {
-        let held: Vec<_> = {
-            let mut all = self.held_persists.lock();
-            let (due, keep) = std::mem::take(&mut *all).into_iter().partition(|(o, _)| *o < order);
-            *all = keep;
-            due
-        };
-        for (_, queue) in held {
+        let due = self.held_persists.lock().release(order);
+        for queue in due {
             queue();
         }
     }
@@ -473,5 +518,45 @@ impl Store {
     pub fn gc(&self, name: &str, temp_age: Duration) -> Result<Vec<Removal>> {
         let slot = self.slot(name)?;
         run_gc(&*slot.tier, &GcOptions { keep: slot.config.keep, temp_age: Some(temp_age), ..Default::default() })
+    }
+}
+
+#[cfg(test)]
+mod held_tests {
+    use super::HeldPersists;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    fn counting(n: &Arc<AtomicUsize>) -> super::QueuePersists {
+        let n = n.clone();
+        Box::new(move || {
+            n.fetch_add(1, Ordering::SeqCst);
+        })
+    }
+
+    #[test]
+    fn a_save_held_after_the_later_save_released_is_queued_at_once() {
+        // The race of `persist_late`: save 8's flush finishes and releases the saves before
+        // it before save 7's flush reaches its hold. Save 7 must not wait for a release that
+        // already happened (its handle said `pending` forever).
+        let queued = Arc::new(AtomicUsize::new(0));
+        let mut held = HeldPersists::default();
+        assert!(held.release(8).is_empty());
+        let now = held.hold(7, counting(&queued)).expect("save 7 is due: save 8 queued first");
+        now();
+        assert_eq!(queued.load(Ordering::SeqCst), 1);
+        assert!(held.held.is_empty());
+    }
+
+    #[test]
+    fn a_save_held_first_waits_for_the_later_save() {
+        let queued = Arc::new(AtomicUsize::new(0));
+        let mut held = HeldPersists::default();
+        assert!(held.hold(7, counting(&queued)).is_none());
+        assert!(held.release(7).is_empty(), "save 7's own release does not free it");
+        let due = held.release(8);
+        assert_eq!(due.len(), 1);
+        due.into_iter().for_each(|q| q());
+        assert_eq!(queued.load(Ordering::SeqCst), 1);
     }
 }

@@ -83,7 +83,6 @@ impl Store {
     /// While it lasts longer than 2 s, logs which tiers, steps and bytes it waits for, every
     /// 10 s.
     pub fn wait_background(&self, timeout: Option<Duration>, closing: bool, mut check: impl FnMut() -> bool) -> Waited {
-        self.release_held_persists(u64::MAX);
         let start = Instant::now();
         let mut next_progress = start + PROGRESS_AFTER;
         let mut idle_since: Option<Instant> = None;
@@ -92,6 +91,9 @@ impl Store {
             let left = timeout.map(|t| t.saturating_sub(now - start));
             let slice = left.map_or(POLL, |l| l.min(POLL));
             let expected = if self.scheduler.wait_idle_for(slice) {
+                if self.queue_held_when_idle() {
+                    continue;
+                }
                 let cluster = match (&self.cluster, closing) {
                     (Some(c), true) => c,
                     _ => return Waited::Idle,

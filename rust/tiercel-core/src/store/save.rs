@@ -274,7 +274,11 @@ fn flush_step(
     if crate::failpoint::armed_at("persist_late", order) {
         // The test of save order: this save's persists reach the scheduler only after a
         // later save's (as when two flushes on two workers finish in the other order).
-        store.held_persists.lock().push((order, Box::new(queue_later)));
+        // Queued at once when the later save came first (it released the earlier ones).
+        let now = store.held_persists.lock().hold(order, Box::new(queue_later));
+        if let Some(queue) = now {
+            queue();
+        }
     } else {
         queue_later();
         store.release_held_persists(order);
