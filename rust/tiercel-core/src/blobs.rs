@@ -50,7 +50,7 @@ pub trait Blobs: Send + Sync {
     }
     /// What this backend counts of its requests (an object store's client), for
     /// `store.metrics()`; None: it counts none.
-    fn requests(&self) -> Option<std::sync::Arc<crate::store::metrics::RequestCounters>> {
+    fn requests(&self) -> Option<std::sync::Arc<crate::requests::RequestCounters>> {
         None
     }
     fn exists(&self, key: &str) -> Result<bool>;

@@ -18,6 +18,7 @@ pub mod format;
 pub mod gc;
 pub mod lease;
 pub mod placement;
+pub mod requests;
 pub mod shm;
 
 // Configuration: the policy.

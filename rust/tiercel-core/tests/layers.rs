@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 /// The layers, from the ground up. A new top-level module must be placed here.
 const LAYERS: &[&[&str]] = &[
     &["error", "checksum", "failpoint"],
-    &["format", "codec", "gc", "lease", "shm", "blobs", "placement"],
+    &["format", "codec", "gc", "lease", "shm", "blobs", "requests", "placement"],
     &["policy"],
     &["scheduler", "transport"],
     &["object", "tier"],

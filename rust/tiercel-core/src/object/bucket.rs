@@ -157,7 +157,7 @@ impl Blobs for ObjectBlobs {
         Some(MergedReads { bytes: self.inner.part_size as u64, in_flight: self.inner.concurrency })
     }
 
-    fn requests(&self) -> Option<Arc<crate::store::metrics::RequestCounters>> {
+    fn requests(&self) -> Option<Arc<crate::requests::RequestCounters>> {
         Some(self.inner.requests.clone())
     }
 

@@ -19,7 +19,7 @@ use object_store::ClientOptions;
 use parking_lot::Mutex;
 
 use super::throttle::{Throttle, ThrottleConfig};
-use crate::store::metrics::{RequestCounters, RequestKind};
+use crate::requests::{RequestCounters, RequestKind};
 
 /// What one tier's requests share: its throttle and its counters.
 #[derive(Debug)]

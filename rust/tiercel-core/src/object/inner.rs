@@ -42,7 +42,7 @@ pub(super) struct Inner {
     /// The server's own list of multipart uploads (S3 only; see `server_uploads`).
     pub(super) server_uploads: Option<S3Uploads>,
     /// What the tier's gate counts of its requests (`gate`).
-    pub(super) requests: Arc<crate::store::metrics::RequestCounters>,
+    pub(super) requests: Arc<crate::requests::RequestCounters>,
 }
 
 impl Inner {

@@ -18,78 +18,7 @@ use crate::error::{Error, Result};
 /// How many saves' times are remembered, to tell how far behind a tier is in seconds.
 const SAVE_TIMES_KEPT: usize = 4096;
 
-/// Kinds of request to an object store, as `RequestCounters` counts them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RequestKind {
-    Get,
-    Put,
-    List,
-    Head,
-    Delete,
-    /// One part of a multipart upload.
-    Part,
-    /// The start or the completion of a multipart upload.
-    Multipart,
-}
-
-const REQUEST_KINDS: usize = 7;
-
-/// What a tier's client sent, counted where it sends each HTTP request (`object::gate`):
-/// requests by kind (retries included: each is billed and counted against the server's rate),
-/// the answers that said "slow down", the time requests waited for the tier's throttle, and
-/// the rate it allows now.
-#[derive(Debug)]
-pub struct RequestCounters {
-    by_kind: [AtomicU64; REQUEST_KINDS],
-    throttled: AtomicU64,
-    wait_nanos: AtomicU64,
-    /// The throttle's rate limit as f64 bits; `NO_LIMIT`: none.
-    limit: AtomicU64,
-}
-
-const NO_LIMIT: u64 = u64::MAX;
-
-impl Default for RequestCounters {
-    fn default() -> Self {
-        RequestCounters {
-            by_kind: Default::default(),
-            throttled: AtomicU64::new(0),
-            wait_nanos: AtomicU64::new(0),
-            limit: AtomicU64::new(NO_LIMIT),
-        }
-    }
-}
-
-impl RequestCounters {
-    pub fn sent(&self, kind: RequestKind) {
-        self.by_kind[kind as usize].fetch_add(1, Relaxed);
-    }
-    /// The server answered a request "slow down" (503, 429).
-    pub fn throttled(&self) {
-        self.throttled.fetch_add(1, Relaxed);
-    }
-    /// A request waited this long for the throttle (backoff or pace).
-    pub fn waited(&self, d: Duration) {
-        self.wait_nanos.fetch_add(d.as_nanos() as u64, Relaxed);
-    }
-    /// The requests per second the throttle allows now (None: unlimited).
-    pub fn set_limit(&self, limit: Option<f64>) {
-        self.limit.store(limit.map_or(NO_LIMIT, f64::to_bits), Relaxed);
-    }
-    pub fn count(&self, kind: RequestKind) -> u64 {
-        self.by_kind[kind as usize].load(Relaxed)
-    }
-    /// Every request sent, of every kind.
-    pub fn total(&self) -> u64 {
-        self.by_kind.iter().map(|c| c.load(Relaxed)).sum()
-    }
-    pub fn throttled_count(&self) -> u64 {
-        self.throttled.load(Relaxed)
-    }
-    fn limit(&self) -> Option<f64> {
-        Some(self.limit.load(Relaxed)).filter(|b| *b != NO_LIMIT).map(f64::from_bits)
-    }
-}
+pub use crate::requests::{RequestCounters, RequestKind};
 
 /// Counters of one tier.
 #[derive(Default)]
@@ -453,7 +382,7 @@ impl Metrics {
                     requests_part: req.map(|r| r.count(RequestKind::Part)),
                     requests_multipart: req.map(|r| r.count(RequestKind::Multipart)),
                     requests_throttled: req.map(|r| r.throttled_count()),
-                    throttle_wait_seconds: req.map(|r| r.wait_nanos.load(Relaxed) as f64 / 1e9),
+                    throttle_wait_seconds: req.map(|r| r.waited_seconds()),
                     request_rate_limit: req.and_then(|r| r.limit()),
                     save_step: mark.map(|m| m.0),
                     save_requests: mark.zip(req).map(|(m, r)| r.total().saturating_sub(m.1)),

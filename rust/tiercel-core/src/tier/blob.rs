@@ -70,7 +70,7 @@ impl Tier for BlobTier {
         self.layout.blobs().merged_reads()
     }
 
-    fn requests(&self) -> Option<Arc<crate::store::metrics::RequestCounters>> {
+    fn requests(&self) -> Option<Arc<crate::requests::RequestCounters>> {
         self.layout.blobs().requests()
     }
 

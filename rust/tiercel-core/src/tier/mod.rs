@@ -61,7 +61,7 @@ pub trait Tier: Send + Sync {
     }
 
     /// What the tier's client counts of its requests (object stores), for `store.metrics()`.
-    fn requests(&self) -> Option<Arc<crate::store::metrics::RequestCounters>> {
+    fn requests(&self) -> Option<Arc<crate::requests::RequestCounters>> {
         None
     }
 
