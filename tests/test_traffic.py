@@ -57,14 +57,26 @@ class CountingProxy:
             except OSError:
                 pass
 
-class Splicing(TorchCoordinator):
+class Splicing:
+    # Rank 0 learns rank 1's peer address through a counting proxy: the members round of the
+    # store's open (tiercel.members.learn) is spliced on rank 0.
     proxy = None
-    def all_gather(self, value):
-        out = super().all_gather(value)
-        if self.rank == 0 and isinstance(value, tuple) and len(value) >= 4 and Splicing.proxy is None:
-            Splicing.proxy = CountingProxy(out[1][1])
-            out[1] = (out[1][0], Splicing.proxy.addr, *out[1][2:])
-        return out
+    learn = tiercel.members.learn
+    @staticmethod
+    def spliced(coordinator, rank, value, neighbours):
+        part = Splicing.learn(coordinator, rank, value, neighbours)
+        if rank != 0:
+            return part
+        members = []
+        for index, name, ranks in part.members:
+            for i, (r, addr) in enumerate(ranks):
+                if r == 1:
+                    Splicing.proxy = CountingProxy(addr)
+                    ranks = [*ranks[:i], (r, Splicing.proxy.addr), *ranks[i + 1:]]
+            members.append((index, name, ranks))
+        return part._replace(members=members)
+
+tiercel.members.learn = Splicing.spliced
 
 policy = {
     "tier": [
@@ -76,7 +88,7 @@ policy = {
 }
 dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
 rank = dist.get_rank()
-store = tiercel.Store(policy, coordinator=Splicing())
+store = tiercel.Store(policy, coordinator=TorchCoordinator())
 state = {"w": np.random.default_rng(rank).integers(0, 255, 4 << 20, dtype=np.uint8)}
 report = {"rank": rank}
 h = store.save(1, state)
