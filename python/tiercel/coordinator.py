@@ -90,11 +90,8 @@ class TorchCoordinator:
 
     def counter(self) -> StoreCounter | None:
         """`add` of torch's default c10d store (the TCPStore the process group was made with)."""
-        from torch.distributed import distributed_c10d
-
-        try:
-            store = distributed_c10d._get_default_store()
-        except (RuntimeError, ValueError, AttributeError):  # a group made without a store
+        store = _default_store()
+        if store is None:
             return None
         return StoreCounter(store.add, getattr(store, "delete_key", None), f"TorchCoordinator (rank {self.rank}): the c10d store")
 
@@ -138,17 +135,23 @@ class TorchCoordinator:
         raise AttributeError(name)
 
 
-def _default_store_rounds(rank: int, world_size: int) -> KVStoreCoordinator | None:
-    """Rounds on the key-value store torch.distributed's default group was made with (the
-    TCPStore of init_process_group, behind torch's prefix), or None where there is none with
-    the calls a round needs (a user's own store without append, a torch without the call)."""
+def _default_store() -> Any:
+    """The key-value store torch.distributed's default group was made with (the TCPStore of
+    init_process_group, behind torch's prefix), or None: a group made without one, or a torch
+    without the private call."""
     try:
         from torch.distributed.distributed_c10d import _get_default_store
 
-        store = _get_default_store()
-    except Exception:  # noqa: BLE001 -- a private call of torch's: without it, all_gather_object
+        return _get_default_store()
+    except Exception:  # noqa: BLE001 -- a private call of torch's: without it, the callers fall back
         return None
-    if not all(hasattr(store, m) for m in ("append", "add", "set", "get", "delete_key")):
+
+
+def _default_store_rounds(rank: int, world_size: int) -> KVStoreCoordinator | None:
+    """Rounds on the default group's key-value store (`_default_store`), or None where there is
+    none with the calls a round needs (a user's own store without append)."""
+    store = _default_store()
+    if store is None or not all(hasattr(store, m) for m in ("append", "add", "set", "get", "delete_key")):
         return None
     return KVStoreCoordinator(store, rank, world_size, prefix="tiercel-torch")
 
