@@ -263,15 +263,24 @@ impl PeerTier {
         self.secret.read().clone().ok_or_else(|| Error::unavailable(format!("tier '{}': no shared secret yet", self.name)))
     }
 
-    fn holders(&self, rank: u32) -> Result<Vec<HolderHost>> {
+    /// `f` of the cluster as this process knows it; None while the tier runs degraded (no
+    /// peer host: nothing is held, nothing to ask).
+    fn with_cluster<T>(&self, f: impl FnOnce(&Cluster) -> T) -> Result<Option<T>> {
         if self.degraded.read().is_some() {
-            return Ok(vec![]); // no peer host: nothing is held, nothing to ask
+            return Ok(None);
         }
         let c = self.cluster.read();
         let c = c.as_ref().ok_or_else(|| {
             Error::unavailable(format!("tier '{}': the peers are not known yet (the store was not connected to its cluster)", self.name))
         })?;
-        c.holders(rank).ok_or_else(|| {
+        Ok(Some(f(c)))
+    }
+
+    fn holders(&self, rank: u32) -> Result<Vec<HolderHost>> {
+        let Some(holders) = self.with_cluster(|c| c.holders(rank))? else {
+            return Ok(vec![]);
+        };
+        holders.ok_or_else(|| {
             // A process learns the members of its own host and its placement neighbours
             // only (O(m) hosts), not where every rank's replicas are.
             Error::not_found(format!(

@@ -36,16 +36,12 @@ impl PeerTier {
     /// copies are, and asking every host instead (a step whose replication was skipped) would
     /// cost each rank a request per host, the job a number that grows as the square of it.
     pub(super) fn sources(&self, rank: u32, saved_world: Option<u32>) -> Result<Vec<HolderHost>> {
-        if self.degraded.read().is_some() {
-            return Ok(vec![]); // no peer host: nothing is held, nothing to ask
-        }
-        let c = self.cluster.read();
-        let c = c.as_ref().ok_or_else(|| {
-            Error::unavailable(format!("tier '{}': the peers are not known yet (the store was not connected to its cluster)", self.name))
+        let sources = self.with_cluster(|c| {
+            let n = c.world_size;
+            let elastic = rank >= n || saved_world.is_some_and(|w| w != n);
+            c.sources(rank, self.rank, elastic)
         })?;
-        let n = c.world_size;
-        let elastic = rank >= n || saved_world.is_some_and(|w| w != n);
-        Ok(c.sources(rank, self.rank, elastic))
+        Ok(sources.unwrap_or_default())
     }
 
     /// How many ranks saved `step`, as this host knows without asking anyone: its memory
