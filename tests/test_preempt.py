@@ -264,11 +264,14 @@ def test_a_running_persist_finishes_unthrottled_and_queued_ones_give_way(shm_roo
     policy["tier"][1].update(every=1, bandwidth="1MB/s")
     mib2 = 1 << 19  # float32s: 2 MiB, 2 s at 1 MB/s
     with tiercel.Store(policy, rank=0, world_size=1) as store:
-        handles = [store.save(s, {"w": np.full(mib2, s, np.float32)}) for s in (1, 2, 3)]
+        # Step 1's persist must be running before steps 2 and 3 arrive: saved together, step 2
+        # may replace step 1 while it still waits in the queue (a loaded machine showed it).
+        handles = [store.save(1, {"w": np.full(mib2, 1, np.float32)})]
         deadline = time.monotonic() + 30
         while handles[0].states()["disk"] != "running":
             assert time.monotonic() < deadline, handles[0].states()
             time.sleep(0.01)
+        handles += [store.save(s, {"w": np.full(mib2, s, np.float32)}) for s in (2, 3)]
         report = store.preempt(grace=10)
         assert report.ok and report.step == 3, report
         assert report.seconds < 1.5, report  # throttled, steps 1 and 3 alone would take 4 s

@@ -261,10 +261,11 @@ fn flush_step(
     let res = store.memory.publish(&manifest).and_then(|_| store.memory.try_commit(step, store.world_size));
     // Published (a leftover of ours no more) or failed: retention may have the step now.
     drop(lease);
-    if !memory_outcome(&store, &handle, &manifest, res, started) {
+    let Some(mem_state) = memory_outcome(&store, &handle, &manifest, res, started) else {
         return;
-    }
+    };
     let manifest = Arc::new(manifest);
+    let handle_mem = handle.clone();
     let (store1, parts1): (_, Vec<persist::Part>) = (store.clone(), parts.iter().map(|p| p.clone() as persist::Part).collect());
     // Planned when the persists are queued: a tier degraded meanwhile is skipped.
     let queue_later = move || {
@@ -283,6 +284,10 @@ fn flush_step(
         queue_later();
         store.release_held_persists(order);
     }
+    // Only now does the save count as flushed to memory: a preemption's flush, which waits
+    // for that (`preempt_step`), then finds this save's persists queued, and replaces them
+    // rather than being replaced by them (as it was when they arrived after it).
+    handle_mem.set(&mem_name, mem_state);
     let sizes: Vec<u64> = parts.iter().map(|p| p.len() as u64).collect();
     drop(parts);
     if let Err(e) = store.retain(mem) {
@@ -312,9 +317,11 @@ fn checksum_chunks(store: &Store, manifest: &mut Manifest, parts: &[Arc<Segment>
 }
 
 /// Records how the step's publish and commit on the memory tier went (`res`: committed or
-/// not): its state on `handle`, its metrics, a probe for the commit that another rank of this
-/// host makes. False when it failed: the later tiers are skipped, for they copy from memory.
-fn memory_outcome(store: &Arc<Store>, handle: &SaveHandle, manifest: &Manifest, res: Result<bool>, started: Instant) -> bool {
+/// not): its metrics and a probe for the commit that another rank of this host makes.
+/// Some(state): it succeeded, and the caller sets `handle`'s memory state to it once the
+/// persists are queued. None: it failed (the handle says so); the later tiers are skipped,
+/// for they copy from memory.
+fn memory_outcome(store: &Arc<Store>, handle: &SaveHandle, manifest: &Manifest, res: Result<bool>, started: Instant) -> Option<TierState> {
     let (step, mem_name) = (manifest.step, &store.memory_slot().config.name);
     match res {
         Ok(committed) => {
@@ -335,8 +342,7 @@ fn memory_outcome(store: &Arc<Store>, handle: &SaveHandle, manifest: &Manifest, 
             if committed {
                 store.metrics.tier(store.memory_at).committed(step);
             }
-            handle.set(mem_name, if committed { TierState::Done } else { TierState::Written });
-            true
+            Some(if committed { TierState::Done } else { TierState::Written })
         }
         Err(e) => {
             let e = e.context(format!("step {step} rank {}", store.rank)).with_tier(mem_name).at(step, store.rank);
@@ -346,7 +352,7 @@ fn memory_outcome(store: &Arc<Store>, handle: &SaveHandle, manifest: &Manifest, 
                 handle.set(&slot.config.name, TierState::Skipped(format!("the memory tier failed: {}", e.message)));
             }
             handle.set(mem_name, TierState::Failed(e));
-            false
+            None
         }
     }
 }
