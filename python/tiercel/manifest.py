@@ -7,7 +7,7 @@ shape that code and type checkers can rely on. Nothing here touches item bytes.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ._nodes import check_tree
@@ -43,6 +43,18 @@ class Chunk:
     stored_offset: int
     stored_len: int
     codec: str
+    #: XXH3-128 of the raw bytes (32 hex digits): which bytes these are; None in manifests
+    #: written before chunks carried it.
+    hash: str | None = None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Chunk:
+        # Fields this reader does not know are ignored (docs/format.md, "Versioning"): a
+        # field old readers may safely ignore is added without a new version.
+        return cls(**{k: d[k] for k in _CHUNK_FIELDS if k in d})
+
+
+_CHUNK_FIELDS = tuple(f.name for f in fields(Chunk))
 
 
 @dataclass(frozen=True)
@@ -121,7 +133,7 @@ class Manifest:
                 nbytes=it["nbytes"],
                 meta=it.get("meta") or {},
                 shard=Shard.from_json(it["shard"]) if it.get("shard") else None,
-                chunks=tuple(Chunk(**c) for c in it["chunks"]),
+                chunks=tuple(Chunk.from_json(c) for c in it["chunks"]),
                 replica_primary=it["replica"]["primary"] if it.get("replica") else None,
             )
             for i, it in enumerate(d["items"])

@@ -114,6 +114,7 @@ fn sample_manifest() -> Manifest {
                 stored_offset: pos + off,
                 stored_len: len,
                 codec: "raw".into(),
+                hash: None,
             })
             .collect();
         m.items.push(ItemMeta {

@@ -64,6 +64,13 @@ pub fn part_name(rank: u32, part: usize) -> String {
     format!("rank-{rank:05}.part-{part:03}.data")
 }
 
+/// The two hex digits that spread a rank's keys over prefixes of an object store (which
+/// rates requests per prefix): a hash of the rank, so that neighbouring ranks, which save at
+/// the same moment, land on different prefixes.
+pub fn rank_prefix(rank: u32) -> String {
+    format!("{:02x}", xxhash_rust::xxh3::xxh3_64(&rank.to_le_bytes()) & 0xff)
+}
+
 pub fn data_name(rank: u32) -> String {
     format!("rank-{rank:05}.data")
 }
@@ -88,6 +95,12 @@ pub struct ChunkMeta {
     pub stored_len: u64,
     /// "raw", "zstd", or "bytegroupN+zstd" (N = item size in bytes); see codec.rs.
     pub codec: String,
+    /// XXH3-128 of the raw bytes, 32 lowercase hex digits (`checksum::crc32c_and_hash`): what
+    /// the bytes are, so a tier or a peer that holds them already need not get them again.
+    /// Verification stays with `crc32c`. Absent in manifests written before it (and then
+    /// omitted from the JSON, which older readers read as before).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash: Option<String>,
 }
 
 /// One named array, tensor or byte string of one rank.
@@ -415,7 +428,16 @@ mod tests {
             meta: serde_json::Value::Null,
             shard: None,
             replica: None,
-            chunks: vec![ChunkMeta { offset: 0, len: 8, crc32c: 0, object: 0, stored_offset: 4, stored_len: 8, codec: "raw".into() }],
+            chunks: vec![ChunkMeta {
+                offset: 0,
+                len: 8,
+                crc32c: 0,
+                object: 0,
+                stored_offset: 4,
+                stored_len: 8,
+                codec: "raw".into(),
+                hash: None,
+            }],
         });
         let e = Manifest::from_json(&m.to_json(), "x").unwrap_err();
         assert!(e.message.contains("outside object"), "{}", e.message);
@@ -434,7 +456,16 @@ mod tests {
             meta: serde_json::Value::Null,
             shard,
             replica: None,
-            chunks: vec![ChunkMeta { offset: 0, len: 8, crc32c: 0, object: 0, stored_offset: 0, stored_len: 8, codec: "raw".into() }],
+            chunks: vec![ChunkMeta {
+                offset: 0,
+                len: 8,
+                crc32c: 0,
+                object: 0,
+                stored_offset: 0,
+                stored_len: 8,
+                codec: "raw".into(),
+                hash: None,
+            }],
         });
         m
     }

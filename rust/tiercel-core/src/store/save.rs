@@ -128,6 +128,7 @@ impl StepWriter {
                     stored_offset: start + off,
                     stored_len: len,
                     codec: crate::codec::RAW.into(),
+                    hash: None,
                 })
                 .collect();
             out.push((self.manifest.items.len(), start));
@@ -298,21 +299,23 @@ fn flush_step(
     }
 }
 
-/// Sets every chunk's CRC32C in `manifest` from its bytes in `parts`, in parallel on the
-/// copy threads.
+/// Sets every chunk's CRC32C and hash in `manifest` from its bytes in `parts`, in parallel
+/// on the copy threads (one pass over each chunk: `checksum::crc32c_and_hash`).
 fn checksum_chunks(store: &Store, manifest: &mut Manifest, parts: &[Arc<Segment>]) {
     let work = manifest.chunk_refs();
-    let crcs: Vec<u32> = store.copy_pool.install(|| {
+    let sums: Vec<(u32, String)> = store.copy_pool.install(|| {
         work.par_iter()
             .map(|&(i, c)| {
                 let ch = &manifest.items[i].chunks[c];
                 let start = ch.stored_offset as usize;
-                crate::checksum::crc32c(&parts[ch.object as usize].bytes()[start..start + ch.len as usize])
+                crate::checksum::crc32c_and_hash(&parts[ch.object as usize].bytes()[start..start + ch.len as usize])
             })
             .collect()
     });
-    for (&(i, c), crc) in work.iter().zip(crcs) {
-        manifest.items[i].chunks[c].crc32c = crc;
+    for (&(i, c), (crc, hash)) in work.iter().zip(sums) {
+        let ch = &mut manifest.items[i].chunks[c];
+        ch.crc32c = crc;
+        ch.hash = Some(hash);
     }
 }
 

@@ -88,6 +88,7 @@ fn logical(step: u64, rank: u32, world_size: u32) -> (Manifest, VecSource) {
                 stored_offset: pos + off,
                 stored_len: len,
                 codec: "raw".into(),
+                hash: None,
             })
             .collect();
         m.items.push(ItemMeta {

@@ -155,6 +155,7 @@ mod tests {
                     stored_offset: c * 4,
                     stored_len: 4,
                     codec: "raw".into(),
+                    hash: None,
                 })
                 .collect(),
         });

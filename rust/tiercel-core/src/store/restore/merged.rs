@@ -144,7 +144,7 @@ mod tests {
     use super::*;
 
     fn chunk(object: u32, stored_offset: u64, stored_len: u64) -> ChunkMeta {
-        ChunkMeta { offset: 0, len: stored_len, crc32c: 0, object, stored_offset, stored_len, codec: codec::RAW.into() }
+        ChunkMeta { offset: 0, len: stored_len, crc32c: 0, object, stored_offset, stored_len, codec: codec::RAW.into(), hash: None }
     }
 
     #[test]

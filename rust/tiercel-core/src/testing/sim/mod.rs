@@ -160,6 +160,7 @@ fn logical(step: u64, rank: u32, world: u32, bytes: usize) -> (Manifest, State) 
             stored_offset: offset,
             stored_len: len,
             codec: "raw".into(),
+            hash: None,
         })
         .collect();
     m.items.push(ItemMeta {

@@ -30,6 +30,7 @@ pub(super) fn manifest(step: u64, rank: u32, data: &[Vec<u8>]) -> Manifest {
                 stored_offset: pos + off,
                 stored_len: len,
                 codec: "raw".into(),
+                hash: None,
             })
             .collect();
         m.items.push(format::ItemMeta {
