@@ -157,9 +157,10 @@ def _pieces(steps: StepView, world: int, sharded: dict[str, Item]) -> dict[str, 
 
 
 def _assemble(steps: StepView, step: int, first: Item, pieces: Pieces, box: Box, world: int) -> Any:
-    """The box of a sharded item's global array, from the saved pieces that overlap it,
-    rebuilt by the item's leaf handler (a numpy array or a torch tensor). A box that is one
-    whole saved piece comes back without a copy (from RAM: a view of shared memory)."""
+    """The box of a sharded item's global array, from the saved pieces that overlap it
+    (`StepView.read_box`), rebuilt by the item's leaf handler (a numpy array or a torch
+    tensor). A box that is one whole saved piece comes back without a copy (from RAM: a view
+    of shared memory)."""
     assert first.shard is not None
     itemsize = _dtypes.ITEMSIZE[first.dtype]
     saved = [((rank, it.index), it.shard.offsets if it.shard else (), it.shape) for rank, it in pieces]
@@ -168,20 +169,11 @@ def _assemble(steps: StepView, step: int, first: Item, pieces: Pieces, box: Box,
         reads = plan(saved, box, itemsize, steps.store._core.chunk_size).reads
     except CoverageError as e:
         raise _coverage_error(step, first, saved, box, world, e) from None
-    items = {(rank, it.index): it for rank, it in pieces}
     shape = box_shape(box)
+    # Elements as opaque units of the item's size: any dtype, with or without ml_dtypes.
+    out = steps.read_box(reads, {(rank, it.index): it for rank, it in pieces}, shape, np.dtype(f"V{itemsize}"))
     target = dataclasses.replace(first, shape=shape, nbytes=prod(shape) * itemsize, chunks=(),
                                  shard=Shard(first.shard.global_shape, tuple(a for a, _ in box)))
-    if len(reads) == 1:
-        key, r = reads[0]
-        if r.shape == shape and r.nbytes == items[key].nbytes:
-            return steps.reader(key[0]).value(items[key])
-    # Elements as opaque units of the item's size: any dtype, with or without ml_dtypes.
-    unit = np.dtype(f"V{itemsize}")
-    out = np.empty(shape, dtype=unit)
-    for (rank, index), r in reads:
-        buf = steps.reader(rank).read(items[(rank, index)], r.start, r.nbytes)
-        out[r.dst] = np.ndarray(r.shape, dtype=unit, buffer=buf, strides=r.strides)
     return rebuilder(target).rebuild(target, out.reshape(-1).view(np.uint8))
 
 
