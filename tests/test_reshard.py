@@ -200,6 +200,8 @@ def test_any_box_of_a_step_of_another_world_size(make_store, policy):
     # Without reshard: a plain restore still refuses the other world size.
     with pytest.raises(tiercel.WorldSizeError):
         store.restore()
+    with pytest.raises(tiercel.WorldSizeError):
+        store.restore(reshard=False)
 
 
 def test_a_region_no_saved_rank_holds_is_named(make_store, policy):

@@ -307,6 +307,8 @@ class Store:
         With `[restore] replicated` other than "all", collective over the job's ranks: the
         ranks of a replica group read its replicated puts from a persistent tier once between
         them (docs/restore.md); `last_restore.broadcast` says how."""
+        if reshard is False:  # as latest_step(reshard=False): this rank's own part
+            reshard = None
         if reshard is not None:
             check_want(reshard)
             if rank is not None or job is not None:
