@@ -8,34 +8,99 @@ With 3 hosts and replicas = 2 the placement is a ring (A's copies on B, B's on C
 A), so after C is lost: saved rank 0 is in A's RAM and B's replica store, saved rank 1 only
 in B's RAM (its replica was on C), saved rank 2 only in A's replica store. The new rank 0
 (host A) needs part of saved rank 1 (B's own RAM, over the peer transport) and the new rank 1
-(host B) saved rank 2 (A's replica store)."""
+(host B) saved rank 2 (A's replica store).
+
+The DCP and plain-store cases run each host in a Linux network namespace of its own (its
+own address and network stack, one bridge between them: tests/netns.py; gloo and the peer
+tier on that network) where the machine lets a test make them (root, iproute2), else on
+loopback (the `loopback` variant, skipped where namespaces can be made). The Orbax case runs
+on loopback (multi-process JAX's coordinator, tests/test_orbax.py)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_dcp import load, run_job
+from test_dcp import SCRIPT as DCP_WORKER
+from test_dcp import load
 
 from conftest import assert_same
+from netns import Net, unavailable
 from test_multirank import run_ranks
 
 HOSTS = ["hostA", "hostB", "hostC"]
 
 
-def elastic_policy(shm_root: Path, disk: Path) -> dict[str, Any]:
+def elastic_policy(shm_root: Path, disk: Path, listen: str = "127.0.0.1:0") -> dict[str, Any]:
     """RAM per host, peer replicas on 2 hosts, and a durable fs tier that gets every step."""
     return {
         "tier": [
             {"name": "ram", "kind": "memory", "root": f"{shm_root}/{{host}}", "keep": 2},
-            {"name": "peer", "kind": "peer", "listen": "127.0.0.1:0", "replicas": 2, "keep": 2},
+            {"name": "peer", "kind": "peer", "listen": listen, "replicas": 2, "keep": 2},
             {"name": "disk", "kind": "fs", "url": str(disk), "every": 1},
         ],
         "store": {"chunk_size": "64KiB", "threads": 1, "io_threads": 2},
     }
+
+
+class Hosts:
+    """Where the test's hosts run: host i in network namespace i of `net` (rank 0's host
+    the job's master, gloo on eth0, each peer server on the address that reaches it), or,
+    without `net`, every host a set of processes on loopback."""
+
+    def __init__(self, net: Net | None):
+        self.net = net
+
+    @property
+    def listen(self) -> str:
+        """The peer tier's `listen`: any address in a namespace (the host advertises the one
+        that reaches the master), loopback otherwise."""
+        return "0.0.0.0:0" if self.net else "127.0.0.1:0"
+
+    def run(self, script: str, args: list[str], tmp_path: Path, hosts: list[int], tag: str, killed: bool = False) -> None:
+        """One rank per entry of `hosts` (its host index), on that host."""
+        net = self.net
+
+        def env_of(rank: int) -> dict[str, str]:
+            env = {"TIERCEL_HOST": HOSTS[hosts[rank]], "OMP_NUM_THREADS": "1"}
+            if net is not None:
+                env |= {"MASTER_ADDR": net.addr(hosts[0]), "GLOO_SOCKET_IFNAME": "eth0"}
+            return env
+
+        prefix_of: Callable[[int], list[str]] | None = None
+        if net is not None:
+            prefix_of = lambda rank: net.exec_prefix(hosts[rank])  # noqa: E731
+        run_ranks(script, args, tmp_path, world=len(hosts), env_of=env_of, tag=tag, killed=killed, prefix_of=prefix_of)
+
+
+@pytest.fixture(params=["netns", "loopback"])
+def hosts(request: pytest.FixtureRequest) -> Iterator[Hosts]:
+    """The 3 hosts: in network namespaces, or (where this machine cannot make them) on loopback."""
+    why = unavailable()
+    if request.param == "loopback":
+        if why is None:
+            pytest.skip("the netns variant runs the hosts in network namespaces here")
+        yield Hosts(None)
+        return
+    if why is not None:
+        pytest.skip(why)
+    net = Net(len(HOSTS))
+    try:
+        yield Hosts(net)
+    finally:
+        net.close()
+
+
+def run_dcp(hosts: Hosts, tmp_path: Path, cfg: dict[str, Any], on: list[int], killed: bool = False) -> list[dict[str, Any]]:
+    """The FSDP2 worker (tests/dcp_worker.py) on hosts `on`; its reports by rank."""
+    out = Path(cfg["out"])
+    out.mkdir(exist_ok=True)
+    hosts.run(DCP_WORKER, [json.dumps(cfg)], tmp_path, on, tag=cfg["mode"], killed=killed)
+    return [json.loads((out / f"{cfg['mode']}-{r}.json").read_text()) for r in range(len(on))]
 
 
 def lose_host_c(shm_root: Path) -> None:
@@ -43,18 +108,18 @@ def lose_host_c(shm_root: Path) -> None:
     shutil.rmtree(shm_root / "hostC")
 
 
-def test_dcp_fsdp2_reshards_3_to_2_hosts_from_ram_and_peers(tmp_path, shm_root):
+def test_dcp_fsdp2_reshards_3_to_2_hosts_from_ram_and_peers(tmp_path, shm_root, hosts):
     out = tmp_path / "out"
-    policy = elastic_policy(shm_root, tmp_path / "disk")
+    policy = elastic_policy(shm_root, tmp_path / "disk", hosts.listen)
     base = {"policy": policy, "out": str(out), "saved_world": 3}
-    trained = run_job(tmp_path, {**base, "mode": "train", "last": 3, "save": [3], "kill": True}, world=3,
-                      hosts=HOSTS, killed=True)
+    trained = run_dcp(hosts, tmp_path, {**base, "mode": "train", "last": 3, "save": [3], "kill": True}, [0, 1, 2],
+                      killed=True)
     for t in trained:
         assert t["states"]["3"] in ({"ram": "committed", "peer": "committed", "disk": d} for d in ("written", "committed"))
     # The durable tier has the step: reading none of it is the restore's choice.
     assert (tmp_path / "disk" / "step-000000000003" / "COMMIT").exists()
     lose_host_c(shm_root)
-    resumed = run_job(tmp_path, {**base, "mode": "resume", "last": 3}, world=2, hosts=HOSTS[:2])
+    resumed = run_dcp(hosts, tmp_path, {**base, "mode": "resume", "last": 3}, [0, 1])
     assert [r["step"] for r in resumed] == [3, 3], resumed
     # Bit-identical: the whole state the 2 ranks loaded is the one the 3 saved.
     assert_same(load(out / "loaded-full-3-w2.pt"), load(out / "full-3.pt"))
@@ -114,16 +179,15 @@ dist.destroy_process_group()
 """
 
 
-def test_every_saved_rank_reads_from_ram_and_peers_on_2_of_3_hosts(tmp_path, shm_root):
+def test_every_saved_rank_reads_from_ram_and_peers_on_2_of_3_hosts(tmp_path, shm_root, hosts):
     out = tmp_path / "out"
     out.mkdir()
-    policy = json.dumps(elastic_policy(shm_root, tmp_path / "disk"))
-    env_of = lambda hosts: lambda r: {"TIERCEL_HOST": hosts[r], "OMP_NUM_THREADS": "1"}  # noqa: E731
-    run_ranks(SAVE_3, [policy, str(out)], tmp_path, world=3, env_of=env_of(HOSTS), tag="save", killed=True)
+    policy = json.dumps(elastic_policy(shm_root, tmp_path / "disk", hosts.listen))
+    hosts.run(SAVE_3, [policy, str(out)], tmp_path, [0, 1, 2], tag="save", killed=True)
     every = {"ram": "committed", "peer": "committed", "disk": "committed"}
     assert all(json.loads((out / f"states-{r}.json").read_text()) == every for r in range(3))
     lose_host_c(shm_root)
-    run_ranks(READ_ALL, [policy, str(out)], tmp_path, world=2, env_of=env_of(HOSTS[:2]), tag="read")
+    hosts.run(READ_ALL, [policy, str(out)], tmp_path, [0, 1], tag="read")
     reports = [json.loads((out / f"read-{r}.json").read_text()) for r in range(2)]
     print("bytes read per tier:", [r["bytes_read"] for r in reports])
     for rank, r in enumerate(reports):

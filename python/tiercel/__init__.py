@@ -18,7 +18,7 @@ from .errors import (
     TierUnavailableError,
     WorldSizeError,
 )
-from .leaves import Leaf, LeafHandler, register_leaf_handler
+from .leaves import Leaf, LeafHandler, Sharded, register_leaf_handler
 from .manifest import Item, Manifest, Shard
 from .preempt import PreemptReport, TierReport
 from .step import Reader, RestoreInfo, SaveHandle, Writer
@@ -44,6 +44,7 @@ __all__ = [
     "RestoreInfo",
     "SaveHandle",
     "Shard",
+    "Sharded",
     "Store",
     "TiercelError",
     "TierReport",

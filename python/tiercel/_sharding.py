@@ -52,6 +52,30 @@ def intersect(a: Box, b: Box) -> Box | None:
     return out
 
 
+def subtract(box: Box, hole: Box) -> list[Box]:
+    """`box` less `hole`: disjoint boxes that together hold the elements of `box` outside
+    `hole` (at most two per dimension)."""
+    common = intersect(box, hole)
+    if common is None:
+        return [box] if box_size(box) else []
+    out: list[Box] = []
+    rest = list(box)
+    for d, ((a, b), (c0, c1)) in enumerate(zip(box, common)):
+        for lo, hi in ((a, c0), (c1, b)):
+            if lo < hi:
+                out.append(tuple(rest[:d]) + ((lo, hi),) + tuple(rest[d + 1:]))
+        rest[d] = (c0, c1)  # the next dimensions cut only the common slab
+    return out
+
+
+def uncovered(target: Box, boxes: Sequence[Box]) -> list[Box]:
+    """The parts of `target` that none of `boxes` holds, as disjoint boxes."""
+    left = [target] if box_size(target) else []
+    for box in boxes:
+        left = [part for b in left for part in subtract(b, box)]
+    return left
+
+
 @dataclass(frozen=True)
 class Piece:
     """One contiguous byte range of a saved piece and where its elements go.

@@ -123,7 +123,7 @@ class InvalidArgumentError(TiercelError):
 class WorldSizeError(InvalidArgumentError):
     """A restore of this rank's own part of a step that another number of ranks saved: the
     job's committed steps cannot be continued at this world size without resharding. The
-    message names the steps, their world sizes and the ways on (`restore(rank=...)`, a
-    resharding adapter)."""
+    message names the steps, their world sizes and the ways on (`restore(rank=...)`,
+    `restore(reshard=...)`, a resharding adapter)."""
 
     __module__ = "tiercel"

@@ -14,7 +14,9 @@ the pickle fallback are built in; adapters register theirs (tiercel.orbax adds j
     tiercel.leaves.register(MyHandler())
 
 A sharded leaf (one piece of a global array) carries a `Shard` (global shape, offsets,
-replica id), which the manifest keeps with the item so a restore can place it again.
+replica id), which the manifest keeps with the item so a restore can place it again. An
+adapter's handler sets it (jax.Array); a plain `Store.save` says it with `Sharded(value,
+global_shape, offsets)`, which `Store.restore(reshard=...)` reads back at any world size.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from ._plain import where
 from .errors import InvalidArgumentError
 from .manifest import Item, Shard
 
-__all__ = ["PICKLE_MODE", "PICKLE_TRUSTED", "Leaf", "LeafHandler", "PickleWarning", "Shard", "check_unpickle", "handler_for", "rebuilder",
-           "register", "register_leaf_handler"]
+__all__ = ["PICKLE_MODE", "PICKLE_TRUSTED", "Leaf", "LeafHandler", "PickleWarning", "Shard", "Sharded", "check_unpickle",
+           "handler_for", "rebuilder", "register", "register_leaf_handler"]
 
 
 class PickleWarning(UserWarning):
@@ -218,6 +220,56 @@ class TorchHandler(LeafHandler):
         return t
 
 
+@dataclass(frozen=True)
+class Sharded:
+    """`value` (a numpy array or a torch tensor) saved as one piece of a larger, global array:
+    the box of `value`'s shape at `offsets` of an array of `global_shape`. Copies of one box
+    on data-parallel replicas differ in `replica_id`. `store.save(step, {"w": Sharded(w_rows,
+    (4096, 1024), (rank * 1024, 0))})`; a job at another world size reads back the boxes it
+    wants with `store.restore(reshard=...)` (tiercel.reshard). Restores give the array back,
+    without the wrapper."""
+
+    value: Any
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    replica_id: int = 0
+
+
+class ShardedHandler(LeafHandler):
+    """`Sharded` values: the wrapped value's own handler describes and copies it, and its
+    item carries the shard. It writes no items of its own (the item names the wrapped
+    value's framework, which rebuilds it)."""
+
+    framework = "sharded"
+
+    def claims(self, value: Any) -> bool:
+        return isinstance(value, Sharded)
+
+    def describe(self, value: Any, name: str) -> Leaf:
+        inner = handler_for(value.value)
+        if inner.framework not in ("numpy", "torch"):
+            raise TypeError(f"'{name}': Sharded wraps a numpy array or a torch tensor, got {type(value.value).__name__}")
+        leaf = inner.describe(value.value, name)
+        try:
+            shape, offsets = tuple(int(n) for n in value.global_shape), tuple(int(o) for o in value.offsets)
+        except (TypeError, ValueError):
+            raise TypeError(f"'{name}': Sharded's global_shape and offsets are sequences of ints, got "
+                            f"{value.global_shape!r} and {value.offsets!r}") from None
+        if len(shape) != len(leaf.shape) or len(offsets) != len(leaf.shape) or any(
+                o < 0 or o + n > g for o, n, g in zip(offsets, leaf.shape, shape)):
+            raise TypeError(f"'{name}': a piece of shape {leaf.shape} at offsets {offsets} does not lie inside the "
+                            f"global shape {shape} (one offset and one global size per dimension of the piece)")
+        leaf.shard = Shard(shape, offsets, int(value.replica_id))
+        return leaf
+
+    # The leaf's object is the wrapped value's data: its own handler copies it.
+    def host_address(self, leaf: Leaf) -> tuple[int, Any] | None:
+        return handler_for(leaf.obj).host_address(leaf)
+
+    def copy_into(self, leaf: Leaf, segment: Any, offset: int) -> None:
+        handler_for(leaf.obj).copy_into(leaf, segment, offset)
+
+
 class BytesHandler(LeafHandler):
     """bytes, bytearray and memoryview: stored as they are, rebuilt as the same type (a
     memoryview comes back as bytes)."""
@@ -283,7 +335,7 @@ class PickleHandler(LeafHandler):
 
 _PICKLE = PickleHandler()
 #: Claim order: newest registration first, so an adapter can take over a type.
-_handlers: list[LeafHandler] = [TorchHandler(), NumpyHandler(), BytesHandler()]
+_handlers: list[LeafHandler] = [ShardedHandler(), TorchHandler(), NumpyHandler(), BytesHandler()]
 #: Frameworks whose handler lives in an adapter module, imported when an item needs it.
 _LAZY = {"jax": "tiercel.orbax"}
 

@@ -18,7 +18,8 @@ The world size is part of the rule. A plain restore reads each rank's own part, 
 saved by another number of ranks cannot be continued from (a rank would get another rank's
 part, or none): that is a `WorldSizeError` naming the steps and how to reshard, never "no
 step yet" (a resumed job would start over). Readers that reshard (tiercel.dcp,
-tiercel.orbax) ask for `Need.reshard`: every saved rank's part, whoever reads it.
+tiercel.orbax, `Store.restore(reshard=...)`) ask for `Need.reshard`: every saved rank's part,
+whoever reads it.
 """
 
 from __future__ import annotations
@@ -184,7 +185,8 @@ def world_size_error(store: Store, step: int, world: int, steps: list[int]) -> W
         f"rank {store.rank}: step {step}, the newest step of this job, was saved by {world} rank(s) and this job has "
         f"{store.world_size} (committed steps: {seen}). A plain restore reads each rank's own part, so it does not "
         f"continue at another world size: restart with {world} rank(s); or reshard: tiercel.dcp (DCP) and "
-        f"tiercel.orbax (Orbax) restore at any world size; or read a saved rank's part on purpose with "
+        f"tiercel.orbax (Orbax) restore at any world size, and so does restore(reshard=...) for arrays saved as "
+        f"tiercel.Sharded pieces; or read a saved rank's part on purpose with "
         f"restore(step={step}, rank=r) or reader({step}, rank=r) for r in {ranks}. To start afresh instead, give this "
         f"job another run id (`[store] run`, $TIERCEL_RUN_ID) or other tiers",
         step=step, rank=store.rank,

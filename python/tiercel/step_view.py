@@ -19,9 +19,13 @@ For exporters, which read every rank of a step in one process:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from . import _tree
+from ._sharding import Piece
 from .errors import IntegrityError, NotFoundError, TiercelError
 from .manifest import Item, Manifest
 from .step import Reader, RestoreInfo
@@ -100,6 +104,23 @@ class StepView:
     def items_by_key(self, rank: int, put: str) -> dict[str, Item]:
         """Rank `rank`'s items of put `put`, by key, where the put was a dict of items."""
         return items_by_key(self.reader(rank).manifest, put)
+
+    def read_box(self, reads: Sequence[tuple[tuple[int, int], Piece]], items: Mapping[tuple[int, int], Item],
+                 shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A box of a sharded array, from the byte ranges of saved pieces that fill it
+        (`tiercel._sharding.plan`'s reads, keyed (saved rank, item index); `items` the
+        pieces' items by the same key), as a numpy array of `dtype` and `shape`. Each range
+        comes from the nearest tier holding that rank's part. A box that is one whole saved
+        piece comes back without a copy (from RAM: a view of shared memory)."""
+        if len(reads) == 1:
+            key, r = reads[0]
+            if r.shape == shape and r.nbytes == items[key].nbytes:
+                return np.frombuffer(self.reader(key[0]).read(items[key], r.start, r.nbytes), dtype=dtype).reshape(shape)
+        out = np.empty(shape, dtype=dtype)
+        for (rank, index), r in reads:
+            buf = self.reader(rank).read(items[(rank, index)], r.start, r.nbytes)
+            out[r.dst] = np.ndarray(r.shape, dtype=dtype, buffer=buf, strides=r.strides)
+        return out
 
     def info(self, seconds: float = 0.0) -> RestoreInfo:
         """How the reads through this view went, over every rank's reader: items per tier,

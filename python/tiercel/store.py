@@ -23,6 +23,8 @@ from .preempt import PreemptReport
 from .preempt import install as install_preemption
 from .preempt import preempt as run_preempt
 from .replicas import Sharing, replica_group_of, share_replicated
+from .reshard import Want, check_want
+from .reshard import read as read_resharded
 from .step import Reader, RestoreInfo, SaveHandle, Writer
 from .traffic import Traffic
 
@@ -95,6 +97,8 @@ class Store:
         #: What a restore shared with the replica group leaves for the next (tiercel.replicas).
         self._sharing = Sharing()
         self._skipped: list[str] = []
+        #: The save (generation) of the step the ranks last agreed on.
+        self._save: str | None = None
         self._closed = False
         self._join_cluster()
         if not tool:
@@ -238,6 +242,7 @@ class Store:
     def _newest(self, need: Need, below: int | None = None, opened: dict[int, _core.StepReader] | None = None) -> int | None:
         agreed = agree(self, need, below=below)
         self._skipped = agreed.skipped
+        self._save = agreed.save
         if opened is not None:
             opened.update(agreed.readers)
         return agreed.step
@@ -268,7 +273,8 @@ class Store:
             raise world_size_error(self, step, r.manifest.world_size, [step])
         return r
 
-    def restore(self, step: int | None = None, *, job: str | None = None, rank: int | None = None) -> dict[str, Any]:
+    def restore(self, step: int | None = None, *, job: str | None = None, rank: int | None = None,
+                reshard: Want | None = None) -> dict[str, Any]:
         """Restores a step as the dict that was saved. Arrays from the memory tier are
         zero-copy views over shared memory; writing to them never changes the checkpoint.
 
@@ -282,6 +288,17 @@ class Store:
         the job has now: else WorldSizeError, which names the steps and how to reshard.
         `rank=r` reads saved rank r's part instead, on purpose (any world size).
 
+        `reshard=`: a restore at any world size of a step whose arrays were saved as pieces of
+        global arrays (`tiercel.Sharded`): each sharded item comes back as the box of its
+        global array this rank asks for, put together from every saved rank's pieces that
+        overlap it, each read from the nearest tier that holds it (own RAM, a peer, then the
+        durable tiers). `True`: every sharded item whole; `{"w": np.s_[a:b]}`: rows a:b of
+        item "w" (a tuple of slices for more dimensions), the other sharded items whole; a
+        callable `(item name, global shape) -> index or None` (None: whole). Values saved
+        without shard information, and the structure, come from saved rank 0's part
+        (tiercel.reshard). Without `step`, the ranks agree on the newest step of which every
+        saved rank's part opens (`latest_step(reshard=True)`).
+
         Only this job's steps are restored (and those of `[restore] resume_from`): a step
         another job saved into the same tiers is passed over. `job="<run id>"` (with `step`)
         restores a step of that run, `job="*"` of any job. `last_restore.warnings` names the
@@ -290,13 +307,21 @@ class Store:
         With `[restore] replicated` other than "all", collective over the job's ranks: the
         ranks of a replica group read its replicated puts from a persistent tier once between
         them (docs/restore.md); `last_restore.broadcast` says how."""
+        if reshard is False:  # as latest_step(reshard=False): this rank's own part
+            reshard = None
+        if reshard is not None:
+            check_want(reshard)
+            if rank is not None or job is not None:
+                raise InvalidArgumentError(
+                    f"rank {self.rank}: restore(reshard=...) reads every saved rank's pieces of this job's steps; it "
+                    f"takes neither rank= (got {rank!r}) nor job= (got {job!r})")
         if step is not None:
             _check_step(step)
-            state, info = self._read_step(step, job, rank)
+            state, info = self._read_step(step, job, rank, reshard=reshard)
             self.last_restore = info
             return state
         _no_job_without_step(job)
-        need = Need(rank=rank)
+        need = Need(rank=rank, reshard=reshard is not None)
         skipped: list[str] = []
         below = None
         while True:
@@ -306,7 +331,7 @@ class Store:
             error: Exception | None = None
             result = None
             try:
-                result = self._read_step(step, None, rank, opened.get(self._rank(rank)))
+                result = self._read_step(step, None, rank, opened.get(self._rank(rank)), reshard, save=self._save)
             except Exception as e:  # every rank takes part in the reduction below first
                 error = e
             failed = self._failures(error)
@@ -327,10 +352,14 @@ class Store:
         self.last_restore = info
         return state
 
-    def _read_step(self, step: int, job: str | None, rank: int | None,
-                   opened: _core.StepReader | None = None) -> tuple[dict[str, Any], RestoreInfo]:
+    def _read_step(self, step: int, job: str | None, rank: int | None, opened: _core.StepReader | None = None,
+                   reshard: Want | None = None, **save: Any) -> tuple[dict[str, Any], RestoreInfo]:
         """Reads every put of `step` (saved rank `rank`'s part; default this rank's), every
-        chunk verified (a zero-copy view is checked when it is mapped)."""
+        chunk verified (a zero-copy view is checked when it is mapped). `reshard`: the boxes
+        this rank wants of every saved rank's pieces (tiercel.reshard), of the agreed `save`."""
+        if reshard is not None:
+            share_replicated(self, None)  # the replica groups' shared read: none here, but collective
+            return read_resharded(self, step, reshard, **save)
         t0 = time.perf_counter()
         try:
             r = self._open(step, rank, None, job, opened)

@@ -144,17 +144,7 @@ class SavedStep:
             padded = np.zeros(shape, dtype=bp.dtype)
             padded[where] = self.fill(BoxPlan(bp.shape, bp.dtype, bp.plan, bp.items))
             return padded
-        reads = bp.plan.reads
-        if len(reads) == 1:
-            (rank, index), r = reads[0]
-            if r.shape == bp.shape and r.nbytes == bp.items[(rank, index)].nbytes:
-                buf = self.reader(rank).read(bp.items[(rank, index)], r.start, r.nbytes)
-                return np.frombuffer(buf, dtype=bp.dtype).reshape(bp.shape)
-        out = np.empty(bp.shape, dtype=bp.dtype)
-        for (rank, index), r in reads:
-            buf = self.reader(rank).read(bp.items[(rank, index)], r.start, r.nbytes)
-            out[r.dst] = np.ndarray(r.shape, dtype=bp.dtype, buffer=buf, strides=r.strides)
-        return out
+        return self.view.read_box(bp.plan.reads, bp.items, bp.shape, bp.dtype)
 
     def value(self, leaf: SavedLeaf) -> Any:
         """A non-array leaf as saved: a Python value, or the value of an "object" item."""
