@@ -12,13 +12,14 @@ import subprocess
 import uuid
 
 
-def unavailable() -> str | None:
-    """Why namespace tests cannot run here (None when they can)."""
+def unavailable(prefix: str = "tcl") -> str | None:
+    """Why namespace tests cannot run here (None when they can); the probe namespace's name
+    starts with `prefix`."""
     if os.geteuid() != 0:
         return "network-namespace tests need root"
     if shutil.which("ip") is None:
         return "network-namespace tests need iproute2's `ip`"
-    probe = f"tclprobe{uuid.uuid4().hex[:6]}"
+    probe = f"{prefix}probe{uuid.uuid4().hex[:6]}"
     r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if r.returncode != 0:
         return f"cannot create a network namespace: {r.stderr.strip()}"
@@ -33,11 +34,14 @@ def ip(*args: str) -> None:
 
 
 class Net:
-    """`n` hosts: namespace `ns(i)` with address `addr(i)` on its eth0."""
+    """`n` hosts: namespace `ns(i)` with address `addr(i)` on its eth0. `prefix` starts every
+    namespace and link name, `subnet` picks 10.231.<subnet>.0/24 (random by default): a caller
+    that shares the machine keeps to the names and addresses it was given."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, prefix: str = "tcl", subnet: int | None = None):
+        self.prefix = prefix
         self.tag = uuid.uuid4().hex[:5]
-        self.subnet = random.randint(1, 254)
+        self.subnet = random.randint(1, 254) if subnet is None else subnet
         self.n = n
         self.names: list[str] = []
         try:
@@ -46,7 +50,7 @@ class Net:
             ip("-n", self.switch, "link", "set", "br0", "up")
             for i in range(n):
                 host = self._netns(f"h{i}")
-                sw_end, host_end = self.port(i), f"tcl{self.tag}e{i}"
+                sw_end, host_end = self.port(i), f"{self.prefix}{self.tag}e{i}"
                 ip("link", "add", sw_end, "netns", self.switch, "type", "veth", "peer", "name", host_end, "netns", host)
                 ip("-n", host, "link", "set", host_end, "name", "eth0")
                 ip("-n", host, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
@@ -58,21 +62,21 @@ class Net:
             raise
 
     def _netns(self, suffix: str) -> str:
-        name = f"tcl{self.tag}{suffix}"
+        name = f"{self.prefix}{self.tag}{suffix}"
         ip("netns", "add", name)
         self.names.append(name)
         ip("-n", name, "link", "set", "lo", "up")
         return name
 
     def ns(self, i: int) -> str:
-        return f"tcl{self.tag}h{i}"
+        return f"{self.prefix}{self.tag}h{i}"
 
     def addr(self, i: int) -> str:
         return f"10.231.{self.subnet}.{i + 1}"
 
     def port(self, i: int) -> str:
         """Host i's port on the switch (its link: down there, and host i is cut off)."""
-        return f"tcl{self.tag}v{i}"
+        return f"{self.prefix}{self.tag}v{i}"
 
     def exec_prefix(self, i: int) -> list[str]:
         return ["ip", "netns", "exec", self.ns(i)]
