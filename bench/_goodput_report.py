@@ -54,7 +54,8 @@ def beyond_restart(rec: dict) -> float:
 
 def goals(result: dict) -> list[str]:
     """Issue 32's goals against what was measured."""
-    runs, lines = result["runs"], []
+    runs = result["runs"]
+    lines: list[str] = []
     t = runs.get("tiercel")
     if not t:
         return lines
@@ -100,6 +101,9 @@ def markdown(result: dict, costs: dict[str, gm.Costs], curves: dict[str, dict[in
             rows.append(f"| {method} | {r['kind']} | {r['failed_after']} | {r['restored_step']} ({'/'.join(r['restored_from']) or '-'}) "
                         f"| {r['iterations_lost']} | {r['stop_s']:.2f} | {r['restart_s']:.2f} | {r['restore_s']:.2f} | {r['wasted_s']:.2f} "
                         f"| {beyond_restart(r):.2f} |")
+    behind = [f"- tiercel, {r['kind']}: the step before the failure had, one step after its save: "
+              + ", ".join(f"{t} {st}" for t, st in (r.get("tiers_at_failure") or {}).items())
+              for r in result["runs"].get("tiercel", {}).get("failures", []) if r.get("tiers_at_failure")]
     steps = ["| method | checkpoint every | step without checkpoints ms | step with them ms | checkpoint blocks ms |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for method, run in result["runs"].items():
@@ -113,7 +117,7 @@ def markdown(result: dict, costs: dict[str, gm.Costs], curves: dict[str, dict[in
         ettr.append(f"| {name} | " + " | ".join(f"{c[n]:.3f}" for n in ns) + " |")
     waste = [f"- {name}: {c.waste_per_failure(gm.mtbf_of(1024)):.1f} s per failure at 1,024 GPUs" for name, c in costs.items()]
     return "\n".join([
-        "# Goodput (bench/goodput.py)", "", head, "", "## Failures", "", *rows, "", "## Step times", "", *steps, "",
+        "# Goodput (bench/goodput.py)", "", head, "", "## Failures", "", *rows, "", *behind, "", "## Step times", "", *steps, "",
         "## Goals (issue 32)", "", *[f"- {g}" for g in goals(result)], "",
         "## ETTR by job size (bench/goodput_model.py, from the costs above)", "", *ettr, "",
         "Expected waste per failure, the model's inputs:", "", *waste, "",

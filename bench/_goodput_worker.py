@@ -37,13 +37,15 @@ emit("start", t_start=T0)
 
 from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from goodput_model import interval_in_iterations  # noqa: E402
 
 import tiercel  # noqa: E402
 import tiercel.torch  # noqa: E402
+
+from goodput_model import interval_in_iterations  # noqa: E402
 
 
 class Reports(logging.Handler):
@@ -135,8 +137,8 @@ def main() -> None:
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
             msd, osd = get_state_dict(model, optimizer)
-            sd = {"model": msd, "optim": osd}
-            load(sd, checkpoint_id=pick[0])
+            sd: dict[str, Any] = {"model": msd, "optim": osd}
+            load(sd, checkpoint_id=pick[0])  # in place
             set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
             step, tiers = int(Path(pick[0]).name.split("-")[1]), "dir"
     dist.barrier()
@@ -145,6 +147,7 @@ def main() -> None:
     # -- train --------------------------------------------------------------------------
     plan = cfg.get("plan")  # {k, warmup}: set by the first launch, kept by the restarts
     warmup_times: list[float] = []
+    prev = None  # the previous checkpoint's handle: how far its background tiers got in one step
     for it in range(step + 1, cfg["max_iter"] + 1):
         start = time.monotonic()
         x, y = batch(cfg, it, rank, teacher)
@@ -155,18 +158,20 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         trained = time.monotonic()
-        save_s = None
+        save_s, handle = None, None
         if plan is None:
             warmup_times.append(trained - start)
             if it == cfg["warmup"]:
-                save_s = checkpoint(method, cfg, store, model, optimizer, it)
+                save_s, handle = checkpoint(method, cfg, store, model, optimizer, it)
                 plan = make_plan(method, cfg, warmup_times, save_s, it)
                 if rank == 0:
                     emit("plan", **plan)
         elif it >= plan["warmup"] and (it - plan["warmup"]) % plan["k"] == 0:
-            save_s = checkpoint(method, cfg, store, model, optimizer, it)
+            save_s, handle = checkpoint(method, cfg, store, model, optimizer, it)
         if rank == 0:
-            emit("iter", it=it, step_s=time.monotonic() - start, save_s=save_s, loss=loss.detach().item())
+            emit("iter", it=it, step_s=time.monotonic() - start, save_s=save_s, loss=loss.detach().item(),
+                 prev_states=prev.states() if prev is not None and method == "tiercel" else None)
+        prev = handle or prev
     dist.barrier()
     emit("finished", rank=rank)
     if store is not None:
@@ -175,12 +180,14 @@ def main() -> None:
 
 
 def checkpoint(method: str, cfg: dict, store: tiercel.Store | None, model: torch.nn.parallel.DistributedDataParallel,
-               optimizer: torch.optim.Optimizer, it: int) -> float:
-    """Checkpoints iteration `it`; returns the seconds it blocked training."""
+               optimizer: torch.optim.Optimizer, it: int) -> tuple[float, tiercel.SaveHandle | None]:
+    """Checkpoints iteration `it`; returns the seconds it blocked training (and tiercel's
+    handle, whose states say how far the step's background tiers got)."""
     t = time.monotonic()
     if method == "tiercel":
         assert store is not None
-        tiercel.torch.save_state(store, it, model=model.module, optimizer=optimizer, rng=False)
+        h = tiercel.torch.save_state(store, it, model=model.module, optimizer=optimizer, rng=False)
+        return time.monotonic() - t, h
     elif method == "persist":
         assert store is not None
         h = tiercel.torch.save_state(store, it, model=model.module, optimizer=optimizer, rng=False)
@@ -191,7 +198,7 @@ def checkpoint(method: str, cfg: dict, store: tiercel.Store | None, model: torch
 
         msd, osd = get_state_dict(model, optimizer)
         save({"model": msd, "optim": osd}, checkpoint_id=f"{cfg['dcp_dir']}/step-{it:08d}")
-    return time.monotonic() - t
+    return time.monotonic() - t, None
 
 
 def make_plan(method: str, cfg: dict, times: list[float], save_s: float, it: int) -> dict:

@@ -61,9 +61,8 @@ sys.path.insert(0, str(HERE))
 
 import goodput_model as gm  # noqa: E402
 from _goodput_report import report  # noqa: E402
-from broadcast import raw_rate, start_weed  # noqa: E402
-
 from _measure import write_results  # noqa: E402
+from broadcast import raw_rate, start_weed  # noqa: E402
 from netns import Net, unavailable  # noqa: E402
 from servers import ACCESS_KEY, SECRET_KEY  # noqa: E402
 
@@ -210,6 +209,7 @@ def campaign(method: str, kinds: list[str], net: Net, hosts: int, a: argparse.Na
                    "restore_s": max(e["seconds"] for e in restored),
                    "restored_from": sorted({e["tiers"] for e in restored}), "wasted_s": wasted,
                    "since_last_iteration_s": t_fail - t_done,
+                   "tiers_at_failure": last.get("prev_states"),  # how far the step before `done` got
                    "preempt_reports": [e["message"] for e in launches[-2].events if e["ev"] == "preempt_report"]}
             failures.append(rec)
             print(f"[{method}] {kind}: after iteration {done}, restored step {step} from {'/'.join(rec['restored_from'])}: "
@@ -260,8 +260,9 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=1024, help="the MLP's width (parameters: (depth+1) x width^2)")
     ap.add_argument("--depth", type=int, default=6, help="hidden layers")
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--compute-ms", type=float, default=0.0,
-                    help="an accelerator's share of each step, spent waiting (a sleep) beside the CPU's forward/backward")
+    ap.add_argument("--compute-ms", type=float, default=1000.0,
+                    help="an accelerator's share of each step, spent waiting (a sleep) beside the CPU's forward/backward: "
+                         "a GPU leaves the host's cores free, and a step of a large model lasts seconds")
     ap.add_argument("--peer-rate", default="1gbit", help="host to host links (tc rate)")
     ap.add_argument("--store-rate", default="200mbit", help="the object store's link, both ways (tc rate)")
     ap.add_argument("--warmup", type=int, default=10, help="iterations without checkpoints before the first")
