@@ -101,9 +101,17 @@ def markdown(result: dict, costs: dict[str, gm.Costs], curves: dict[str, dict[in
             rows.append(f"| {method} | {r['kind']} | {r['failed_after']} | {r['restored_step']} ({'/'.join(r['restored_from']) or '-'}) "
                         f"| {r['iterations_lost']} | {r['stop_s']:.2f} | {r['restart_s']:.2f} | {r['restore_s']:.2f} | {r['wasted_s']:.2f} "
                         f"| {beyond_restart(r):.2f} |")
-    behind = [f"- tiercel, {r['kind']}: the step before the failure had, one step after its save: "
-              + ", ".join(f"{t} {st}" for t, st in (r.get("tiers_at_failure") or {}).items())
-              for r in result["runs"].get("tiercel", {}).get("failures", []) if r.get("tiers_at_failure")]
+    behind = [f"- tiercel, {r['kind']}, rank {rank}'s next-to-last step, one step after its save: "
+              + ", ".join(f"{t} {st}" for t, st in states.items())
+              for r in result["runs"].get("tiercel", {}).get("failures", [])
+              for rank, states in sorted((r.get("tiers_at_failure") or {}).items())]
+    for stats in result["runs"].get("tiercel", {}).get("traffic", [])[:1]:
+        for name, link in stats["links"].items():
+            if link.get("network") and link.get("plan"):
+                behind.append(f"- tiercel's learned schedule, link '{name}': bandwidth estimated at "
+                              f"{(link['bandwidth'] or 0) / 1e6:.1f} MB/s, a checkpoint every "
+                              f"{link['plan']['effective_interval']} iteration(s)"
+                              + (f" ({link['plan']['note']})" if link["plan"].get("note") else ""))
     steps = ["| method | checkpoint every | step without checkpoints ms | step with them ms | checkpoint blocks ms |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for method, run in result["runs"].items():

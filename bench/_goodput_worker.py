@@ -67,7 +67,7 @@ def policy(cfg: dict, rank: int) -> dict:
         return {"tier": [ram, s3], "restore": {"order": ["bucket"]}, "store": store}
     peer = {"name": "peer", "kind": "peer", "listen": f"{cfg['addrs'][rank]}:0", "replicas": 2, "keep": 2}
     return {"tier": [ram, peer, s3], "restore": {"order": ["ram", "peer", "bucket"]}, "store": store,
-            "traffic": {"mode": "learned", "warmup": cfg["traffic_warmup"]},
+            "traffic": {"mode": cfg["traffic"], "warmup": cfg["traffic_warmup"]},
             "preemption": {"grace": f"{cfg['grace']}s", "signals": ["SIGTERM"]}}
 
 
@@ -168,9 +168,15 @@ def main() -> None:
                     emit("plan", **plan)
         elif it >= plan["warmup"] and (it - plan["warmup"]) % plan["k"] == 0:
             save_s, handle = checkpoint(method, cfg, store, model, optimizer, it)
+        if method == "tiercel" and rank == 0 and plan is not None and it == plan["warmup"] + 2 * cfg["traffic_warmup"]:
+            assert store is not None  # what the traffic schedule learned, once it has (diagnostics)
+            emit("traffic", it=it, stats=store.traffic.stats(checkpoint_bytes=12 * sum(p.numel() for p in model.parameters())))
+        behind = prev.states() if prev is not None and method == "tiercel" else None
         if rank == 0:
             emit("iter", it=it, step_s=time.monotonic() - start, save_s=save_s, loss=loss.detach().item(),
-                 prev_states=prev.states() if prev is not None and method == "tiercel" else None)
+                 prev_states=behind)
+        elif behind is not None:
+            emit("tiers", it=it, prev_states=behind)  # each rank's replication runs on its own
         prev = handle or prev
     dist.barrier()
     emit("finished", rank=rank)

@@ -147,6 +147,11 @@ class Job:
         with self.cond:
             return [e for e in self.events if e["ev"] == "iter"]
 
+    def tiers(self) -> dict[int, dict]:
+        """Per rank, the states of its checkpoint before its last reported one (tiercel)."""
+        with self.cond:
+            return {e["rank"]: e["prev_states"] for e in self.events if e["ev"] in ("iter", "tiers") and e.get("prev_states")}
+
 
 def failure_point(plan: dict, now: int, gap: int) -> int:
     """The iteration after which the next failure comes: at least `gap` iterations on, and
@@ -209,7 +214,7 @@ def campaign(method: str, kinds: list[str], net: Net, hosts: int, a: argparse.Na
                    "restore_s": max(e["seconds"] for e in restored),
                    "restored_from": sorted({e["tiers"] for e in restored}), "wasted_s": wasted,
                    "since_last_iteration_s": t_fail - t_done,
-                   "tiers_at_failure": last.get("prev_states"),  # how far the step before `done` got
+                   "tiers_at_failure": launches[-2].tiers(),  # per rank: how far its step before the last got
                    "preempt_reports": [e["message"] for e in launches[-2].events if e["ev"] == "preempt_report"]}
             failures.append(rec)
             print(f"[{method}] {kind}: after iteration {done}, restored step {step} from {'/'.join(rec['restored_from'])}: "
@@ -221,7 +226,8 @@ def campaign(method: str, kinds: list[str], net: Net, hosts: int, a: argparse.Na
     finally:
         for j in launches:
             j.kill()
-    return {"plan": plan, "failures": failures, "launches": [j.iterations() for j in launches]}
+    return {"plan": plan, "failures": failures, "launches": [j.iterations() for j in launches],
+            "traffic": [e["stats"] for j in launches for e in j.events if e["ev"] == "traffic"]}
 
 
 def inject(job: Job, kind: str, hosts: int, grace: float) -> list[int]:
@@ -268,6 +274,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=10, help="iterations without checkpoints before the first")
     ap.add_argument("--gap", type=int, default=15, help="tiercel: iterations between a restart and the next failure")
     ap.add_argument("--tail", type=int, default=10, help="iterations after the last restart")
+    ap.add_argument("--traffic", choices=["learned", "signals", "off"], default="learned",
+                    help="tiercel's [traffic] mode (learned: the learned interleave)")
     ap.add_argument("--grace", type=float, default=30.0, help="[preemption] grace, seconds (the notice)")
     ap.add_argument("--mtbf-gpus", type=int, default=1024,
                     help="the job size whose MTBF (bench/goodput_model.py) sets the baselines' interval in the measured runs")
@@ -283,8 +291,10 @@ def main() -> int:
     if a.quick:
         # Small enough for a loaded 2-core machine in under 3 minutes; the baselines' MTBF a
         # minute, so that their interval is a few iterations.
-        a.width, a.depth, a.batch, a.compute_ms = 256, 2, 16, 100.0
-        a.warmup, a.gap, a.tail, a.grace = 5, 6, 3, 30.0
+        # 15 iterations (3 s) before each of tiercel's failures: its background tiers hold a
+        # few steps by then, also where other work keeps the cores busy.
+        a.width, a.depth, a.batch, a.compute_ms = 256, 2, 16, 200.0
+        a.warmup, a.gap, a.tail, a.grace = 5, 15, 3, 30.0
         a.mtbf_s = a.mtbf_s or 60.0
     out = a.out or str(HERE / "results" / ("goodput-quick" if a.quick else "goodput"))
     why = unavailable(PREFIX)
@@ -308,7 +318,7 @@ def main() -> int:
               f"{links['host_to_store_bytes_per_s'] / 1e6:.1f} MB/s", flush=True)
         weed, endpoint = start_weed(net, store, work)
         base = {"width": a.width, "depth": a.depth, "batch": a.batch, "compute_s": a.compute_ms / 1e3,
-                "warmup": a.warmup, "traffic_warmup": max(3, a.warmup // 2), "grace": a.grace, "mtbf_s": mtbf_s,
+                "warmup": a.warmup, "traffic_warmup": max(3, a.warmup // 2), "traffic": a.traffic, "grace": a.grace, "mtbf_s": mtbf_s,
                 "max_iter": 10**6, "pg_timeout": a.timeout, "endpoint": endpoint, "addrs": [net.addr(i) for i in range(hosts)],
                 "shm_base": str(shm_base), "tag": net.tag}
         env = {**os.environ, "MASTER_ADDR": net.addr(0), "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1",
