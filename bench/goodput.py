@@ -316,7 +316,8 @@ def main() -> int:
                  "host_to_store_bytes_per_s": raw_rate(net, 0, store, probe)}
         print(f"raw TCP: host->host {links['host_to_host_bytes_per_s'] / 1e6:.1f} MB/s, host->store "
               f"{links['host_to_store_bytes_per_s'] / 1e6:.1f} MB/s", flush=True)
-        weed, endpoint = start_weed(net, store, work)
+        # Every persist of the run stays on disk until SeaweedFS vacuums: room for ~16 GB.
+        weed, endpoint = start_weed(net, store, work, volumes=256)
         base = {"width": a.width, "depth": a.depth, "batch": a.batch, "compute_s": a.compute_ms / 1e3,
                 "warmup": a.warmup, "traffic_warmup": max(3, a.warmup // 2), "traffic": a.traffic, "grace": a.grace, "mtbf_s": mtbf_s,
                 "max_iter": 10**6, "pg_timeout": a.timeout, "endpoint": endpoint, "addrs": [net.addr(i) for i in range(hosts)],
