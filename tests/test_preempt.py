@@ -206,8 +206,9 @@ def test_ranks_at_different_steps_flush_the_newest_step_every_rank_holds(shm_roo
     shutil.rmtree(shm_root)
     for rank in (0, 1):
         with tiercel.Store(without_handler(policy), rank=rank, world_size=2) as fresh:
-            assert fresh.latest_step() == 3
+            assert fresh.steps()["disk"] == [3]
             got = fresh.restore(3)
+            assert fresh.last_restore is not None and fresh.last_restore.tiers == {"disk": 1}
         want = state(3, rank)["model"]["w"]
         assert got["model"]["w"].dtype == want.dtype and np.array_equal(got["model"]["w"], want)
 
