@@ -178,6 +178,8 @@ def test_a_rank_killed_before_its_flush_is_named_and_the_step_does_not_commit(sh
     assert took < 3 + 2, took
     line = report_line(tmp_path, 0)
     assert line.endswith("tier 'disk': not committed: ranks [1] had not written their part by the deadline"), line
+    # The agreement on the step waited min(2 s, grace / 4) for rank 1, then took rank 0's newest.
+    assert "this rank's newest: 1 of 2 ranks came within 0.75 s to agree on the step" in line, line
     print(f"signal to exit {took:.2f} s (grace 3 s)")
     with tiercel.Store(without_handler(policy), rank=0, world_size=2, tool=True) as look:
         assert look.steps()["disk"] == []
