@@ -148,7 +148,8 @@ def _agree(store: Store, held: list[int], wait: float) -> tuple[int | None, str]
     if count is None:
         return own, "this rank's newest (no coordinator counter to agree through)"
     _agreements += 1
-    key = f"tiercel-preempt/{_agreements}"
+    # The launch keeps apart the keys of a store kept across launches (a FileStore).
+    key = f"tiercel-preempt/{store._launch}/{_agreements}"
     out: dict[str, Any] = {}
 
     def run() -> None:
