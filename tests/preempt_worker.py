@@ -1,6 +1,7 @@
 """A training process for tests/test_preempt.py: opens a Store from the policy (JSON, argv[1]),
-saves steps 1..3 of `state(step, rank)`, prints "ready" and trains on (a sleep loop) until a
-signal ends it. With WORLD_SIZE > 1 it joins torch.distributed (gloo) first, and the ranks
+saves steps 1..3 of `state(step, rank)` (or $PREEMPT_STEPS, e.g. "1,2,3,4": a rank one save
+ahead of the others, whose newest save then reaches only its own part in RAM), prints "ready"
+and trains on (a sleep loop) until a signal ends it. With WORLD_SIZE > 1 it joins torch.distributed (gloo) first, and the ranks
 pass a barrier before "ready". Logs go to stderr (the report of the preemption's flush)."""
 
 from __future__ import annotations
@@ -34,9 +35,15 @@ def main() -> None:
 
         dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
     store = tiercel.Store(policy)
-    handles = [store.save(step, state(step, store.rank)) for step in (1, 2, 3)]
+    steps = [int(s) for s in os.environ.get("PREEMPT_STEPS", "1,2,3").split(",")]
+    handles = [store.save(step, state(step, store.rank)) for step in steps]
     for h in handles:
-        h.wait(120)
+        if h.step > 3:  # a step the other ranks never save: its RAM commit waits for them
+            deadline = time.monotonic() + 120
+            while h.states()["ram"] != "written" and time.monotonic() < deadline:
+                time.sleep(0.01)
+        else:
+            h.wait(120)
     if world > 1:
         dist.barrier()
     print("ready", flush=True)

@@ -5,7 +5,9 @@ persists only every 1000th step, limited to 1 MB/s, has saved steps 1..3 (8 MiB 
 newest only in RAM); a SIGTERM makes it flush step 3 to the fs tier, unthrottled, and die
 of the signal within the grace. A fresh process with the RAM wiped restores step 3
 bit-identical. Two ranks on torch.distributed (gloo): both parts persist and commit; a rank
-SIGKILLed before its flush is named in the other's report, and the step does not commit.
+SIGKILLed before its flush is named in the other's report, and the step does not commit; a
+rank one save ahead of the other when the notice comes flushes the step both hold, not its own
+newest, so that one commits.
 """
 
 from __future__ import annotations
@@ -49,23 +51,25 @@ def without_handler(policy: dict) -> dict:
     return {**{k: v for k, v in policy.items() if k != "preemption"}, "tier": tiers}
 
 
-def port_in_range() -> int:
-    """A free port of this test's range (42300-42399)."""
-    for port in range(42300, 42400):
+def port_in_range(low: int = 42300) -> int:
+    """A free port of a test's range (`low` and the 99 after it; 42300-42399 by default)."""
+    for port in range(low, low + 100):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError("no free port in 42300-42399")
+    raise RuntimeError(f"no free port in {low}-{low + 99}")
 
 
-def start(policy: dict, world: int, tmp_path: Path) -> list[subprocess.Popen]:
-    port = port_in_range()
+def start(policy: dict, world: int, tmp_path: Path, steps: list[str] | None = None, low_port: int = 42300) -> list[subprocess.Popen]:
+    """`world` workers; `steps[rank]`: the steps that rank saves ("1,2,3" by default)."""
+    port = port_in_range(low_port)
     procs = []
     for rank in range(world):
-        env = child_env({"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        env = child_env({"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                         "PREEMPT_STEPS": steps[rank] if steps else "1,2,3"})
         err = open(tmp_path / f"rank-{rank}.err", "w")
         procs.append(subprocess.Popen([PYTHON, str(WORKER), json.dumps(policy)], stdout=subprocess.PIPE, stderr=err, text=True,
                                       env=env))
@@ -174,11 +178,41 @@ def test_a_rank_killed_before_its_flush_is_named_and_the_step_does_not_commit(sh
     assert took < 3 + 2, took
     line = report_line(tmp_path, 0)
     assert line.endswith("tier 'disk': not committed: ranks [1] had not written their part by the deadline"), line
+    # The agreement on the step waited min(2 s, grace / 4) for rank 1, then took rank 0's newest.
+    assert "this rank's newest: 1 of 2 ranks came within 0.75 s to agree on the step" in line, line
     print(f"signal to exit {took:.2f} s (grace 3 s)")
     with tiercel.Store(without_handler(policy), rank=0, world_size=2, tool=True) as look:
         assert look.steps()["disk"] == []
         # Rank 0's part is there, uncommitted: no reader sees it.
         assert look._core.step_ranks("disk", 3) == [0]
+
+
+def test_ranks_at_different_steps_flush_the_newest_step_every_rank_holds(shm_root, disk_root, tmp_path):
+    """The notice comes mid-iteration: rank 0 has saved step 4, rank 1 only step 3. Each
+    flushing its own newest (4 and 3) would commit neither on the fs tier, which held no step
+    before; the ranks agree on step 3, the newest both hold in RAM, and it commits."""
+    policy = preempt_policy(shm_root, disk_root)
+    procs = start(policy, 2, tmp_path, steps=["1,2,3,4", "1,2,3"], low_port=41700)
+    wait_ready(procs, tmp_path)
+    took = terminate(procs, tmp_path)
+    assert [p.returncode for p in procs] == [-signal.SIGTERM] * 2, logs(tmp_path, 2)
+    with tiercel.Store(without_handler(policy), rank=0, world_size=2, tool=True) as look:
+        assert look.steps()["disk"] == [3], logs(tmp_path, 2)
+    for rank in (0, 1):
+        line = report_line(tmp_path, rank)
+        assert line.startswith(f"rank {rank}: preemption flush of step 3 in "), line
+        assert "the newest step all 2 ranks hold" in line and line.endswith("tier 'disk': holds step 3"), line
+    assert "this rank's newest: 4" in report_line(tmp_path, 0)
+    assert max(took) < GRACE / 2, took  # no rank waited for a part that never came
+    print(f"signal to exit {max(took):.2f} s, flush {[flush_seconds(report_line(tmp_path, r)) for r in (0, 1)]} s")
+    shutil.rmtree(shm_root)
+    for rank in (0, 1):
+        with tiercel.Store(without_handler(policy), rank=rank, world_size=2) as fresh:
+            assert fresh.steps()["disk"] == [3]
+            got = fresh.restore(3)
+            assert fresh.last_restore is not None and fresh.last_restore.tiers == {"disk": 1}
+        want = state(3, rank)["model"]["w"]
+        assert got["model"]["w"].dtype == want.dtype and np.array_equal(got["model"]["w"], want)
 
 
 RETURNS = textwrap.dedent("""

@@ -2,6 +2,13 @@
 `--signal`, Kubernetes' grace period), the newest step in RAM goes to every tier that
 persists, within the grace period, and a report says what each tier holds.
 
+The ranks flush one step, the newest that every rank holds in RAM: a notice that comes while
+the ranks are at different points of one iteration finds some of them one save ahead, and
+each flushing its own newest would commit nothing (a tier commits a step once every rank's
+part is there). They agree through the coordinator's counter (`_agree`), for a bounded time
+and in a thread the handler does not wait on past it, so a dead rank or coordinator cannot
+hold the flush; without an answer from every rank a rank flushes its own newest.
+
 `Store.preempt(grace)` runs the flush from code (for a notice the framework receives itself,
 such as a cloud metadata endpoint); the policy's `[preemption]` section installs a signal
 handler at `Store.open` that runs it on a signal (docs/config.md, "Preemption").
@@ -23,6 +30,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable
 
+from .coordinator import counter as coordinator_counter
+
 if TYPE_CHECKING:
     from .store import Store
 
@@ -32,6 +41,9 @@ log = logging.getLogger("tiercel")
 DEFAULT_GRACE = 30.0
 #: Time kept back from the grace period to name the missing ranks, log the report and exit.
 _MARGIN = (0.5, 0.1)  # seconds at most, share of the grace at most
+#: How long the ranks wait for each other to agree on the step (a living rank answers in
+#: milliseconds; the bound is for a dead one): the rest of the grace is for the bytes.
+_AGREE = (2.0, 0.25)  # seconds at most, share of the grace at most
 
 
 @dataclass
@@ -58,13 +70,16 @@ class TierReport:
 class PreemptReport:
     """What a preemption's flush did on this rank (`Store.preempt`). `step`: the step it
     flushed (None: the memory tier held no step of this rank); `tiers`: per tier that persists,
-    in policy order; `seconds`: how long the flush took; `grace`: the period it had."""
+    in policy order; `seconds`: how long the flush took; `grace`: the period it had;
+    `choice`: how the ranks chose the step ("the newest step all 2 ranks hold", or why this
+    rank fell back to its own newest; empty for a job of one rank)."""
 
     rank: int
     step: int | None
     tiers: dict[str, TierReport]
     seconds: float
     grace: float
+    choice: str = ""
 
     @property
     def ok(self) -> bool:
@@ -75,6 +90,8 @@ class PreemptReport:
         if self.step is None:
             return f"rank {self.rank}: preemption: nothing to flush (no step of this rank in the memory tier)"
         head = f"rank {self.rank}: preemption flush of step {self.step} in {self.seconds:.2f} s (grace {self.grace:.1f} s)"
+        if self.choice:
+            head += f", {self.choice}"
         lines = [f"tier '{t.tier}': " + (f"holds step {t.step}" if t.committed else t.state) for t in self.tiers.values()]
         return head + ("; " + "; ".join(lines) if lines else "; no tier persists")
 
@@ -91,9 +108,9 @@ def preempt(store: Store, grace: float | None = None) -> PreemptReport:
         raise InvalidArgumentError(f"rank {store.rank}: preempt(grace={grace!r}): the grace period must be above 0 seconds")
     deadline = started + grace - min(_MARGIN[0], _MARGIN[1] * grace)
     durable = [t["name"] for t in store._core.tiers() if t["persists"]]
-    step = store._core.preempt_step()
+    step, choice = _agree(store, store._core.preempt_steps(), min(_AGREE[0], _AGREE[1] * grace))
     if step is None:
-        report = PreemptReport(store.rank, None, {}, time.monotonic() - started, grace)
+        report = PreemptReport(store.rank, None, {}, time.monotonic() - started, grace, choice)
         log.warning("%s", report)
         return report
     try:
@@ -103,9 +120,68 @@ def preempt(store: Store, grace: float | None = None) -> PreemptReport:
         tiers = {name: _tier_report(store, name, step, states.get(name, "pending")) for name in durable}
     finally:
         store._core.end_preempt()
-    report = PreemptReport(store.rank, step, tiers, time.monotonic() - started, grace)
+    report = PreemptReport(store.rank, step, tiers, time.monotonic() - started, grace, choice)
     (log.warning if report.ok else log.error)("%s", report)
     return report
+
+
+# Agreements counted per process, as the coordinator's rounds are: every rank of the job is
+# flushing its stores in the same order, so the n-th agreement of each rank meets the others'.
+_agreements = 0
+
+
+def _agree(store: Store, held: list[int], wait: float) -> tuple[int | None, str]:
+    """The step to flush, of `held` (this rank's steps in RAM, oldest first), and how it was
+    chosen: the newest step every rank holds, agreed through the coordinator's job-wide
+    counter. Each rank counts itself in on a key per step it holds, then on one for "here";
+    once every rank is here, the newest of its own steps whose count is the world size is the
+    newest all hold (every rank counted its steps before itself in), so every rank picks the
+    same. No collective: a rank waits at most `wait` for the others (a dead rank never comes),
+    in a daemon thread it leaves behind should the coordinator itself not answer; then, or
+    with no step all hold, it flushes its own newest and says why."""
+    global _agreements
+    own = held[-1] if held else None
+    world = store.world_size
+    if world == 1:
+        return own, ""
+    count = coordinator_counter(store.coordinator)
+    if count is None:
+        return own, "this rank's newest (no coordinator counter to agree through)"
+    _agreements += 1
+    # The launch keeps apart the keys of a store kept across launches (a FileStore).
+    key = f"tiercel-preempt/{store._launch}/{_agreements}"
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            for s in held:
+                count(f"{key}/held/{s}", 1)
+            here = count(f"{key}/here", 1)
+            end, pause = time.monotonic() + wait, 0.002
+            while here < world:
+                if time.monotonic() >= end:
+                    out["late"] = here
+                    return
+                time.sleep(min(pause, max(0.0, end - time.monotonic())))
+                pause = min(2 * pause, 0.05)
+                here = count(f"{key}/here", 0)
+            out["step"] = next((s for s in reversed(held) if count(f"{key}/held/{s}", 0) >= world), None)
+        except Exception as e:  # noqa: BLE001 -- a coordinator that fails must not keep this rank from flushing
+            out["error"] = e
+
+    thread = threading.Thread(target=run, name="tiercel-preempt-agree", daemon=True)
+    thread.start()
+    thread.join(wait + 0.5)  # its own bound, and half a second for a store that answers slowly
+    mine = "" if own is None else f" (this rank's newest: {own})"
+    if "step" in out:
+        if out["step"] is not None:
+            return out["step"], f"the newest step all {world} ranks hold" + ("" if out["step"] == own else mine)
+        return own, f"this rank's newest: no step is held by all {world} ranks"
+    if "error" in out:
+        return own, f"this rank's newest: agreeing on the step failed ({out['error']})"
+    here = out.get("late")
+    ranks = "the coordinator did not answer" if here is None else f"{here} of {world} ranks came"
+    return own, f"this rank's newest: {ranks} within {wait:.2f} s to agree on the step"
 
 
 def _tier_report(store: Store, tier: str, step: int, state: str) -> TierReport:

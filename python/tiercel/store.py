@@ -100,6 +100,9 @@ class Store:
         #: The save (generation) of the step the ranks last agreed on.
         self._save: str | None = None
         self._closed = False
+        #: This launch of the job, the same on every rank (joining the cluster learns it):
+        #: names the keys of a preemption's agreement (tiercel.preempt).
+        self._launch: str | None = None
         self._join_cluster()
         if not tool:
             # The policy's `[preemption]` section: a signal handler that flushes (tiercel.preempt).
@@ -146,6 +149,7 @@ class Store:
         self.hosts = part.every_host
         self._core.set_local_ranks(part.local)
         self._core.set_launch(part.launch)
+        self._launch = part.launch
         # Commits on shared tiers count ranks in through the coordinator (docs/scale.md, "Commit").
         self._core.set_counter(coordinator_counter(self.coordinator))
         if has_peer:

@@ -97,9 +97,10 @@ impl Store {
         self.inner.policy.preemption.as_ref().map(|p| (p.grace.as_secs_f64(), p.signals.clone(), p.exit))
     }
 
-    /// The step a preemption flushes: the newest step this rank holds in the memory tier.
-    fn preempt_step(&self, py: Python<'_>) -> Option<u64> {
-        py.allow_threads(|| self.inner.preempt_step())
+    /// The steps a preemption may flush, oldest first: those this rank holds in the memory
+    /// tier (`core::Store::preempt_steps`).
+    fn preempt_steps(&self, py: Python<'_>) -> Vec<u64> {
+        py.allow_threads(|| self.inner.preempt_steps())
     }
 
     /// Queues `step` to every tier that persists, at the top priority, limits lifted (see

@@ -1,4 +1,5 @@
-//! A preemption's flush: the newest step this rank holds in the memory tier goes to every
+//! A preemption's flush: a step this rank holds in the memory tier (the newest all ranks
+//! hold, as the ranks agree in `tiercel.preempt`; `preempt_steps` lists them) goes to every
 //! tier that persists, now, whatever the tiers' `every`, ahead of every other background job
 //! (`Priority::Restore`, the top), with every link's limits lifted (`Traffic::set_unthrottled`).
 //! The Python side (`tiercel.preempt`) bounds the wait by the grace period, names the ranks
@@ -20,27 +21,34 @@ use crate::scheduler::{Priority, Supersede, SupersedeKey};
 use crate::tier::Tier;
 
 impl Store {
-    /// The step a preemption flushes: the newest of this process's saves that reached the
-    /// memory tier (after waiting for those still being flushed there), or the newest step of
-    /// this job committed in the memory tier, whichever is newer. None: the memory tier holds
-    /// no step of this rank.
-    pub fn preempt_step(&self) -> Option<u64> {
+    /// The steps a preemption may flush, oldest first: this process's saves that reached the
+    /// memory tier (after waiting for those still being flushed there) and this job's steps
+    /// committed in the memory tier, of which the tier still holds this rank's part. Empty:
+    /// the memory tier holds no step of this rank. The ranks agree on one of them
+    /// (`tiercel.preempt`): the newest every rank holds.
+    pub fn preempt_steps(&self) -> Vec<u64> {
         self.await_own_saves();
         let mem = self.memory_slot();
-        let own = {
+        let mut steps: Vec<u64> = {
             let recent = self.recent.lock();
             let reached = |h: &Arc<SaveHandle>| matches!(h.state(&mem.config.name), Some(TierState::Done | TierState::Written));
-            recent.iter().rev().find(|(_, h)| reached(h)).map(|(s, _)| *s)
+            recent.iter().filter(|(_, h)| reached(h)).map(|(s, _)| *s).collect()
         };
         let foreign = self.foreign_steps(mem);
-        let committed = match self.memory.committed_steps() {
-            Ok(v) => v.into_iter().filter(|s| !foreign.contains(s)).max(),
-            Err(e) => {
-                log::warn!("tier '{}': cannot list its steps for the preemption's flush: {e}", mem.config.name);
-                None
-            }
-        };
-        own.max(committed)
+        match self.memory.committed_steps() {
+            Ok(v) => steps.extend(v.into_iter().filter(|s| !foreign.contains(s))),
+            Err(e) => log::warn!("tier '{}': cannot list its steps for the preemption's flush: {e}", mem.config.name),
+        }
+        steps.sort_unstable();
+        steps.dedup();
+        // A save that reached the tier may have gone since (its `keep`): only what can be read.
+        steps.retain(|s| self.memory.read_manifest(*s, self.rank).is_ok());
+        steps
+    }
+
+    /// The newest of `preempt_steps`: what this rank flushes on its own.
+    pub fn preempt_step(&self) -> Option<u64> {
+        self.preempt_steps().last().copied()
     }
 
     /// Persists `step` (this rank's part, read from the memory tier) to every tier that
