@@ -298,18 +298,32 @@ impl Conn {
 
 /// The requests of the peer protocol, one method each.
 impl Conn {
-    /// Pushes one rank's step: the manifest, then every chunk as a data frame (straight from
-    /// the source's memory when it has the bytes in place), then END; returns once the holder
-    /// has acknowledged the complete, verified copy.
-    pub fn put_replica(&mut self, m: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<()> {
+    /// Pushes one rank's step: the manifest (with each chunk's hash), then, as a data frame
+    /// each, the chunks the holder says it lacks (straight from the source's memory when it
+    /// has the bytes in place), then END; returns, once the holder has acknowledged the
+    /// complete, verified copy, the bytes of the chunks sent. Only chunks that go pass the
+    /// link's gate: the traffic schedule counts the bytes that move, not the step's size.
+    pub fn put_replica(&mut self, m: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<u64> {
         if link.paced() && !self.capped {
             set_send_buffer(&self.stream, SEND_BUFFER);
             self.capped = true;
         }
-        let _: Reply = self.request(&Request::Put { step: m.step, rank: m.rank, manifest: m.clone() })?;
-        let mut buf = vec![];
+        let r: Reply = self.request(&Request::Put { step: m.step, rank: m.rank, manifest: m.clone(), reuse: true })?;
+        let total: usize = m.items.iter().map(|it| it.chunks.len()).sum();
+        let mut send = vec![r.lacking.is_none(); total];
+        for i in r.lacking.unwrap_or_default() {
+            let slot = send.get_mut(i as usize).ok_or_else(|| {
+                Error::unavailable(format!("peer {}: asked for chunk {i} of step {} rank {}, which has {total}", self.peer, m.step, m.rank))
+            })?;
+            *slot = true;
+        }
+        let (mut buf, mut sent) = (vec![], 0u64);
+        let mut wanted = send.into_iter();
         for (i, it) in m.items.iter().enumerate() {
             for (k, ch) in it.chunks.iter().enumerate() {
+                if wanted.next() != Some(true) {
+                    continue;
+                }
                 crate::failpoint::hit("replicate");
                 link.acquire(ch.len);
                 let d = DataHeader { object: ch.object, offset: ch.stored_offset, crc32c: ch.crc32c };
@@ -321,11 +335,12 @@ impl Conn {
                         self.send_data(&d, &buf)?;
                     }
                 }
+                sent += ch.len;
             }
         }
         self.send(Kind::End, &[])?;
         let _: Reply = self.response()?;
-        Ok(())
+        Ok(sent)
     }
 
     /// The steps of `rank` this holder has a complete replica of.

@@ -5,16 +5,21 @@
 //! layout) over the transport. A save pushes each chunk straight from the shared-memory
 //! segment to one process on every peer host, which writes it straight into its own segment
 //! and acknowledges once every chunk has arrived with a valid checksum; the step is then on
-//! the peer tier for this rank. A restore pulls chunks from the first holder that answers,
+//! the peer tier for this rank. A holder that keeps a replica of an earlier step of the rank
+//! is sent only the chunks it does not hold (by hash; `reuse`), and copies the others from
+//! that replica, checked against their CRC32C as received ones are. A restore pulls chunks from the first holder that answers,
 //! falling back holder by holder, then (in the store) tier by tier.
 //!
 //! `replicas` is the holder's side (what this process stores for others and serves through
 //! the transport's server); this file is the saving and restoring rank's side.
 
 mod connections;
+#[cfg(test)]
+mod dedup_tests;
 mod membership;
 mod reads;
 mod replicas;
+mod reuse;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
@@ -88,6 +93,11 @@ pub struct PeerTier {
     runtime: Mutex<Option<tokio::runtime::Runtime>>,
     /// The replica store the server serves (what arrives from other hosts).
     holding: Arc<ReplicaStore>,
+    /// What the pushes sent against what they replicated (`store.metrics()`).
+    sent: Arc<crate::requests::SentCounters>,
+    /// The chunk hashes of the newest step pushed to every holder: what the holders are
+    /// likely to hold at the next push (`bytes_to_move`).
+    last_pushed: Mutex<std::collections::HashSet<String>>,
 }
 
 pub struct PeerOptions {
@@ -145,6 +155,8 @@ impl PeerTier {
             local_addr,
             runtime: Mutex::new(Some(runtime)),
             holding: store,
+            sent: Default::default(),
+            last_pushed: Default::default(),
         }))
     }
 
@@ -300,13 +312,14 @@ impl PeerTier {
         self.holding.serve_own(memory);
     }
 
-    /// Pushes one rank's step to one process on `host` (trying its addresses in order).
-    fn push(&self, host: &HolderHost, m: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<()> {
+    /// Pushes one rank's step to one process on `host` (trying its addresses in order):
+    /// the bytes of the chunks sent (those the holder lacked).
+    fn push(&self, host: &HolderHost, m: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<u64> {
         let mut errs = vec![];
         for addr in &host.addrs {
             let res = self.with_conn(addr, &host.name, |c| c.put_replica(m, src, link));
             match res {
-                Ok(()) => return Ok(()),
+                Ok(sent) => return Ok(sent),
                 Err(e) => errs.push(e.message),
             }
         }
@@ -444,21 +457,41 @@ impl Tier for PeerTier {
         m.tier = self.name.clone();
         let hosts = self.holders(m.rank)?;
         // One copy per peer host, pushed in parallel.
-        let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let results: Vec<Result<u64>> = std::thread::scope(|s| {
             let handles: Vec<_> = hosts.iter().map(|host| s.spawn(|| self.push(host, &m, src, link))).collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::unavailable("replication thread panicked")))).collect()
         });
         // A step written again must not be served from an old copy's manifest.
         self.manifests.lock().remove(&(m.step, m.rank));
+        let done: Vec<u64> = results.iter().filter_map(|r| r.as_ref().ok().copied()).collect();
+        self.sent.wrote(done.iter().sum(), m.total_bytes() * done.len() as u64);
         for r in results {
             r?;
         }
+        *self.last_pushed.lock() = m.items.iter().flat_map(|it| &it.chunks).filter_map(|c| c.hash.clone()).collect();
         let mut pushed = self.pushed.lock();
         pushed.insert(m.step);
         while pushed.len() > PUSHED_KEPT {
             pushed.pop_first();
         }
         Ok(m)
+    }
+
+    fn sent(&self) -> Option<Arc<crate::requests::SentCounters>> {
+        Some(self.sent.clone())
+    }
+
+    /// The chunks of `m` that the step pushed last did not have (by hash), and those without
+    /// a hash: what a holder that kept that step's replica lacks. (A holder that lost it is
+    /// sent more; the schedule learns the link's real cost per chunk as they go.)
+    fn bytes_to_move(&self, m: &Manifest) -> u64 {
+        let held = self.last_pushed.lock();
+        m.items
+            .iter()
+            .flat_map(|it| &it.chunks)
+            .filter(|c| c.hash.as_ref().is_none_or(|h| !held.contains(h)))
+            .map(|c| c.len)
+            .sum()
     }
 
     fn read_stored(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8]) -> Result<()> {
