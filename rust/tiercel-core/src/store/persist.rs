@@ -119,7 +119,9 @@ impl Store {
                 every: s.config.every,
                 priority: s.tier.priority(),
                 degraded: self.degraded(&s.config.name),
-                learned: self.traffic_plan(s, s.tier.bytes_to_move(m)).map(|p| LearnedInterval { interval: p.effective_interval, note: p.note }),
+                learned: self
+                    .traffic_plan(s, s.tier.bytes_to_move(m))
+                    .map(|p| LearnedInterval { interval: p.effective_interval, note: p.note }),
             })
             .collect()
     }

@@ -68,7 +68,10 @@ struct Proxied {
 fn proxied() -> Proxied {
     let dir = shm_dir();
     let limits = Limits::default();
-    let (a, b) = (open_tier(dir.path(), 0, "hostA", 2, Duration::from_secs(5), limits), open_tier(dir.path(), 1, "hostB", 2, Duration::from_secs(5), limits));
+    let (a, b) = (
+        open_tier(dir.path(), 0, "hostA", 2, Duration::from_secs(5), limits),
+        open_tier(dir.path(), 1, "hostB", 2, Duration::from_secs(5), limits),
+    );
     let proxy = CountingProxy::start(b.local_addr().to_string());
     let hosts = vec!["hostA".to_string(), "hostB".to_string()];
     a.set_cluster("job", &hosts, &[a.local_addr().to_string(), proxy.addr.clone()]).unwrap();

@@ -67,8 +67,7 @@ pub(super) fn fill(tier: &str, replicas: &MemoryTier, m: &Manifest, segs: &[Arc<
                 // Gone (retention removed the base meanwhile): its chunks are sent instead.
                 replicas.open_view(step, name).ok()
             });
-            let Some(view) = view.as_ref().filter(|v| c.stored_offset.checked_add(c.len).is_some_and(|end| end <= v.len() as u64))
-            else {
+            let Some(view) = view.as_ref().filter(|v| c.stored_offset.checked_add(c.len).is_some_and(|end| end <= v.len() as u64)) else {
                 continue;
             };
             *want = other;
