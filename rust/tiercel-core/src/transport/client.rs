@@ -36,6 +36,11 @@ pub struct Conn {
 /// with a larger bandwidth-delay product full (a fixed buffer caps a stream at buffer / RTT).
 pub const SEND_BUFFER: libc::c_int = 256 << 10;
 
+/// The slowest rate, in bytes per second, at which a holder is expected to copy and checksum
+/// the chunks it holds of an earlier step before answering a push (one thread of a busy host
+/// does several GB/s): how much longer than the progress deadline a push waits for that answer.
+const SLOWEST_REUSE: f64 = 500e6;
+
 fn set_send_buffer(stream: &TcpStream, bytes: libc::c_int) {
     use std::os::fd::AsRawFd;
     // SAFETY: setsockopt on an open socket with a pointer to a c_int and its size.
@@ -308,7 +313,13 @@ impl Conn {
             set_send_buffer(&self.stream, SEND_BUFFER);
             self.capped = true;
         }
-        let r: Reply = self.request(&Request::Put { step: m.step, rank: m.rank, manifest: m.clone(), reuse: true })?;
+        // The holder copies the chunks it holds before it answers: the progress deadline is
+        // stretched by what that takes at a slow copy's rate, for this answer only.
+        let copying = Duration::from_secs_f64(m.total_bytes() as f64 / SLOWEST_REUSE);
+        self.stream.set_read_timeout(Some(self.timeout + copying)).ok();
+        let r = self.request(&Request::Put { step: m.step, rank: m.rank, manifest: m.clone(), reuse: true });
+        self.stream.set_read_timeout(Some(self.timeout)).ok();
+        let r: Reply = r?;
         let total: usize = m.items.iter().map(|it| it.chunks.len()).sum();
         let mut send = vec![r.lacking.is_none(); total];
         for i in r.lacking.unwrap_or_default() {
