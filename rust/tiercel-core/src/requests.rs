@@ -81,3 +81,33 @@ impl RequestCounters {
         Some(self.limit.load(Relaxed)).filter(|b| *b != NO_LIMIT).map(f64::from_bits)
     }
 }
+
+/// What a tier's writes put on the network against what they delivered, for a tier that
+/// sends a destination only what it lacks (the peer tier: a holder rebuilds a replica from
+/// the chunks it holds of an earlier step plus those it is sent). Both sum over the write's
+/// destinations (every holder of a step); `last_*` are the newest write's.
+#[derive(Debug, Default)]
+pub struct SentCounters {
+    sent: AtomicU64,
+    delivered: AtomicU64,
+    last_sent: AtomicU64,
+    last_delivered: AtomicU64,
+}
+
+impl SentCounters {
+    /// A write sent `sent` bytes of chunks to deliver `delivered` raw bytes of replicas.
+    pub fn wrote(&self, sent: u64, delivered: u64) {
+        self.sent.fetch_add(sent, Relaxed);
+        self.delivered.fetch_add(delivered, Relaxed);
+        self.last_sent.store(sent, Relaxed);
+        self.last_delivered.store(delivered, Relaxed);
+    }
+    /// (sent, delivered) over every write.
+    pub fn total(&self) -> (u64, u64) {
+        (self.sent.load(Relaxed), self.delivered.load(Relaxed))
+    }
+    /// (sent, delivered) of the newest write.
+    pub fn last(&self) -> (u64, u64) {
+        (self.last_sent.load(Relaxed), self.last_delivered.load(Relaxed))
+    }
+}

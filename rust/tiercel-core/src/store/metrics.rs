@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 /// How many saves' times are remembered, to tell how far behind a tier is in seconds.
 const SAVE_TIMES_KEPT: usize = 4096;
 
-pub use crate::requests::{RequestCounters, RequestKind};
+pub use crate::requests::{RequestCounters, RequestKind, SentCounters};
 
 /// Counters of one tier.
 #[derive(Default)]
@@ -44,6 +44,8 @@ pub struct TierCounters {
     interval: AtomicU64,
     /// What the tier's client sends (object stores; unset for the others).
     requests: std::sync::OnceLock<std::sync::Arc<RequestCounters>>,
+    /// What the tier's writes send against what they deliver (the peer tier; unset for the others).
+    sent: std::sync::OnceLock<std::sync::Arc<SentCounters>>,
     /// Where the newest save's requests count from: (step, requests, throttled answers) when
     /// it was made.
     save_mark: Mutex<Option<(u64, u64, u64)>>,
@@ -105,6 +107,10 @@ impl TierCounters {
     /// The tier's client counts its requests in `r`.
     pub fn set_requests(&self, r: std::sync::Arc<RequestCounters>) {
         let _ = self.requests.set(r);
+    }
+    /// The tier counts what its writes send in `s`.
+    pub fn set_sent(&self, s: std::sync::Arc<SentCounters>) {
+        let _ = self.sent.set(s);
     }
     /// A save of `step` begins: the tier's requests count from here for it.
     fn mark_save(&self, step: u64) {
@@ -225,6 +231,10 @@ snapshot! {
         save_step: Option<u64>, Gauge, "the step of this rank's newest save (what save_requests counts for)";
         save_requests: Option<u64>, Gauge, "requests the tier's client sent since save_step was saved: its persist (data, manifest, commit record), retention, and what the save had other tiers ask of this one";
         save_throttled: Option<u64>, Gauge, "slow-down answers among save_requests";
+        bytes_sent: Option<u64>, Counter, "bytes of chunks the tier's writes sent over the network, over all destinations (peer tier: each holder is sent only the chunks it lacks)";
+        bytes_replicated: Option<u64>, Counter, "raw bytes of the copies those writes made, over all destinations (peer tier: the step's bytes times its holders); bytes_sent of them moved, holders rebuilt the rest from their copies of earlier steps";
+        last_bytes_sent: Option<u64>, Gauge, "bytes_sent by the newest write";
+        last_bytes_replicated: Option<u64>, Gauge, "bytes_replicated by the newest write";
     }
 }
 
@@ -342,6 +352,7 @@ impl Metrics {
                 };
                 let committed_step = *c.committed_step.lock();
                 let req = c.requests.get();
+                let sent = c.sent.get();
                 let mark = *c.save_mark.lock();
                 // A step saved before this process (restored) or forgotten has no known age.
                 let committed_age_seconds = committed_step.and_then(|s| saves.get(&s)).map(|then| (at_now - then).max(0.0));
@@ -387,6 +398,10 @@ impl Metrics {
                     save_step: mark.map(|m| m.0),
                     save_requests: mark.zip(req).map(|(m, r)| r.total().saturating_sub(m.1)),
                     save_throttled: mark.zip(req).map(|(m, r)| r.throttled_count().saturating_sub(m.2)),
+                    bytes_sent: sent.map(|s| s.total().0),
+                    bytes_replicated: sent.map(|s| s.total().1),
+                    last_bytes_sent: sent.map(|s| s.last().0),
+                    last_bytes_replicated: sent.map(|s| s.last().1),
                 }
             })
             .collect()

@@ -200,6 +200,9 @@ impl Store {
             if let Some(r) = s.tier.requests() {
                 metrics.tier(i).set_requests(r);
             }
+            if let Some(sent) = s.tier.sent() {
+                metrics.tier(i).set_sent(sent);
+            }
         }
         let store = Store {
             policy,

@@ -108,8 +108,10 @@ pub fn plan(step: u64, order: u64, facts: Vec<TierFacts>) -> PersistPlan {
 }
 
 impl Store {
-    /// The facts a persist plan reads about every later tier, for a checkpoint of `bytes`.
-    pub(super) fn persist_facts(&self, bytes: u64) -> Vec<TierFacts> {
+    /// The facts a persist plan reads about every later tier, for the checkpoint `m`: the
+    /// learned schedule plans for the bytes that will move over each tier's link
+    /// (`Tier::bytes_to_move`), not the step's size.
+    pub(super) fn persist_facts(&self, m: &Manifest) -> Vec<TierFacts> {
         self.later_slots()
             .map(|(slot, s)| TierFacts {
                 slot,
@@ -117,7 +119,9 @@ impl Store {
                 every: s.config.every,
                 priority: s.tier.priority(),
                 degraded: self.degraded(&s.config.name),
-                learned: self.traffic_plan(s, bytes).map(|p| LearnedInterval { interval: p.effective_interval, note: p.note }),
+                learned: self
+                    .traffic_plan(s, s.tier.bytes_to_move(m))
+                    .map(|p| LearnedInterval { interval: p.effective_interval, note: p.note }),
             })
             .collect()
     }

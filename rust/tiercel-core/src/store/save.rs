@@ -270,7 +270,7 @@ fn flush_step(
     let (store1, parts1): (_, Vec<persist::Part>) = (store.clone(), parts.iter().map(|p| p.clone() as persist::Part).collect());
     // Planned when the persists are queued: a tier degraded meanwhile is skipped.
     let queue_later = move || {
-        let plan = persist::plan(step, order, store1.persist_facts(manifest.total_bytes()));
+        let plan = persist::plan(step, order, store1.persist_facts(&manifest));
         store1.queue_persists(plan, &handle, &manifest, &parts1)
     };
     if crate::failpoint::armed_at("persist_late", order) {

@@ -65,6 +65,20 @@ pub trait Tier: Send + Sync {
         None
     }
 
+    /// What the tier's writes send against what they deliver (a tier that sends only what a
+    /// destination lacks: the peer tier), for `store.metrics()`.
+    fn sent(&self) -> Option<Arc<crate::requests::SentCounters>> {
+        None
+    }
+
+    /// The bytes a write of `m` will move over the tier's link, as far as the tier can tell
+    /// beforehand: what the traffic schedule plans a checkpoint's transfer by. All of the
+    /// step's raw bytes, unless the tier sends less (the peer tier: the chunks the holders
+    /// lack).
+    fn bytes_to_move(&self, m: &Manifest) -> u64 {
+        m.total_bytes()
+    }
+
     /// Reads the stored bytes of `chunks`, which lie back to back in one object (each stored
     /// where the previous ends), into `dst` (their `stored_len`s together).
     fn read_stored_run(&self, m: &Manifest, chunks: &[format::ChunkMeta], dst: &mut [u8]) -> Result<()> {

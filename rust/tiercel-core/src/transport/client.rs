@@ -36,6 +36,11 @@ pub struct Conn {
 /// with a larger bandwidth-delay product full (a fixed buffer caps a stream at buffer / RTT).
 pub const SEND_BUFFER: libc::c_int = 256 << 10;
 
+/// The slowest rate, in bytes per second, at which a holder is expected to copy and checksum
+/// the chunks it holds of an earlier step before answering a push (one thread of a busy host
+/// does several GB/s): how much longer than the progress deadline a push waits for that answer.
+const SLOWEST_REUSE: f64 = 500e6;
+
 fn set_send_buffer(stream: &TcpStream, bytes: libc::c_int) {
     use std::os::fd::AsRawFd;
     // SAFETY: setsockopt on an open socket with a pointer to a c_int and its size.
@@ -298,18 +303,38 @@ impl Conn {
 
 /// The requests of the peer protocol, one method each.
 impl Conn {
-    /// Pushes one rank's step: the manifest, then every chunk as a data frame (straight from
-    /// the source's memory when it has the bytes in place), then END; returns once the holder
-    /// has acknowledged the complete, verified copy.
-    pub fn put_replica(&mut self, m: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<()> {
+    /// Pushes one rank's step: the manifest (with each chunk's hash), then, as a data frame
+    /// each, the chunks the holder says it lacks (straight from the source's memory when it
+    /// has the bytes in place), then END; returns, once the holder has acknowledged the
+    /// complete, verified copy, the bytes of the chunks sent. Only chunks that go pass the
+    /// link's gate: the traffic schedule counts the bytes that move, not the step's size.
+    pub fn put_replica(&mut self, m: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<u64> {
         if link.paced() && !self.capped {
             set_send_buffer(&self.stream, SEND_BUFFER);
             self.capped = true;
         }
-        let _: Reply = self.request(&Request::Put { step: m.step, rank: m.rank, manifest: m.clone() })?;
-        let mut buf = vec![];
+        // The holder copies the chunks it holds before it answers: the progress deadline is
+        // stretched by what that takes at a slow copy's rate, for this answer only.
+        let copying = Duration::from_secs_f64(m.total_bytes() as f64 / SLOWEST_REUSE);
+        self.stream.set_read_timeout(Some(self.timeout + copying)).ok();
+        let r = self.request(&Request::Put { step: m.step, rank: m.rank, manifest: m.clone(), reuse: true });
+        self.stream.set_read_timeout(Some(self.timeout)).ok();
+        let r: Reply = r?;
+        let total: usize = m.items.iter().map(|it| it.chunks.len()).sum();
+        let mut send = vec![r.lacking.is_none(); total];
+        for i in r.lacking.unwrap_or_default() {
+            let slot = send.get_mut(i as usize).ok_or_else(|| {
+                Error::unavailable(format!("peer {}: asked for chunk {i} of step {} rank {}, which has {total}", self.peer, m.step, m.rank))
+            })?;
+            *slot = true;
+        }
+        let (mut buf, mut sent) = (vec![], 0u64);
+        let mut wanted = send.into_iter();
         for (i, it) in m.items.iter().enumerate() {
             for (k, ch) in it.chunks.iter().enumerate() {
+                if wanted.next() != Some(true) {
+                    continue;
+                }
                 crate::failpoint::hit("replicate");
                 link.acquire(ch.len);
                 let d = DataHeader { object: ch.object, offset: ch.stored_offset, crc32c: ch.crc32c };
@@ -321,11 +346,12 @@ impl Conn {
                         self.send_data(&d, &buf)?;
                     }
                 }
+                sent += ch.len;
             }
         }
         self.send(Kind::End, &[])?;
         let _: Reply = self.response()?;
-        Ok(())
+        Ok(sent)
     }
 
     /// The steps of `rank` this holder has a complete replica of.

@@ -16,6 +16,10 @@
 //! RESPONSE {"ident": {job, host, rank}}   or ERROR when refused
 //! REQUEST  JSON {"op": ...}   RESPONSE JSON   ERROR JSON {"kind", "message"}
 //! DATA     object u32 | offset u64 | crc32c u32 | bytes       END (no payload)
+//!
+//! A push: REQUEST {"op": "put", manifest, "reuse": true} -> RESPONSE {"lacking": [chunk
+//! indexes]} (the holder filled the others from its own earlier replica of the rank), then
+//! DATA for each chunk lacking, END -> RESPONSE once the replica is complete and verified.
 //! ```
 //!
 //! `frame` is the wire format, `messages` the requests and replies, `client` the blocking

@@ -40,6 +40,10 @@ pub trait Handler: Send + Sync + 'static {
     /// Takes a replica described by `m` (its step and rank match the request and its chunk
     /// table is sound): checks its objects and allocates one writable segment per object.
     fn begin_put(&self, m: &mut Manifest) -> Result<Vec<Arc<Segment>>>;
+    /// Fills the chunks of `m` (a put under way, into `segs`) that this host holds already,
+    /// each checked against its CRC32C as it is copied; returns, by chunk in manifest order,
+    /// which it filled. Runs off the async workers (it copies memory).
+    fn reuse(&self, m: &Manifest, segs: &[Arc<Segment>]) -> Vec<bool>;
     /// Ends a put. `received` is Ok when every chunk arrived with a matching checksum: the
     /// replica is then published (and retention applied); otherwise it is discarded.
     fn end_put(&self, m: &Manifest, received: Result<()>) -> Result<()>;
@@ -179,12 +183,12 @@ async fn connection(
         }
         let req: Request = serde_json::from_slice(&body).map_err(|e| Error::unavailable(format!("malformed request: {e}")))?;
         match req {
-            Request::Put { step, rank, manifest } => {
+            Request::Put { step, rank, manifest, reuse } => {
                 if let Err(e) = handler.may_receive(&client, rank) {
                     send_error(&mut s, &e).await;
                     return Err(e);
                 }
-                match put(&mut s, handler, step, rank, manifest).await {
+                match put(&mut s, handler, step, rank, manifest, reuse).await {
                     Ok(()) => reply(&mut s, Reply::default()).await?,
                     Err(e) => {
                         // The client may still be streaming data frames: tell it why, then
@@ -316,10 +320,11 @@ fn read(
     Ok(view)
 }
 
-/// Receives one rank's step: segments come from the handler, every data frame lands straight
+/// Receives one rank's step: segments come from the handler, which fills (with `reuse`) the
+/// chunks it holds already; the reply names the others, and every data frame lands straight
 /// in its segment and must match its chunk's checksum; the handler publishes the replica
-/// only after every chunk has arrived.
-async fn put(s: &mut TcpStream, handler: &Arc<dyn Handler>, step: u64, rank: u32, m: Manifest) -> Result<()> {
+/// only after every chunk has arrived or was filled.
+async fn put(s: &mut TcpStream, handler: &Arc<dyn Handler>, step: u64, rank: u32, m: Manifest, reuse: bool) -> Result<()> {
     if m.step != step || m.rank != rank {
         return Err(Error::invalid("manifest does not match the put request"));
     }
@@ -334,7 +339,27 @@ async fn put(s: &mut TcpStream, handler: &Arc<dyn Handler>, step: u64, rank: u32
         }
     }
     let received: Result<()> = async {
-        reply(s, Reply::default()).await?;
+        let lacking = if reuse {
+            let (h, held, segs) = (handler.clone(), m.clone(), segs.clone());
+            let filled = tokio::task::spawn_blocking(move || h.reuse(&held, &segs))
+                .await
+                .map_err(|e| Error::unavailable(format!("filling held chunks failed: {e}")))?;
+            let chunks = m.items.iter().flat_map(|it| &it.chunks);
+            let mut lacking = vec![];
+            for (i, c) in chunks.enumerate() {
+                if filled.get(i).copied().unwrap_or(false) {
+                    // Counted as arrived; a data frame for it anyway (an older sender)
+                    // lands over it, checked like any other.
+                    expect.get_mut(&(c.object, c.stored_offset)).expect("every chunk is expected").2 = true;
+                } else {
+                    lacking.push(i as u64);
+                }
+            }
+            Some(lacking)
+        } else {
+            None
+        };
+        reply(s, Reply { lacking, ..Default::default() }).await?;
         loop {
             let h = recv_header(s).await?;
             match h.kind {

@@ -5,16 +5,22 @@
 //! layout) over the transport. A save pushes each chunk straight from the shared-memory
 //! segment to one process on every peer host, which writes it straight into its own segment
 //! and acknowledges once every chunk has arrived with a valid checksum; the step is then on
-//! the peer tier for this rank. A restore pulls chunks from the first holder that answers,
+//! the peer tier for this rank. A holder that keeps a replica of an earlier step of the rank
+//! is sent only the chunks it does not hold (by hash; `reuse`), and copies the others from
+//! that replica, checked against their CRC32C as received ones are. A restore pulls chunks from the first holder that answers,
 //! falling back holder by holder, then (in the store) tier by tier.
 //!
 //! `replicas` is the holder's side (what this process stores for others and serves through
 //! the transport's server); this file is the saving and restoring rank's side.
 
 mod connections;
+#[cfg(test)]
+mod dedup_tests;
+mod drain;
 mod membership;
 mod reads;
 mod replicas;
+mod reuse;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
@@ -88,6 +94,11 @@ pub struct PeerTier {
     runtime: Mutex<Option<tokio::runtime::Runtime>>,
     /// The replica store the server serves (what arrives from other hosts).
     holding: Arc<ReplicaStore>,
+    /// What the pushes sent against what they replicated (`store.metrics()`).
+    sent: Arc<crate::requests::SentCounters>,
+    /// The chunk hashes of the newest step pushed to every holder: what the holders are
+    /// likely to hold at the next push (`bytes_to_move`).
+    last_pushed: Mutex<std::collections::HashSet<String>>,
 }
 
 pub struct PeerOptions {
@@ -145,6 +156,8 @@ impl PeerTier {
             local_addr,
             runtime: Mutex::new(Some(runtime)),
             holding: store,
+            sent: Default::default(),
+            last_pushed: Default::default(),
         }))
     }
 
@@ -300,13 +313,14 @@ impl PeerTier {
         self.holding.serve_own(memory);
     }
 
-    /// Pushes one rank's step to one process on `host` (trying its addresses in order).
-    fn push(&self, host: &HolderHost, m: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<()> {
+    /// Pushes one rank's step to one process on `host` (trying its addresses in order):
+    /// the bytes of the chunks sent (those the holder lacked).
+    fn push(&self, host: &HolderHost, m: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<u64> {
         let mut errs = vec![];
         for addr in &host.addrs {
             let res = self.with_conn(addr, &host.name, |c| c.put_replica(m, src, link));
             match res {
-                Ok(()) => return Ok(()),
+                Ok(sent) => return Ok(sent),
                 Err(e) => errs.push(e.message),
             }
         }
@@ -337,81 +351,6 @@ impl PeerTier {
         self.idle.lock().clear();
         self.replicas.release_pool();
     }
-
-    /// The longest a closing store waits for replicas still coming (`replicas_expected`).
-    pub fn drain_limit(&self) -> Duration {
-        self.timeout
-    }
-
-    /// Waits (at most `drain_limit`) until `replicas_expected` is None; then says what did
-    /// not come.
-    pub fn drain(&self) {
-        let start = Instant::now();
-        let mut told = false;
-        while let Some(what) = self.replicas_expected() {
-            let waited = start.elapsed();
-            if waited >= self.timeout {
-                self.gave_up_on(&what, waited);
-                return;
-            }
-            if !told && waited >= DRAIN_NOTE_AFTER {
-                told = true;
-                log::warn!("rank {}: waiting (up to {:.0} s) before closing for {what}", self.rank, self.timeout.as_secs_f64());
-            }
-            std::thread::sleep(DRAIN_POLL);
-        }
-    }
-
-    /// Logs that the store closes without the replicas `what` names.
-    pub fn gave_up_on(&self, what: &str, waited: Duration) {
-        log::warn!("rank {}: closing after {:.0} s without {what}: they are not kept on this host", self.rank, waited.as_secs_f64());
-    }
-
-    /// What replication to this host is still to come before its server may stop, or None:
-    /// replicas on their way in now, and the newest step this rank pushed (the ranks of a
-    /// job save the same steps) from every rank that places its replicas on this host and
-    /// whose peer server still listens (one whose server is gone, closed or dead, has
-    /// nothing more to push). A rank that closes first must not stop the server a slower
-    /// rank still replicates to.
-    pub fn replicas_expected(&self) -> Option<String> {
-        let arriving = self.holding.receiving();
-        let step = self.pushed.lock().last().copied();
-        let missing: Vec<u32> = match step {
-            None => vec![],
-            Some(step) => {
-                let have = self.replicas.ranks_written(step).unwrap_or_default();
-                let c = self.cluster.read();
-                match c.as_ref() {
-                    None => vec![],
-                    Some(c) => {
-                        // The ranks that push here are all on this host's neighbours.
-                        let mine = c.host_of[&self.rank];
-                        let mut ranks: Vec<u32> = c
-                            .host_of
-                            .iter()
-                            .filter(|&(r, &theirs)| theirs != mine && c.placement.peers(theirs).contains(&mine) && !have.contains(r))
-                            .map(|(r, _)| *r)
-                            .collect();
-                        ranks.sort_unstable();
-                        ranks.retain(|r| serves(&c.addrs[r]));
-                        ranks
-                    }
-                }
-            }
-        };
-        if missing.is_empty() && arriving == 0 {
-            return None;
-        }
-        let mut parts = vec![];
-        if let (Some(step), false) = (step, missing.is_empty()) {
-            let ranks: Vec<String> = missing.iter().map(u32::to_string).collect();
-            parts.push(format!("the replicas of step {step} from rank(s) {}", ranks.join(", ")));
-        }
-        if arriving > 0 {
-            parts.push(format!("{arriving} replica(s) arriving"));
-        }
-        Some(format!("tier '{}': {}", self.name, parts.join(" and ")))
-    }
 }
 
 /// The hosts `host` talks to: its peers and the hosts it is a peer of.
@@ -421,17 +360,6 @@ fn neighbours_of(placement: &Placement, host: usize) -> Vec<usize> {
     out.sort_unstable();
     out.dedup();
     out
-}
-
-/// How often `drain` looks again, and when it says what it waits for.
-const DRAIN_POLL: Duration = Duration::from_millis(50);
-const DRAIN_NOTE_AFTER: Duration = Duration::from_secs(2);
-
-/// Whether a peer server still listens at `addr` (a TCP connect, nothing sent).
-fn serves(addr: &str) -> bool {
-    use std::net::ToSocketAddrs;
-    let Some(a) = addr.to_socket_addrs().ok().and_then(|mut a| a.next()) else { return false };
-    std::net::TcpStream::connect_timeout(&a, Duration::from_millis(500)).is_ok()
 }
 
 impl Tier for PeerTier {
@@ -444,21 +372,36 @@ impl Tier for PeerTier {
         m.tier = self.name.clone();
         let hosts = self.holders(m.rank)?;
         // One copy per peer host, pushed in parallel.
-        let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let results: Vec<Result<u64>> = std::thread::scope(|s| {
             let handles: Vec<_> = hosts.iter().map(|host| s.spawn(|| self.push(host, &m, src, link))).collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::unavailable("replication thread panicked")))).collect()
         });
         // A step written again must not be served from an old copy's manifest.
         self.manifests.lock().remove(&(m.step, m.rank));
+        let done: Vec<u64> = results.iter().filter_map(|r| r.as_ref().ok().copied()).collect();
+        self.sent.wrote(done.iter().sum(), m.total_bytes() * done.len() as u64);
         for r in results {
             r?;
         }
+        *self.last_pushed.lock() = m.items.iter().flat_map(|it| &it.chunks).filter_map(|c| c.hash.clone()).collect();
         let mut pushed = self.pushed.lock();
         pushed.insert(m.step);
         while pushed.len() > PUSHED_KEPT {
             pushed.pop_first();
         }
         Ok(m)
+    }
+
+    fn sent(&self) -> Option<Arc<crate::requests::SentCounters>> {
+        Some(self.sent.clone())
+    }
+
+    /// The chunks of `m` that the step pushed last did not have (by hash), and those without
+    /// a hash: what a holder that kept that step's replica lacks. (A holder that lost it is
+    /// sent more; the schedule learns the link's real cost per chunk as they go.)
+    fn bytes_to_move(&self, m: &Manifest) -> u64 {
+        let held = self.last_pushed.lock();
+        m.items.iter().flat_map(|it| &it.chunks).filter(|c| c.hash.as_ref().is_none_or(|h| !held.contains(h))).map(|c| c.len).sum()
     }
 
     fn read_stored(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8]) -> Result<()> {

@@ -32,6 +32,9 @@ pub(super) struct ReplicaStore {
     keep: usize,
     /// Steps with a replica on its way in (by count): retention leaves them alone.
     receiving: Mutex<HashMap<u64, usize>>,
+    /// Steps whose chunks a replica on its way in is being filled from (`reuse`, by count):
+    /// retention leaves them alone too.
+    pinned: Mutex<HashMap<u64, usize>>,
     /// The host's own memory tier, served too (`serve_own`): after a host is lost, a rank's
     /// own copy may be the only one left of it, and a job restarted on fewer hosts reads it
     /// from here (an elastic restore, docs/restore.md).
@@ -46,7 +49,16 @@ impl ReplicaStore {
         keep: usize,
         cluster: Arc<RwLock<Option<Cluster>>>,
     ) -> ReplicaStore {
-        ReplicaStore { tier: tier.into(), rank, replicas, cluster, keep, receiving: Mutex::new(HashMap::new()), own: RwLock::new(None) }
+        ReplicaStore {
+            tier: tier.into(),
+            rank,
+            replicas,
+            cluster,
+            keep,
+            receiving: Mutex::new(HashMap::new()),
+            pinned: Mutex::new(HashMap::new()),
+            own: RwLock::new(None),
+        }
     }
 
     pub(super) fn serve_own(&self, memory: Arc<MemoryTier>) {
@@ -94,8 +106,11 @@ impl ReplicaStore {
             }
         }
         let receiving = self.receiving.lock().clone();
-        let plan: Vec<u64> =
-            gc::steps_of(&gc::step_removals(&complete, &all, Some(self.keep))).into_iter().filter(|s| !receiving.contains_key(s)).collect();
+        let pinned = self.pinned.lock().clone();
+        let plan: Vec<u64> = gc::steps_of(&gc::step_removals(&complete, &all, Some(self.keep)))
+            .into_iter()
+            .filter(|s| !receiving.contains_key(s) && !pinned.contains_key(s))
+            .collect();
         for &s in &plan {
             // Manifests first: a replica is listed and served while its manifest exists, so
             // a process killed in the middle of an eviction leaves a step that is no longer
@@ -119,6 +134,37 @@ impl ReplicaStore {
             *n -= 1;
             if *n == 0 {
                 r.remove(&step);
+            }
+        }
+    }
+
+    /// The steps of `rank` with a complete replica here, other than `step`, newest first,
+    /// pinned against retention until `unpin`. (A retention that listed the steps before
+    /// they were pinned may still remove one: `reuse::fill` then finds it gone.)
+    pub(super) fn pin_bases(&self, step: u64, rank: u32) -> Vec<u64> {
+        let mut pinned = self.pinned.lock();
+        let mut bases: Vec<u64> = self
+            .replicas
+            .all_steps()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|&s| s != step && self.replicas.ranks_written(s).is_ok_and(|rs| rs.contains(&rank)))
+            .collect();
+        bases.sort_unstable_by(|a, b| b.cmp(a));
+        for &s in &bases {
+            *pinned.entry(s).or_default() += 1;
+        }
+        bases
+    }
+
+    pub(super) fn unpin(&self, bases: &[u64]) {
+        let mut pinned = self.pinned.lock();
+        for s in bases {
+            if let Some(n) = pinned.get_mut(s) {
+                *n -= 1;
+                if *n == 0 {
+                    pinned.remove(s);
+                }
             }
         }
     }
@@ -215,6 +261,14 @@ impl Handler for ReplicaStore {
             }
         }
         Ok(segs)
+    }
+
+    /// From this host's replicas of earlier steps of the same rank (`reuse::fill`).
+    fn reuse(&self, m: &Manifest, segs: &[Arc<Segment>]) -> Vec<bool> {
+        let bases = self.pin_bases(m.step, m.rank);
+        let filled = super::reuse::fill(&self.tier, &self.replicas, m, segs, &bases);
+        self.unpin(&bases);
+        filled
     }
 
     fn end_put(&self, m: &Manifest, received: Result<()>) -> Result<()> {

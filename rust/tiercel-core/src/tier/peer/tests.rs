@@ -190,7 +190,7 @@ fn corrupt_data_frame_is_rejected_and_leaves_no_replica() {
     let data = vec![vec![9u8; 2048]];
     let m = manifest(2, 0, &data);
     let mut c = Conn::connect(&b.local_addr().to_string(), SECRET, Duration::from_secs(5), &a.me().unwrap(), "hostB").unwrap();
-    let _: Reply = c.request(&Request::Put { step: 2, rank: 0, manifest: m.clone() }).unwrap();
+    let _: Reply = c.request(&Request::Put { step: 2, rank: 0, manifest: m.clone(), reuse: false }).unwrap();
     let ch = &m.items[0].chunks[0];
     let bad = vec![8u8; ch.len as usize];
     c.send_data(&DataHeader { object: 0, offset: ch.stored_offset, crc32c: ch.crc32c }, &bad).unwrap();

@@ -91,11 +91,11 @@ fn a_replica_of_another_rank_or_host_is_refused() {
     let d = data();
     let forged = manifest(999_999, 1, &d);
     let mut c = Conn::connect(&addrs[1], SECRET, Duration::from_secs(5), &t[0].me().unwrap(), "h1").unwrap();
-    let e = c.request::<_, Reply>(&Request::Put { step: 999_999, rank: 1, manifest: forged }).unwrap_err();
+    let e = c.request::<_, Reply>(&Request::Put { step: 999_999, rank: 1, manifest: forged, reuse: false }).unwrap_err();
     assert!(e.message.contains("only its own replicas"), "{}", e.message);
     let mut c = Conn::connect(&addrs[2], SECRET, Duration::from_secs(5), &t[0].me().unwrap(), "h2").unwrap();
     let own = manifest(5, 0, &d);
-    let e = c.request::<_, Reply>(&Request::Put { step: 5, rank: 0, manifest: own }).unwrap_err();
+    let e = c.request::<_, Reply>(&Request::Put { step: 5, rank: 0, manifest: own, reuse: false }).unwrap_err();
     assert!(e.message.contains("placement does not assign rank 0"), "{}", e.message);
     for x in &t {
         assert!(x.replicas.all_steps().unwrap().is_empty());
