@@ -11,8 +11,9 @@
 //! - a data object goes only when no manifest left in the area refers to it (each manifest's
 //!   references known from this process's own writes, else read once), and never one that a
 //!   write in flight in this process writes or refers to;
-//! - one listing of the area, one of the step directories when a manifest may be gone, one
-//!   batched delete: O(1) requests per rank and step.
+//! - no listing on a save's path after the first (a process lists its area once, for what
+//!   an earlier process left), a look at one or two commit records, one batched delete:
+//!   O(1) requests per rank and step.
 //!
 //! A killed save leaves a data object without a manifest (or a manifest of a step that never
 //! commits): the next sweep of the rank, or `tiercel gc`, removes it. A killed sweep leaves
@@ -31,14 +32,17 @@ pub(crate) struct RankArea {
     /// The manifest this process wrote last for the rank here, as stored: what the next save
     /// refers to (its dedup source).
     pub last: Option<Arc<Manifest>>,
-    /// The steps whose manifest the rank has here, as last seen: None until this process
-    /// listed the area (then a save of a step not in it needs no uncommit: nothing can be
-    /// there).
+    /// The steps whose manifest the rank has here: None until this process listed the area
+    /// (its first sweep), then kept up to date by its own writes and sweeps (a save of a step
+    /// not in it needs no uncommit: nothing can be there).
     pub manifests: Option<BTreeSet<u64>>,
+    /// The data objects (keys) of the area: listed once, then this process's own.
+    pub data: BTreeSet<String>,
     /// The object keys each manifest of the area refers to, by step, where known (this
     /// process wrote or read it).
     pub refs: BTreeMap<u64, BTreeSet<String>>,
-    /// Steps known to stand committed (seen so in a listing): with `keep` unset they stay.
+    /// Steps seen committed (a look at their commit record). A step once committed stays
+    /// evidence that every uncommitted step before it is gone.
     pub confirmed: BTreeSet<u64>,
     /// Writes in flight: the keys each writes or refers to, and its step.
     pub inflight: HashMap<u64, (u64, BTreeSet<String>)>,
@@ -53,9 +57,12 @@ impl RankArea {
         self.next_write
     }
 
-    /// A write ended: `written` is its manifest when it succeeded.
-    pub fn end(&mut self, id: u64, written: Option<Arc<Manifest>>) {
+    /// A write ended: `written` is its manifest when it succeeded; `data` the key of the
+    /// data object it wrote or began (a failed write may have left it: the next sweep
+    /// removes it if no manifest refers to it).
+    pub fn end(&mut self, id: u64, data: &str, written: Option<Arc<Manifest>>) {
         self.inflight.remove(&id);
+        self.data.insert(data.to_string());
         if let Some(m) = written {
             if let Some(set) = &mut self.manifests {
                 set.insert(m.step);
@@ -116,68 +123,78 @@ pub struct Swept {
     pub objects: Vec<String>,
 }
 
-/// The committed steps of the tier, from one listing of its root: a step's directory holds
-/// its commit record (version 3: nothing else); where listing costs nothing (a filesystem)
-/// the record itself is looked at, so a directory a commit is being written into does not
-/// count yet.
-pub fn committed_steps(blobs: &dyn Blobs) -> Result<BTreeSet<u64>> {
-    let mut out = BTreeSet::new();
-    for n in blobs.list("")? {
-        let Some(s) = format::parse_step_dir(&n) else { continue };
-        if !blobs.lists_cheaply() || blobs.exists(&format!("{n}/{}", format::COMMIT_NAME))? {
-            out.insert(s);
-        }
-    }
-    Ok(out)
-}
-
-/// Sweeps rank `rank`'s area (see the module's invariants). `keep` is the tier's retention:
-/// with it, the step directories are listed only when the area holds more manifests than
-/// `keep` + 1 (or one this process does not know stands committed); `read` reads a manifest
-/// of the area this process did not write.
+/// Sweeps rank `rank`'s area (see the module's invariants). `keep` is the tier's retention;
+/// `committed` looks at a step's commit record; `read` reads a manifest of the area this
+/// process did not write. The area is listed once per process (its first sweep: what an
+/// earlier process left); after that this process knows what is there, and a sweep looks
+/// at the commit records of at most a few steps: the newest step it has not seen committed
+/// yet, a step at the edge of `keep`, and (where a step is gone) one committed step newer.
 pub fn sweep(
     blobs: &dyn Blobs,
     area: &parking_lot::Mutex<RankArea>,
     rank: u32,
     keep: Option<usize>,
+    committed: &dyn Fn(u64) -> Result<bool>,
     read: &dyn Fn(u64) -> Result<Manifest>,
 ) -> Result<Swept> {
-    let dir = format::rank_area(rank);
-    let mut manifests = BTreeSet::new();
-    let mut data = vec![];
-    for n in blobs.list(&dir)? {
-        match format::parse_area_name(&n) {
-            Some(AreaEntry::Manifest(s)) => {
-                manifests.insert(s);
+    if area.lock().manifests.is_none() {
+        let dir = format::rank_area(rank);
+        let mut manifests = BTreeSet::new();
+        let mut data = BTreeSet::new();
+        for n in blobs.list(&dir)? {
+            match format::parse_area_name(&n) {
+                Some(AreaEntry::Manifest(s)) => {
+                    manifests.insert(s);
+                }
+                Some(AreaEntry::Data(_)) => {
+                    data.insert(format!("{dir}/{n}"));
+                }
+                None => {}
             }
-            Some(AreaEntry::Data(_)) => data.push(format!("{dir}/{n}")),
-            None => {}
         }
+        let mut a = area.lock();
+        // And what writes that ended meanwhile added.
+        manifests.extend(a.refs.keys().copied());
+        a.manifests = Some(manifests);
+        a.data.extend(data);
     }
-    let (last_step, unknown) = {
-        let mut a = area.lock();
-        // What the listing shows, and the manifests written since (their references are known).
-        a.manifests = Some(manifests.iter().copied().chain(a.refs.keys().copied()).collect());
-        let last = a.last.as_ref().map(|m| m.step);
-        let unknown = manifests.iter().any(|s| !a.confirmed.contains(s) && Some(*s) != last);
-        (last, unknown)
-    };
-    // Which manifests are gone: only a listing of the step directories tells. Not needed
-    // while every manifest but the last is known to stand committed and no more of them
-    // are here than retention keeps.
-    let crowded = keep.is_some_and(|k| manifests.len() > k + 1);
-    let mut gone = BTreeSet::new();
-    if crowded || unknown {
-        let committed = committed_steps(blobs)?;
-        let newest = committed.last().copied();
-        let mut a = area.lock();
+    let (manifests, last, busy, mut confirmed) = {
+        let a = area.lock();
         let busy: BTreeSet<u64> = a.inflight.values().map(|(s, _)| *s).collect();
-        for &t in &manifests {
-            if !committed.contains(&t) && newest.is_some_and(|n| t < n) && Some(t) != last_step && !busy.contains(&t) {
-                gone.insert(t);
+        (a.manifests.clone().unwrap_or_default(), a.last.as_ref().map(|m| m.step), busy, a.confirmed.clone())
+    };
+    // Newest first: a step seen committed is the evidence that the uncommitted ones before
+    // it are gone.
+    let mut checked: BTreeSet<u64> = BTreeSet::new();
+    let mut gone = BTreeSet::new();
+    for &t in manifests.iter().rev() {
+        if Some(t) == last || busy.contains(&t) {
+            continue;
+        }
+        let newer = confirmed.range(t + 1..).count();
+        if confirmed.contains(&t) && keep.is_none_or(|k| newer < k) {
+            continue; // committed and within keep: stays
+        }
+        checked.insert(t);
+        if committed(t)? {
+            confirmed.insert(t);
+            continue;
+        }
+        let mut evidence = confirmed.contains(&t) || newer > 0;
+        // Not seen committed, nothing newer seen committed either: look at the newer steps
+        // not looked at yet (the last save's above all).
+        for &u in manifests.range(t + 1..).rev() {
+            if evidence {
+                break;
+            }
+            if checked.insert(u) && committed(u)? {
+                confirmed.insert(u);
+                evidence = true;
             }
         }
-        a.confirmed = committed.intersection(&manifests).copied().collect();
+        if evidence {
+            gone.insert(t);
+        }
     }
     // The references of every manifest that stays.
     let mut referenced: BTreeSet<String> = BTreeSet::new();
@@ -207,9 +224,13 @@ pub fn sweep(
     let mut objects = vec![];
     if complete {
         let a = area.lock();
-        let pinned: BTreeSet<&String> =
-            a.inflight.values().flat_map(|(_, k)| k.iter()).chain(a.last.iter().flat_map(|m| m.objects.iter().filter_map(|o| o.key.as_ref()))).collect();
-        objects = data.into_iter().filter(|k| !referenced.contains(k) && !pinned.contains(k)).collect();
+        let pinned: BTreeSet<&String> = a
+            .inflight
+            .values()
+            .flat_map(|(_, k)| k.iter())
+            .chain(a.last.iter().flat_map(|m| m.objects.iter().filter_map(|o| o.key.as_ref())))
+            .collect();
+        objects = a.data.iter().filter(|k| !referenced.contains(*k) && !pinned.contains(k)).cloned().collect();
     }
     names.extend(objects.iter().cloned());
     if !names.is_empty() {
@@ -217,11 +238,16 @@ pub fn sweep(
         blobs.delete_names(&names)?;
     }
     let mut a = area.lock();
+    a.confirmed.extend(confirmed);
     for t in &gone {
         a.refs.remove(t);
+        a.confirmed.remove(t);
         if let Some(set) = &mut a.manifests {
             set.remove(t);
         }
+    }
+    for k in &objects {
+        a.data.remove(k);
     }
     Ok(Swept { manifests: gone.into_iter().collect(), objects })
 }

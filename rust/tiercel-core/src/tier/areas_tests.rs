@@ -3,6 +3,7 @@
 
 use std::collections::BTreeSet;
 use std::path::Path;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -102,6 +103,11 @@ fn fs_tier(root: &Path, dedup: bool) -> BlobTier {
     BlobTier::with_dedup("disk", Arc::new(FsBlobs::new("disk", root).unwrap()), Compression::zstd(3), dedup)
 }
 
+fn counted_tier(root: &Path, dedup: bool) -> (BlobTier, Arc<Counting>) {
+    let counting = Arc::new(Counting { inner: Arc::new(FsBlobs::new("disk", root).unwrap()), gets: Default::default(), lists: Default::default(), heads: Default::default() });
+    (BlobTier::with_dedup("disk", counting.clone(), Compression::zstd(3), dedup), counting)
+}
+
 /// Data objects (keys) of rank 0's area.
 fn data_objects(tier: &BlobTier) -> BTreeSet<String> {
     let area = format::rank_area(0);
@@ -116,7 +122,7 @@ fn a_frozen_base_is_stored_once_and_every_step_restores() {
     let one_step = (BASE + ADAPTER) as f64;
     for dedup in [true, false] {
         let dir = tempfile::tempdir().unwrap();
-        let tier = fs_tier(dir.path(), dedup);
+        let (tier, counting) = counted_tier(dir.path(), dedup);
         for step in 1..=8 {
             let m = save(&tier, step, true);
             assert_eq!(m.version, format::AREAS_VERSION);
@@ -135,20 +141,29 @@ fn a_frozen_base_is_stored_once_and_every_step_restores() {
         for step in 1..=8 {
             restores(&tier, step).unwrap_or_else(|e| panic!("dedup {dedup}: step {step}: {e}"));
         }
-        // Retention: keep 2 (the committer's run), then the rank's sweep of its area.
-        let gone = run_gc(&tier, &GcOptions { keep: Some(2), ..Default::default() }).unwrap();
-        assert_eq!(crate::gc::steps_of(&gone), (1..=6).collect::<Vec<_>>());
-        let swept = tier.sweep_rank(0, Some(2)).unwrap();
-        assert_eq!(swept.manifests, (1..=6).collect::<Vec<_>>());
+        // Then keep = 2, as a Store runs it after each save: the committer's retention (commit
+        // records), then the rank's sweep of its area.
+        let mut swept = vec![];
+        for step in 9..=12 {
+            save(&tier, step, true);
+            run_gc(&tier, &GcOptions { keep: Some(2), ..Default::default() }).unwrap();
+            let (lists, heads) = (counting.lists.load(Relaxed), counting.heads.load(Relaxed));
+            let gone = tier.sweep_rank(0, Some(2)).unwrap().manifests;
+            // O(1) requests per step: no listing, a look at one commit record per step the
+            // sweep decides on (the newest not seen committed, the one at the edge of keep),
+            // and one per manifest that goes.
+            assert_eq!(counting.lists.load(Relaxed) - lists, 0, "step {step}: the sweep listed");
+            assert!(counting.heads.load(Relaxed) - heads <= 2 + gone.len(), "step {step}: {} looks", counting.heads.load(Relaxed) - heads);
+            swept.extend(gone);
+        }
+        assert_eq!(tier.committed_steps().unwrap(), vec![11, 12]);
+        assert_eq!(swept, (1..=9).collect::<Vec<_>>(), "each step's manifest goes once its commit did");
         let held = bytes_under(dir.path()) as f64;
-        let want = if dedup { 1.1 * one_step } else { 2.1 * one_step };
+        let want = if dedup { 1.1 * one_step } else { 3.1 * one_step };
         assert!(held <= want, "dedup {dedup}: after keep 2 the tier holds {held} bytes");
-        for step in [7, 8] {
+        for step in [11, 12] {
             restores(&tier, step).unwrap();
         }
-        assert_eq!(tier.committed_steps().unwrap(), vec![7, 8]);
-        // A second sweep finds nothing, in one listing of the area and one of the root.
-        assert_eq!(tier.sweep_rank(0, Some(2)).unwrap(), Default::default());
     }
 }
 
@@ -200,7 +215,7 @@ fn the_sweep_removes_leftovers_and_never_a_referenced_object() {
         restores(&tier, step).unwrap();
     }
     // The write ended without a manifest (it failed): the next sweep removes its object.
-    tier.area(0).lock().end(id, None);
+    tier.area(0).lock().end(id, &writing, None);
     assert_eq!(tier.sweep_rank(0, None).unwrap().objects, vec![writing]);
     // The last manifest this process wrote stays, even where a newer step committed
     // without it (another process's): its chunks are what the next save refers to.
@@ -271,12 +286,12 @@ fn a_tier_of_the_old_layout_is_read_and_collected() {
         old.write_manifest(&m).unwrap();
         assert!(old.try_commit(step, 1, None).unwrap());
     }
-    let counting = Arc::new(Counting { inner: blobs, gets: Default::default() });
+    let counting = Arc::new(Counting { inner: blobs, gets: Default::default(), lists: Default::default(), heads: Default::default() });
     let tier = BlobTier::new("disk", counting.clone(), Compression::zstd(3));
     assert_eq!(tier.commit_record(1).unwrap().version, format::PLAIN_VERSION);
-    let before = counting.gets.load(std::sync::atomic::Ordering::Relaxed);
+    let before = counting.gets.load(Relaxed);
     tier.read_manifest(1, 0).unwrap();
-    assert_eq!(counting.gets.load(std::sync::atomic::Ordering::Relaxed) - before, 1, "one GET for an old step's manifest");
+    assert_eq!(counting.gets.load(Relaxed) - before, 1, "one GET for an old step's manifest");
     restores(&tier, 1).unwrap();
     assert_eq!(tier.ranks_written(2).unwrap(), vec![0]);
     for step in [3, 4] {
@@ -291,10 +306,12 @@ fn a_tier_of_the_old_layout_is_read_and_collected() {
     assert_eq!(tier.all_steps().unwrap(), vec![4]);
 }
 
-/// `Blobs` that counts its GETs.
+/// `Blobs` that counts its GETs, listings and existence checks.
 struct Counting {
     inner: Arc<dyn Blobs>,
     gets: std::sync::atomic::AtomicUsize,
+    lists: std::sync::atomic::AtomicUsize,
+    heads: std::sync::atomic::AtomicUsize,
 }
 
 impl Blobs for Counting {
@@ -311,16 +328,18 @@ impl Blobs for Counting {
         self.inner.create(key)
     }
     fn get(&self, key: &str) -> Result<Vec<u8>> {
-        self.gets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.gets.fetch_add(1, Relaxed);
         self.inner.get(key)
     }
     fn get_range(&self, key: &str, offset: u64, dst: &mut [u8]) -> Result<()> {
         self.inner.get_range(key, offset, dst)
     }
     fn exists(&self, key: &str) -> Result<bool> {
+        self.heads.fetch_add(1, Relaxed);
         self.inner.exists(key)
     }
     fn list(&self, prefix: &str) -> Result<Vec<String>> {
+        self.lists.fetch_add(1, Relaxed);
         self.inner.list(prefix)
     }
     fn lists_cheaply(&self) -> bool {

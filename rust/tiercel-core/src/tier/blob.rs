@@ -63,8 +63,9 @@ impl BlobTier {
     /// manifest left refers to (see `areas`). `keep` is the tier's retention.
     pub fn sweep_rank(&self, rank: u32, keep: Option<usize>) -> Result<Swept> {
         let area = self.area(rank);
-        let read = |step: u64| self.layout.read_manifest(step, rank);
-        areas::sweep(self.blobs(), &area, rank, keep, &read).map_err(|e| e.with_tier(&self.name))
+        let read = |step: u64| self.layout.read_manifest_in_area(step, rank);
+        let committed = |step: u64| self.blobs().exists(&format!("{}/{}", format::step_dir(step), format::COMMIT_NAME));
+        areas::sweep(self.blobs(), &area, rank, keep, &committed, &read).map_err(|e| e.with_tier(&self.name))
     }
 
     /// The chunks of `logical` whose bytes `prev` stores (by item and chunk index).
@@ -105,7 +106,7 @@ impl BlobTier {
         keys.insert(data_key.clone());
         let id = area.lock().begin(step, keys);
         let res = self.write_objects(logical, src, link, &reused, &data_key);
-        area.lock().end(id, res.as_ref().ok().map(|m| Arc::new(m.clone())));
+        area.lock().end(id, &data_key, res.as_ref().ok().map(|m| Arc::new(m.clone())));
         res
     }
 
