@@ -25,6 +25,7 @@ import pytest
 import tiercel
 from tiercel import cli
 from tiercel.cli.output import Progress, fmt_bytes
+
 from conftest import manifest_path
 
 WORLD = 2
