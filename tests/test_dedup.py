@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import tiercel
+
 from conftest import child_env, flip_byte, make_policy, manifest_path, new_shm_root
 from servers import moto_server, s3_env  # noqa: F401 (fixtures)
 

@@ -98,9 +98,9 @@ def cmd_ls(ctx: Ctx) -> int:
         for line in lines[1 + a:1 + b]:
             print("  " + line)
         if t["held_bytes"] is not None:
-            sizes = sum(s["stored_bytes"] or 0 for s in t["steps"] if s["state"] == "committed")
+            summed = sum(s["stored_bytes"] or 0 for s in t["steps"] if s["state"] == "committed")
             print(f"  holds {fmt_bytes(t['held_bytes'])} for its committed steps"
-                  + (f" (their sizes add up to {fmt_bytes(sizes)}: steps share chunks)" if sizes > t["held_bytes"] else ""))
+                  + (f" (their sizes add up to {fmt_bytes(summed)}: steps share chunks)" if summed > t["held_bytes"] else ""))
     for n in notes:
         print(f"warning: {n}", file=sys.stderr)
     for t in doc["tiers"]:

@@ -409,7 +409,10 @@ fn gc_follows_the_step_rule(subject: &TierSubject) {
     // Besides steps, only what a blob tier keeps in rank areas: those steps' manifests and
     // the data objects only they refer to.
     let objects: Vec<&str> = plan.iter().filter(|r| r.step().is_none()).map(|r| r.key().unwrap_or_default()).collect();
-    assert!(objects.iter().all(|k| k.starts_with(format::AREAS) && !k.contains("step-000000000004") && !k.contains("step-000000000005")), "{plan:?}");
+    assert!(
+        objects.iter().all(|k| k.starts_with(format::AREAS) && !k.contains("step-000000000004") && !k.contains("step-000000000005")),
+        "{plan:?}"
+    );
     assert_eq!(tier.all_steps().unwrap(), vec![1, 2, 3, 4, 5], "planning removes nothing");
     assert_eq!(tier.gc_apply(plan.clone()).unwrap(), plan);
     assert_eq!(tier.all_steps().unwrap(), vec![4, 5]);

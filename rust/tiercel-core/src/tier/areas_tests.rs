@@ -40,7 +40,16 @@ fn lora(step: u64, rank: u32) -> (Manifest, Src) {
         let chunks = format::chunk_ranges(bytes.len() as u64, CHUNK)
             .map(|(off, len)| {
                 let (crc32c, hash) = crate::checksum::crc32c_and_hash(&bytes[off as usize..(off + len) as usize]);
-                ChunkMeta { offset: off, len, crc32c, object: 0, stored_offset: off, stored_len: len, codec: "raw".into(), hash: Some(hash) }
+                ChunkMeta {
+                    offset: off,
+                    len,
+                    crc32c,
+                    object: 0,
+                    stored_offset: off,
+                    stored_len: len,
+                    codec: "raw".into(),
+                    hash: Some(hash),
+                }
             })
             .collect();
         m.items.push(ItemMeta {
@@ -104,7 +113,12 @@ fn fs_tier(root: &Path, dedup: bool) -> BlobTier {
 }
 
 fn counted_tier(root: &Path, dedup: bool) -> (BlobTier, Arc<Counting>) {
-    let counting = Arc::new(Counting { inner: Arc::new(FsBlobs::new("disk", root).unwrap()), gets: Default::default(), lists: Default::default(), heads: Default::default() });
+    let counting = Arc::new(Counting {
+        inner: Arc::new(FsBlobs::new("disk", root).unwrap()),
+        gets: Default::default(),
+        lists: Default::default(),
+        heads: Default::default(),
+    });
     (BlobTier::with_dedup("disk", counting.clone(), Compression::zstd(3), dedup), counting)
 }
 
@@ -281,7 +295,7 @@ fn a_tier_of_the_old_layout_is_read_and_collected() {
         let object = ObjectMeta { name: format::data_name(0), len: 0, key: None };
         let mut w = blobs.create(&format!("{}/{}", format::step_dir(step), format::data_name(0))).unwrap();
         let link = Link::new("l", None);
-        let m = crate::tier::encode_rank("disk", &m, &src, Compression::zstd(3), object, &link, &|_, _| true, &mut |b| w.write(b)).unwrap();
+        let m = crate::tier::encode_rank("disk", &m, &src, Compression::zstd(3), into(object), &link, &mut |b| w.write(b)).unwrap();
         w.finish().unwrap();
         old.write_manifest(&m).unwrap();
         assert!(old.try_commit(step, 1, None).unwrap());
@@ -304,6 +318,11 @@ fn a_tier_of_the_old_layout_is_read_and_collected() {
     assert!(!dir.path().join(format::step_dir(1)).exists(), "an old step's directory goes whole");
     restores(&tier, 4).unwrap();
     assert_eq!(tier.all_steps().unwrap(), vec![4]);
+}
+
+/// Every chunk into `object`.
+fn into(object: ObjectMeta) -> crate::tier::EncodeInto<'static> {
+    crate::tier::EncodeInto { object, store: &|_, _| true }
 }
 
 /// `Blobs` that counts its GETs, listings and existence checks.

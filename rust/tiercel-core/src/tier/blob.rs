@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use super::areas::{self, RankArea, StoredRef, Swept};
 use super::layout::StepLayout;
-use super::{encode_rank, Tier};
+use super::{encode_rank, EncodeInto, Tier};
 use crate::blobs::Blobs;
 use crate::codec::Compression;
 use crate::error::Result;
@@ -128,12 +128,13 @@ impl BlobTier {
         let store = |i: usize, c: usize| !reused.contains_key(&(i, c));
         let mut m = if fresh == 0 {
             // Nothing new: no data object at all.
-            let mut m = encode_rank(&self.name, logical, src, self.compression, object, link, &store, &mut |_| Ok(()))?;
+            let mut m =
+                encode_rank(&self.name, logical, src, self.compression, EncodeInto { object, store: &store }, link, &mut |_| Ok(()))?;
             m.objects.clear();
             m
         } else {
             let mut w = self.blobs().create(data_key)?;
-            match encode_rank(&self.name, logical, src, self.compression, object, link, &store, &mut |b| w.write(b)) {
+            match encode_rank(&self.name, logical, src, self.compression, EncodeInto { object, store: &store }, link, &mut |b| w.write(b)) {
                 Ok(m) => {
                     w.finish()?;
                     m

@@ -5,11 +5,11 @@
 //! The retention and cleanup rule every tier applies is `crate::gc`.
 
 mod areas;
+#[cfg(test)]
+mod areas_tests;
 pub mod blob;
 mod blob_gc;
 pub mod external;
-#[cfg(test)]
-mod areas_tests;
 #[cfg(test)]
 mod gc_tests;
 pub mod layout;
@@ -242,6 +242,13 @@ enum Stored<'a> {
 /// blob tier's writer holds a bounded amount of memory.
 const ENCODE_BATCH: usize = 8;
 
+/// Where `encode_rank` writes: the data object (its `len` is set) and which chunks go into it
+/// (by item and chunk index).
+pub struct EncodeInto<'a> {
+    pub object: format::ObjectMeta,
+    pub store: &'a dyn Fn(usize, usize) -> bool,
+}
+
 /// Streams the chunks of `logical` that `store` names (by item and chunk index) from `src`
 /// through `encode` into `sink`, in manifest order, and returns the manifest with this
 /// tier's stored layout: those chunks in one data object (`object`, whose `len` this sets),
@@ -253,11 +260,11 @@ pub fn encode_rank(
     logical: &Manifest,
     src: &dyn ChunkSource,
     compression: crate::codec::Compression,
-    object: format::ObjectMeta,
+    into: EncodeInto<'_>,
     link: &Link,
-    store: &dyn Fn(usize, usize) -> bool,
     sink: &mut dyn FnMut(&[u8]) -> Result<()>,
 ) -> Result<Manifest> {
+    let EncodeInto { object, store } = into;
     let mut out = logical.clone();
     out.tier = tier_name.into();
     let refs: Vec<(usize, usize)> = logical
