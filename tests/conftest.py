@@ -133,9 +133,8 @@ def manifest_path(root: str | os.PathLike, step: int, rank: int = 0) -> Path:
     """Where rank `rank`'s manifest of `step` lies under a tier's directory: the step's
     directory (the memory tier; format versions 1-2), else the rank's area (version 3)."""
     old = step_dir(root, step) / f"rank-{rank:05d}.manifest.json"
-    if old.exists():
-        return old
-    return rank_area(root, rank) / f"step-{step:012d}.manifest.json"
+    area = rank_area(root, rank) / f"step-{step:012d}.manifest.json"
+    return area if area.exists() and not old.exists() else old
 
 
 def rank_area(root: str | os.PathLike, rank: int) -> Path:

@@ -369,14 +369,12 @@ impl StepLayout {
     }
 
     /// Removes a step; its commit record goes first, so no reader sees it half-deleted. A
-    /// step in rank areas keeps nothing else in its directory: on an object store (where a
-    /// prefix is nothing but its objects) its commit record is all there is to delete. Its
-    /// manifests and data objects go with each rank's sweep (`tier::sweep`).
+    /// step in rank areas keeps nothing else in its directory, but a store whose directories
+    /// outlive their objects (a filesystem, a Python tier over one) keeps the directory, and
+    /// a step of versions 1-2 keeps everything there: the prefix goes too. Its manifests and
+    /// data objects in rank areas go with each rank's sweep (`tier::areas`) or gc.
     pub fn delete_step(&self, step: u64) -> Result<()> {
         self.blobs.delete(&key(step, format::COMMIT_NAME))?;
-        if self.in_areas(step) == Some(true) && !self.blobs.lists_cheaply() {
-            return Ok(());
-        }
         self.blobs.delete_prefix(&format::step_dir(step))
     }
 
