@@ -203,8 +203,8 @@ impl StepLayout {
 
     /// Ranks whose manifest of `step` is here (committed or not). In the step's directory:
     /// one listing. In rank areas: a look at each rank's manifest of 0..world size (the
-    /// commit record's, else this process's saves', else rank 0's manifest's), never a
-    /// listing of every area.
+    /// commit record's, else this process's saves'); a step of neither (not committed, saved
+    /// by another job) lists every area: a diagnosis, never a save's path.
     pub fn ranks(&self, step: u64) -> Result<Vec<u32>> {
         let names = self.blobs.list(&format::step_dir(step))?;
         let mut v: Vec<u32> = names.iter().filter_map(|n| n.strip_prefix("rank-")?.strip_suffix(".manifest.json")?.parse().ok()).collect();
@@ -212,23 +212,22 @@ impl StepLayout {
             v.sort_unstable();
             return Ok(v);
         }
-        let world =
-            if names.iter().any(|n| n == format::COMMIT_NAME) { Some(self.commit_record(step)?.world_size) } else { *self.world.lock() };
-        let world = match world {
-            Some(w) => w,
-            None => match self.read_manifest_at(step, 0, true) {
-                Ok(m) => m.world_size,
-                Err(e) if e.kind == ErrorKind::NotFound => return self.ranks_by_listing(step),
-                Err(e) => return Err(e),
-            },
-        };
-        let mut v = vec![];
-        for r in 0..world {
-            if self.blobs.exists(&format::area_manifest_key(step, r))? {
-                v.push(r);
+        let committed = names.iter().any(|n| n == format::COMMIT_NAME);
+        let world = if committed { Some(self.commit_record(step)?.world_size) } else { *self.world.lock() };
+        if let Some(world) = world {
+            let mut v = vec![];
+            for r in 0..world {
+                if self.blobs.exists(&format::area_manifest_key(step, r))? {
+                    v.push(r);
+                }
+            }
+            // This process's world size may not be the step's (another job's save): where it
+            // finds none, every area is looked at.
+            if committed || !v.is_empty() {
+                return Ok(v);
             }
         }
-        Ok(v)
+        self.ranks_by_listing(step)
     }
 
     /// Ranks with a manifest of `step` in their area, found by listing every area (a step
