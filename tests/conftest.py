@@ -130,7 +130,17 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
 
 
 def manifest_path(root: str | os.PathLike, step: int, rank: int = 0) -> Path:
-    return step_dir(root, step) / f"rank-{rank:05d}.manifest.json"
+    """Where rank `rank`'s manifest of `step` lies under a tier's directory: the step's
+    directory (the memory tier; format versions 1-2), else the rank's area (version 3)."""
+    old = step_dir(root, step) / f"rank-{rank:05d}.manifest.json"
+    area = rank_area(root, rank) / f"step-{step:012d}.manifest.json"
+    return area if area.exists() and not old.exists() else old
+
+
+def rank_area(root: str | os.PathLike, rank: int) -> Path:
+    """A rank's area under a blob tier's directory (format version 3), found by listing."""
+    found = list(Path(root).glob(f"ranks/*/rank-{rank:05d}"))
+    return found[0] if found else Path(root) / "ranks" / "??" / f"rank-{rank:05d}"
 
 
 def read_manifest(root: str | os.PathLike, step: int, rank: int = 0) -> dict:
@@ -142,7 +152,9 @@ def chunk_location(root: str | os.PathLike, step: int, item: str, chunk: int = 0
     m = read_manifest(root, step, rank)
     it = next(i for i in m["items"] if i["name"] == item)
     c = it["chunks"][chunk]
-    return step_dir(root, step) / m["objects"][c["object"]]["name"], c["stored_offset"], c["stored_len"]
+    obj = m["objects"][c["object"]]
+    path = Path(root) / obj["key"] if obj.get("key") else step_dir(root, step) / obj["name"]
+    return path, c["stored_offset"], c["stored_len"]
 
 
 def flip_byte(path: str | os.PathLike, offset: int) -> None:

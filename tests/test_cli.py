@@ -26,6 +26,8 @@ import tiercel
 from tiercel import cli
 from tiercel.cli.output import Progress, fmt_bytes
 
+from conftest import manifest_path
+
 WORLD = 2
 STEPS = (1, 2, 3, 4)
 
@@ -160,10 +162,21 @@ def test_ls_text_and_json_policy_from_env(env: Env):
     assert disk[1]["state"] == "uncommitted" and disk[1]["stored_bytes"] == 1000 and disk[1]["ranks"] == 0
     s4 = disk[4]
     raw = sum(v.nbytes for r_ in range(WORLD) for v in (state_of(4, r_)["model"]["w"], state_of(4, r_)["model"]["b"])) + 2 * 100
-    on_disk = sum(p.stat().st_size for p in env.step_dir("disk", 4).glob("rank-*.data"))
+    on_disk = stored_size(env.disk, 4)
     assert (s4["state"], s4["world_size"], s4["ranks"], s4["raw_bytes"], s4["stored_bytes"]) == ("committed", 2, 2, raw, on_disk)
     assert s4["stored_bytes"] < s4["raw_bytes"]  # zstd
     assert abs(s4["time"] - time.time()) < 600
+
+
+def stored_size(root: Path, step: int) -> int:
+    """Bytes of the distinct objects the step's manifests refer to (format version 3: in the
+    ranks' areas, possibly another step's), as they lie on disk."""
+    sizes = {}
+    for rank in range(WORLD):
+        m = json.loads(manifest_path(root, step, rank).read_text())
+        for o in m["objects"]:
+            sizes[o["key"]] = (root / o["key"]).stat().st_size
+    return sum(sizes.values())
 
 
 def test_inspect(env: Env):
@@ -195,11 +208,10 @@ def test_verify_ok_and_missing_step(env: Env):
 
 
 def test_verify_finds_flipped_byte(env: Env):
-    d = env.step_dir("disk", 4)
-    m = json.loads((d / "rank-00001.manifest.json").read_text())
+    m = json.loads(manifest_path(env.disk, 4, 1).read_text())
     item = next(i for i in m["items"] if i["name"] == "model/w")
     c = item["chunks"][1]
-    flip_byte(d / m["objects"][c["object"]]["name"], c["stored_offset"] + c["stored_len"] // 2)
+    flip_byte(env.disk / m["objects"][c["object"]]["key"], c["stored_offset"] + c["stored_len"] // 2)
 
     r = run("verify", policy=env.policy)
     assert r.returncode == 1, r.stdout + r.stderr
@@ -260,7 +272,9 @@ def test_gc_removes_leftovers_beyond_keep_and_stale_tmp(env: Env):
     assert "disk: removed step 1 (uncommitted leftover)" in out
     assert "disk: removed step 2 (committed; beyond keep 1)" in out
     assert f"disk: removed temp file step-{4:012d}/{stale.name} (stale temporary file: its writer (pid 999999999) is gone, 3 B)" in out
-    assert out.splitlines()[-1] == "gc: removed 5 steps and 1 temporary file"
+    # And in the rank areas, the manifests of the removed steps and what only they referred to.
+    assert out.splitlines()[-1].startswith("gc: removed 5 steps and 1 temporary file, "), out
+    assert "of rank areas" in out.splitlines()[-1]
 
     assert sorted(p.name for p in env.shm.glob("step-*")) == [f"step-{4:012d}"]
     assert sorted(p.name for p in env.disk.glob("step-*")) == [f"step-{4:012d}", f"step-{9:012d}"]
@@ -338,7 +352,7 @@ def test_gc_dry_run_removes_nothing(env: Env, capsys):
     tighter = env.write_policy(env.tmp / "keep1.toml", ram_keep=1, disk_keep=1)
     code, out, _ = main(capsys, "--policy", str(tighter), "gc", "--dry-run")
     assert code == 0
-    assert out.splitlines()[-1] == "gc: would remove 4 steps and 0 temporary files"
+    assert out.splitlines()[-1].startswith("gc: would remove 4 steps and 0 temporary files"), out
     assert d.is_dir() and len(list(env.shm.glob("step-*"))) == 3
 
 
@@ -403,12 +417,15 @@ def test_json_on_every_command_and_options_anywhere(env: Env, capsys):
 
     tighter = str(env.write_policy(env.tmp / "keep1.toml", ram_keep=1, disk_keep=1))
     gc = doc("gc", "--dry-run", "--json", "--policy", tighter)
-    assert gc["dry_run"] is True and gc["counts"] == {"steps": 3, "temp_files": 0, "uploads": 0, "segments": 0}
+    counts = {"steps": 3, "temp_files": 0, "uploads": 0, "segments": 0}
+    assert gc["dry_run"] is True and {k: v for k, v in gc["counts"].items() if k != "objects"} == counts
+    # Step 2's manifests in the disk tier's rank areas (format version 3), and what only they refer to.
+    assert gc["counts"]["objects"] >= WORLD
     by_tier = {t["name"]: t for t in gc["tiers"]}
     step = {"what": "step", "path": None, "bytes": None}
     assert by_tier["ram"]["removals"] == [step | {"step": 2, "reason": "committed; beyond keep 1"},
                                           step | {"step": 3, "reason": "committed; beyond keep 1"}]
-    assert [r["step"] for r in by_tier["disk"]["removals"]] == [2]
+    assert [r["step"] for r in by_tier["disk"]["removals"] if r["what"] == "step"] == [2]
     gc = doc("gc", "--json", "--policy", tighter)
     assert gc["dry_run"] is False and gc["counts"]["steps"] == 3
     assert doc("ls", "--json", "--policy", tighter)["tiers"][0]["steps"][0]["step"] == 4

@@ -113,8 +113,9 @@ def test_srun_tasks_without_torchrun_are_ranks_of_one_job(tmp_path, shm_root, di
     assert all(s["states"] == {"ram": "committed", "disk": "committed"} for s in seen), seen
     record = commit_record(disk_root, 3)
     assert record["job"]["run"] == "4711" and record["job"]["world_size"] == 2, record
-    assert sorted(p.name for p in step_dir(disk_root, 3).glob("rank-*.manifest.json")) == [
-        "rank-00000.manifest.json", "rank-00001.manifest.json"]
+    # Each rank's manifest in its own area (format version 3).
+    assert sorted(p.parent.name for p in disk_root.glob("ranks/*/rank-*/step-000000000003.manifest.json")) == [
+        "rank-00000", "rank-00001"]
 
 
 def test_a_process_of_the_batch_script_is_one_process(tmp_path, shm_root, disk_root):

@@ -270,14 +270,16 @@ def test_a_counted_commit_survives_the_death_of_its_committer_or_of_a_rank_befor
     assert len(died) == 1 and step2[died[0]][0] == -signal.SIGABRT and "failpoint 'commit_counted'" in step2[died[0]][1], step2
     assert all(code == 0 and '"written"' in out for code, out in step2 if code == 0), step2
     dir2 = disk_root / "step-000000000002"
-    assert sorted(p.name for p in dir2.glob("*.manifest.json")) == [f"rank-{r:05d}.manifest.json" for r in range(COMMIT_RANKS)]
+    # Every rank's manifest of step 2, each in its rank's area (format version 3).
+    written = sorted(p.parent.name for p in disk_root.glob("ranks/*/rank-*/step-000000000002.manifest.json"))
+    assert written == [f"rank-{r:05d}" for r in range(COMMIT_RANKS)]
     assert not (dir2 / "COMMIT").exists(), "committed although its committer died before the record"
 
     step3 = launch(policy, 3, tmp_path, lambda r: "persist" if r == 1 else None)
     assert step3[1][0] == -signal.SIGABRT and "failpoint 'persist'" in step3[1][1], step3
     assert step3[0][0] == 0 and step3[2][0] == 0, step3
     dir3 = disk_root / "step-000000000003"
-    assert not (dir3 / "rank-00001.manifest.json").exists() and not (dir3 / "COMMIT").exists()
+    assert not list(disk_root.glob("ranks/*/rank-00001/step-000000000003.manifest.json")) and not (dir3 / "COMMIT").exists()
 
     shutil.rmtree(shm_root)  # the host is gone: only the fs tier is left
     restored = [json.loads(out.strip().splitlines()[-1]) for code, out in launch(policy, 0, tmp_path, lambda r: None) if code == 0]

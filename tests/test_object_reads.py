@@ -22,7 +22,14 @@ from test_object_store import assert_same, s3, shm  # noqa: F401 (fixtures)
 
 MiB = 1 << 20
 PART = 5 * MiB
-KEY = "run/step-000000000001/rank-00000.data"
+# Rank 0's manifest of step 1, in its area (format version 3); its data object's key (a
+# per-save token in its name) is found by listing: `data_key`.
+MANIFEST = "run/ranks/3d/rank-00000/step-000000000001.manifest.json"
+
+
+def data_key(server, bucket: str) -> str:
+    [key] = [k for k in server.keys(bucket, "run/ranks/") if "/step-000000000001." in k and k.endswith(".data")]
+    return key
 
 
 def big_state() -> dict:
@@ -42,12 +49,12 @@ def policy(ram, disk, bucket: str, endpoint: str, compression: str) -> dict:
     }
 
 
-def boto3_ranged_gets(endpoint: str, bucket: str) -> int:
+def boto3_ranged_gets(endpoint: str, bucket: str, key: str) -> int:
     """Ranged GETs boto3's managed download of the step's data object sends, at the part size."""
     with FaultProxy(endpoint, faults={}) as proxy:
         client = boto3.client("s3", endpoint_url=proxy.endpoint, aws_access_key_id=ACCESS_KEY,
                               aws_secret_access_key=SECRET_KEY, region_name="us-east-1")
-        client.download_fileobj(bucket, KEY, io.BytesIO(), Config=TransferConfig(multipart_threshold=PART, multipart_chunksize=PART))
+        client.download_fileobj(bucket, key, io.BytesIO(), Config=TransferConfig(multipart_threshold=PART, multipart_chunksize=PART))
         return proxy.ranged_gets
 
 
@@ -64,8 +71,8 @@ def test_a_restore_sends_no_more_ranged_gets_than_boto3(s3, shm, tmp_path):
                 gets = proxy.ranged_gets - before
             assert_same(got, want)
         chunks = sum(-(-v.nbytes // MiB) for v in want.values())
-        stored = server.client().head_object(Bucket=bucket, Key=KEY)["ContentLength"]
-        boto = boto3_ranged_gets(server.endpoint, bucket)
+        stored = server.client().head_object(Bucket=bucket, Key=data_key(server, bucket))["ContentLength"]
+        boto = boto3_ranged_gets(server.endpoint, bucket, data_key(server, bucket))
         # One GET per 5 MiB of each item's stored chunks (items are read one after another),
         # where one per chunk would be 32.
         assert gets <= boto and gets <= len(want) + stored // PART, (compression, gets, boto, chunks, stored)
@@ -79,12 +86,13 @@ def test_a_bad_chunk_inside_a_merged_read_is_read_again_from_the_next_tier(s3, s
     with tiercel.Store(pol, rank=0, world_size=1) as store:
         assert store.save(1, want).wait(120) == {"ram": "committed", "s3": "committed", "disk": "committed"}
         client = server.client()
-        m = json.loads(client.get_object(Bucket=bucket, Key=KEY.replace(".data", ".manifest.json"))["Body"].read())
+        m = json.loads(client.get_object(Bucket=bucket, Key=MANIFEST)["Body"].read())
         item = next(i for i in m["items"] if i["name"].endswith("a"))
         chunk = item["chunks"][6]  # inside the second 5 MiB run of the item
-        data = bytearray(client.get_object(Bucket=bucket, Key=KEY)["Body"].read())
+        key = data_key(server, bucket)
+        data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
         data[chunk["stored_offset"] + 123] ^= 0x01
-        client.put_object(Bucket=bucket, Key=KEY, Body=bytes(data))
+        client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
         with caplog.at_level(logging.WARNING):
             r = store.reader(1, tiers=["s3", "disk"])
             got = r.get_all()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -136,6 +137,30 @@ def step_keys(server, bucket: str, prefix: str, step: int) -> list[str]:
     return server.keys(bucket, f"{prefix}/step-{step:012d}/")
 
 
+def area_keys(server, bucket: str, prefix: str, step: int, rank: int = 0) -> list[str]:
+    """Rank `rank`'s objects of `step` in its area (format version 3): its manifest and the
+    data object it wrote for the step."""
+    return sorted(k for k in server.keys(bucket, f"{prefix}/ranks/") if f"/rank-{rank:05d}/step-{step:012d}." in k)
+
+
+def data_key(server, bucket: str, prefix: str, step: int, rank: int = 0) -> str:
+    [key] = [k for k in area_keys(server, bucket, prefix, step, rank) if k.endswith(".data")]
+    return key
+
+
+def manifest_key(prefix: str, step: int, rank: int = 0) -> str:
+    return f"{prefix}/ranks/{RANK_PREFIX[rank]}/rank-{rank:05d}/step-{step:012d}.manifest.json"
+
+
+# format::rank_prefix of the ranks these tests save.
+RANK_PREFIX = {0: "3d"}
+
+
+def step_dirs(server, bucket: str, prefix: str) -> set[str]:
+    """The step directories under `prefix` (the rank areas aside)."""
+    return {k.split("/")[1] for k in server.keys(bucket, f"{prefix}/")} - {"ranks"}
+
+
 # -- save and restore --------------------------------------------------------------------------
 
 
@@ -148,13 +173,14 @@ def test_save_restore_through_s3_is_bit_identical(s3, shm):
         assert states == {"ram": "committed", "s3": "committed"}
         assert store.steps() == {"ram": [1], "s3": [1]}
     keys = step_keys(server, bucket, "run1", 1)
-    assert keys == ["run1/step-000000000001/COMMIT", "run1/step-000000000001/rank-00000.data",
-                    "run1/step-000000000001/rank-00000.manifest.json"], keys
+    assert keys == ["run1/step-000000000001/COMMIT"], keys
+    area = area_keys(server, bucket, "run1", 1)
+    assert len(area) == 2 and area[1] == manifest_key("run1", 1) and area[0].endswith(".data"), area
     got, info = restore_from(pol, shm())
     assert_same(got, want)
     assert info.tier == "s3" and set(info.tiers) == {"s3"}, info
     # zstd:3 (the default) shrank the compressible items: fewer bytes stored than saved.
-    stored = server.client().head_object(Bucket=bucket, Key="run1/step-000000000001/rank-00000.data")["ContentLength"]
+    stored = server.client().head_object(Bucket=bucket, Key=data_key(server, bucket, "run1", 1))["ContentLength"]
     assert stored < info.nbytes
 
 
@@ -184,7 +210,7 @@ def test_objects_larger_than_a_part_go_up_as_parallel_multipart_uploads(s3, shm)
     want = state(3, noise_bytes=17 * MiB, floats=10)
     with tiercel.Store(pol, rank=0, world_size=1) as store:
         assert save_wait(store, 1, want)["s3"] == "committed"
-    head = server.client().head_object(Bucket=bucket, Key="mp/step-000000000001/rank-00000.data")
+    head = server.client().head_object(Bucket=bucket, Key=data_key(server, bucket, "mp", 1))
     # A multipart object's ETag ends in "-<parts>": 17+ MiB in 5 MiB parts is 4 parts.
     assert head["ETag"].strip('"').endswith("-4"), head["ETag"]
     assert head["ContentLength"] > 17 * MiB
@@ -209,7 +235,7 @@ def test_a_step_is_visible_only_once_every_rank_committed(s3, shm):
             h0.wait(3)
         assert h0.states()["s3"] == "written", h0.states()
         keys = step_keys(server, bucket, "two", 1)
-        assert "two/step-000000000001/rank-00000.manifest.json" in keys
+        assert manifest_key("two", 1) in area_keys(server, bucket, "two", 1)
         assert not any(k.endswith("/COMMIT") for k in keys), keys
         assert r0.steps()["s3"] == []
         assert save_wait(r1, 1, state(11, 50_000, 1000))["s3"] == "committed"
@@ -232,10 +258,10 @@ def test_a_corrupt_object_is_an_integrity_error_naming_tier_step_rank_item(s3, s
     want = state(4, noise_bytes=300_000, floats=1000)
     with tiercel.Store(pol, rank=0, world_size=1) as store:
         save_wait(store, 3, want)
-        m = json.loads(server.client().get_object(Bucket=bucket, Key="rot/step-000000000003/rank-00000.manifest.json")["Body"].read())
+        m = json.loads(server.client().get_object(Bucket=bucket, Key=manifest_key("rot", 3))["Body"].read())
         item = next(i for i in m["items"] if i["name"].endswith("noise"))
         chunk = item["chunks"][1]
-        key = "rot/step-000000000003/rank-00000.data"
+        key = data_key(server, bucket, "rot", 3)
         data = bytearray(server.client().get_object(Bucket=bucket, Key=key)["Body"].read())
         data[chunk["stored_offset"] + 10] ^= 0x40
         server.client().put_object(Bucket=bucket, Key=key, Body=bytes(data))
@@ -261,7 +287,7 @@ def test_delete_step_and_keep_remove_whole_steps(s3, shm):
             save_wait(store, step, state(step, 20_000, 100))
         store.flush()  # retention runs after the commit that the handle reports
         assert store.steps()["s3"] == [3, 4]
-        assert {k.split("/")[1] for k in server.keys(bucket, "keep/")} == {"step-000000000003", "step-000000000004"}
+        assert step_dirs(server, bucket, "keep") == {"step-000000000003", "step-000000000004"}
         store._core.delete_step("s3", 3)
         assert store.steps()["s3"] == [4]
         assert step_keys(server, bucket, "keep", 3) == []
@@ -337,7 +363,7 @@ def test_a_server_that_goes_away_fails_the_persist_clearly_and_loses_nothing(s3,
             assert store.steps()["s3"] == [1, 4]
         assert server.uploads(bucket) == []
         assert server.keys(bucket, "down/.uploads/") == []
-        assert {k.split("/")[1] for k in server.keys(bucket, "down/")} == {"step-000000000001", "step-000000000004"}
+        assert step_dirs(server, bucket, "down") == {"step-000000000001", "step-000000000004"}
         got, _ = restore_from(pol, shm(), 4)
         assert_same(got, want4)
 
@@ -397,8 +423,8 @@ def test_kill_9_during_a_multipart_upload(s3, shm, request):
     finally:
         toml.unlink()
     assert gc.returncode == 0, gc.stderr
-    assert f"s3: aborted the abandoned multipart upload of s3://{bucket}/killed/step-000000000002/rank-00000.data" \
-        f" by pid {child.pid} (gone)" in gc.stdout, gc.stdout
+    assert re.search(f"s3: aborted the abandoned multipart upload of s3://{bucket}/killed/ranks/3d/rank-00000/"
+                     f"step-000000000002\\.[0-9a-f]{{16}}\\.data by pid {child.pid} \\(gone\\)", gc.stdout), gc.stdout
     assert "aborted 1 abandoned upload" in gc.stdout, gc.stdout
     assert server.uploads(bucket) == []
     assert server.keys(bucket, "killed/.uploads/") == []
@@ -435,7 +461,8 @@ def test_an_upload_killed_before_its_marker_is_aborted_by_gc(s3, shm):
     child = subprocess.run([sys.executable, "-c", UNMARKED_WRITER, json.dumps(pol)], capture_output=True, text=True,
                            env=env, cwd=TESTS_DIR, timeout=120)
     assert child.returncode == -signal.SIGABRT and "failpoint 'upload'" in child.stderr, child.stderr
-    assert [u["Key"] for u in server.uploads(bucket)] == ["early/step-000000000001/rank-00000.data"]
+    assert [re.sub(r"\.[0-9a-f]{16}\.", ".*.", u["Key"]) for u in server.uploads(bucket)] == [
+        "early/ranks/3d/rank-00000/step-000000000001.*.data"]
     assert server.keys(bucket, "early/.uploads/") == []  # it died before its marker
     # An upload under another prefix of the bucket is not this tier's to abort.
     other = server.client().create_multipart_upload(Bucket=bucket, Key="elsewhere/x.data")["UploadId"]
@@ -446,7 +473,7 @@ def test_an_upload_killed_before_its_marker_is_aborted_by_gc(s3, shm):
         young = [r for r in store._core.gc_plan("s3") if r["what"] == "upload"]
         assert len(young) == (1 if server.name == "moto" else 0), young
         done = [r["reason"] for r in store._core.gc("s3", tmp_age=0) if r["what"] == "upload"]
-    assert len(done) == 1 and "early/step-000000000001/rank-00000.data that no marker names" in done[0], done
+    assert len(done) == 1 and re.search(r"early/ranks/3d/rank-00000/step-000000000001\.[0-9a-f]{16}\.data that no marker names", done[0]), done
     assert [(u["Key"], u["UploadId"]) for u in server.uploads(bucket)] == [("elsewhere/x.data", other)]
     server.client().abort_multipart_upload(Bucket=bucket, Key="elsewhere/x.data", UploadId=other)
 
@@ -492,11 +519,12 @@ def test_gcs_tier_reads_lists_checks_and_deletes_on_fake_gcs_server(moto, gcs, s
             got = store.reader(s, tiers=["bucket"]).get_all()  # ranged GETs, checksums verified
             assert_same(got, want)
         # A flipped byte is an integrity error naming tier, step, rank, item.
-        m = json.loads(c.get_object(Bucket=s3bucket, Key="run/step-000000000002/rank-00000.manifest.json")["Body"].read())
+        m = json.loads(c.get_object(Bucket=s3bucket, Key=manifest_key("run", 2))["Body"].read())
         item = next(i for i in m["items"] if i["name"].endswith("noise"))
-        data = bytearray(c.get_object(Bucket=s3bucket, Key="run/step-000000000002/rank-00000.data")["Body"].read())
+        key = "run/" + m["objects"][item["chunks"][0]["object"]]["key"]
+        data = bytearray(c.get_object(Bucket=s3bucket, Key=key)["Body"].read())
         data[item["chunks"][0]["stored_offset"] + 5] ^= 1
-        gserver.upload(gbucket, "run/step-000000000002/rank-00000.data", bytes(data))
+        gserver.upload(gbucket, key, bytes(data))
         with pytest.raises(tiercel.IntegrityError) as ei:
             store.reader(2, tiers=["bucket"]).get_all()
         for part in ("tier 'bucket'", "step 2", "rank 0", f"item '{item['name']}'"):
@@ -519,7 +547,7 @@ def test_gcs_tier_reads_lists_checks_and_deletes_on_fake_gcs_server(moto, gcs, s
         with pytest.raises(tiercel.TierUnavailableError) as ei:
             h.wait(60)
         msg = str(ei.value)
-        assert "tier 'bucket'" in msg and f"gs://{gbucket}/run/step-000000000004/" in msg, msg
+        assert "tier 'bucket'" in msg and f"gs://{gbucket}/{manifest_key('run', 4).split('.')[0]}." in msg, msg
         assert_same(store.restore(4), wants[1])  # from the memory tier
         assert store.steps()["bucket"] == [3]
 

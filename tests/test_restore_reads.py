@@ -49,7 +49,8 @@ def metadata_reads(proxy: FaultProxy, before: Counter[str]) -> dict[str, int]:
 
 
 COMMIT_2 = "step-000000000002/COMMIT"
-MANIFEST_2 = "step-000000000002/rank-00000.manifest.json"
+# In rank 0's area (format version 3): the last two parts of its key.
+MANIFEST_2 = "rank-00000/step-000000000002.manifest.json"
 
 
 def test_a_restore_reads_each_commit_record_and_manifest_once(moto_server, s3_env, shm_root, tmp_path):  # noqa: F811

@@ -150,7 +150,19 @@ def _store_round(factory: str, options: dict[str, Any], obj: Any) -> list[str]:
     problems: list[str] = []
     shm = Path("/dev/shm") / f"tiercel-check-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     policy = tier_policy(shm, factory, options)
-    data_key = lambda step: f"{_core.step_dir_name(step)}/rank-00000.data"  # noqa: E731
+    def data_key(store: Any, step: int) -> str:
+        """The key of rank 0's data object of `step`: in its rank area (format version 3), or
+        in the step's directory."""
+        obj0 = json.loads(store._core.manifest_json("user", step, 0))["objects"][0]
+        return obj0.get("key") or f"{_core.step_dir_name(step)}/{obj0['name']}"
+
+    def area_names() -> list[str]:
+        """The names in rank 0's area (format version 3), found by listing."""
+        for p in obj.list("ranks"):
+            if "rank-00000" in obj.list(f"ranks/{p}"):
+                return obj.list(f"ranks/{p}/rank-00000")
+        return []
+
     try:
         with tiercel.Store(policy, rank=0, world_size=1) as store:
             for step in (1, 2):
@@ -172,7 +184,7 @@ def _store_round(factory: str, options: dict[str, Any], obj: Any) -> list[str]:
             if not _same(restored, _state(2)):
                 problems.append("restore: step 2 read back from the tier differs from what was saved")
             # One flipped byte in the middle of step 2's data object.
-            key = data_key(2)
+            key = data_key(store, 2)
             blob = bytearray(_read_all(obj, key))
             blob[len(blob) // 2] ^= 0x40
             obj.put(key, bytes(blob))
@@ -187,7 +199,7 @@ def _store_round(factory: str, options: dict[str, Any], obj: Any) -> list[str]:
             # gc: once step 4 commits, what the killed save of step 3 left goes.
             store.save(4, _state(4)).wait(commit=True)
             store._core.gc("user", 0.0)
-            left = [n for n in obj.list("") if n.startswith(_core.step_dir_name(3))]
+            left = [n for n in obj.list("") + area_names() if n.startswith(_core.step_dir_name(3))]
             if left:
                 problems.append(f"gc: the killed save's step 3 is still on the tier: {left}")
     except Exception as e:

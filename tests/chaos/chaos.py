@@ -21,7 +21,7 @@ from typing import Any
 
 import tiercel
 
-from chaos_state import state
+import chaos_state
 from conftest import PYTHON, assert_same, child_env
 
 # The points the core can abort at (rust/tiercel-core/src/failpoint.rs).
@@ -40,6 +40,10 @@ class Chaos:
     kills: Counter = field(default_factory=Counter)
     checks: int = 0
     steps_verified: int = 0
+    # The saver's state: a function of chaos_state, (step, nbytes) -> state.
+    state: str = "state"
+    # Failpoints of the campaign (`campaign`'s planned cycles).
+    failpoints: tuple[str, ...] = FAILPOINTS
 
     def kill_cycle(self, failpoint: str | None = None, count: int = 1, max_delay: float = 0.6) -> str:
         """Runs the saver until it is killed: at `failpoint`'s `count`-th hit when given (it
@@ -52,7 +56,7 @@ class Chaos:
         err_path = self.log_dir / f"saver-{time.monotonic_ns()}.stderr"
         lines: list[str] = []
         with open(err_path, "w") as err:
-            p = subprocess.Popen([PYTHON, str(SAVER), json.dumps(self.policy), "chaos_state:state", "--nbytes", str(self.nbytes),
+            p = subprocess.Popen([PYTHON, str(SAVER), json.dumps(self.policy), f"chaos_state:{self.state}", "--nbytes", str(self.nbytes),
                                   "--flush-every", "5"], stdout=subprocess.PIPE,
                                  stderr=err, text=True, env=child_env(extra))
         assert p.stdout is not None
@@ -97,7 +101,7 @@ class Chaos:
             for tier, steps in committed.items():
                 for step in steps:
                     r = store.reader(step, tiers=[tier])
-                    assert_same(r.get_all(), state(step, self.nbytes), f"{tier} step {step}")
+                    assert_same(r.get_all(), getattr(chaos_state, self.state)(step, self.nbytes), f"{tier} step {step}")
                     self.steps_verified += 1
                 for step in set(store._core.all_steps(tier)) - set(steps):
                     try:
@@ -111,7 +115,7 @@ class Chaos:
 
     def campaign(self, kills: int) -> dict[str, Any]:
         """`kills` cycles: first each failpoint at hits 1-3, then random kills."""
-        planned = [(fp, c) for c in (1, 2, 3) for fp in FAILPOINTS][:kills]
+        planned = [(fp, c) for c in (1, 2, 3) for fp in self.failpoints][:kills]
         t0 = time.monotonic()
         for fp, c in planned:
             self.kill_cycle(fp, c)

@@ -54,6 +54,24 @@ class RankSizes:
     stored: int = 0
     raw: int = 0
     errors: list[str] = field(default_factory=list)
+    # Every object the step's manifests refer to, by its key from the tier's root, with its
+    # length: objects shared between steps (format version 3) appear under one key.
+    objects: dict[str, int] = field(default_factory=dict)
+
+
+def object_key(step: int, obj: dict) -> str:
+    """An object's key from the tier's root: its `key` (format version 3), else its name in
+    the step's directory."""
+    return obj.get("key") or f"step-{step:012d}/{obj['name']}"
+
+
+def shared_bytes(step: int, m: dict) -> int:
+    """The stored bytes of `m`'s chunks that lie in another step's data object (shared with
+    that step: format version 3)."""
+    own = f"step-{step:012d}."
+    foreign = {i for i, o in enumerate(m["objects"]) if o.get("key") and not o["key"].rsplit("/", 1)[-1].startswith(own)}
+    return sum(c["stored_len"] for it in m["items"] for c in it["chunks"]
+               if c["object"] in foreign and not (it.get("replica") or {}).get("shared"))
 
 
 class Ctx:
@@ -122,6 +140,7 @@ class Ctx:
                 continue
             sizes.ranks += 1
             sizes.stored += sum(o["len"] for o in m["objects"])
+            sizes.objects.update((object_key(step, o), o["len"]) for o in m["objects"])
             sizes.raw += sum(i["nbytes"] for i in m["items"])
         return sizes
 

@@ -1,6 +1,6 @@
 """`tiercel gc [--dry-run]`: what the core's gc planner says may go from each tier (steps
 beyond `keep`, uncommitted leftovers, temporary files and spare segments of dead writers,
-abandoned uploads), removed or, dry, listed. The rules live in the core (gc.rs); this
+abandoned uploads, objects of rank areas that nothing kept refers to), removed or, dry, listed. The rules live in the core (gc.rs); this
 module only reports."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from .output import Progress, count, fmt_bytes, json_out
 DEFAULT_TMP_AGE = 600.0
 
 #: The core's kinds of removal and how the summary counts them.
-KINDS = {"step": "steps", "temp file": "temp_files", "upload": "uploads", "segment": "segments"}
+KINDS = {"step": "steps", "temp file": "temp_files", "upload": "uploads", "segment": "segments", "object": "objects"}
 
 
 def _line(r: dict[str, Any], dry_run: bool) -> str:
@@ -62,6 +62,8 @@ def cmd_gc(ctx: Ctx) -> int:
     c = doc["counts"]
     if removals:
         extra = f", {count(c['segments'], 'spare segment')}" if c["segments"] else ""
+        if c["objects"]:  # manifests and data objects of rank areas (format version 3)
+            extra += f", {count(c['objects'], 'object')} of rank areas"
         if c["uploads"]:
             extra += f", {'would abort' if a.dry_run else 'aborted'} {count(c['uploads'], 'abandoned upload')}"
         print(f"gc: {verb} {count(c['steps'], 'step')} and {count(c['temp_files'], 'temporary file')}{extra}")

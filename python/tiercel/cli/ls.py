@@ -38,12 +38,16 @@ def cmd_ls(ctx: Ctx) -> int:
     prog = Progress("ls: reading manifests", sum(i.state == "committed" for _, infos, _, _ in scans for i in infos), unit="step")
     for t, infos, error, skipped in scans:
         steps = []
+        # The objects the committed steps refer to, each once: what the tier really holds
+        # for them (steps share objects in format version 3).
+        held: dict[str, int] = {}
         for info in infos:
             entry: dict[str, Any] = {"step": info.step, "state": info.state}
             if info.state == "committed":
                 assert info.record is not None
                 ws = info.record["world_size"]
                 sizes = ctx.committed_sizes(t["name"], info.step, ws)
+                held.update(sizes.objects)
                 prog.update(done=prog.done + 1)
                 entry.update(world_size=ws, ranks=sizes.ranks, stored_bytes=sizes.stored, raw_bytes=sizes.raw,
                              time=info.record["time"], error="; ".join(sizes.errors) or None)
@@ -53,7 +57,8 @@ def cmd_ls(ctx: Ctx) -> int:
                 entry.update(world_size=None, ranks=None, stored_bytes=None, raw_bytes=None, time=None, error=info.error)
             steps.append(entry)
         doc["tiers"].append({k: t[k] for k in ("name", "kind", "location", "every", "keep", "compression")}
-                            | {"error": error, "skipped": skipped, "steps": steps})
+                            | {"error": error, "skipped": skipped, "steps": steps,
+                               "held_bytes": sum(held.values()) if steps else None})
     prog.finish()
     code = EXIT_ERROR if any(t["error"] for t in doc["tiers"]) else EXIT_OK
     if ctx.args.json:
@@ -92,6 +97,10 @@ def cmd_ls(ctx: Ctx) -> int:
         print("  " + lines[0])
         for line in lines[1 + a:1 + b]:
             print("  " + line)
+        if t["held_bytes"] is not None:
+            summed = sum(s["stored_bytes"] or 0 for s in t["steps"] if s["state"] == "committed")
+            print(f"  holds {fmt_bytes(t['held_bytes'])} for its committed steps"
+                  + (f" (their sizes add up to {fmt_bytes(summed)}: steps share chunks)" if summed > t["held_bytes"] else ""))
     for n in notes:
         print(f"warning: {n}", file=sys.stderr)
     for t in doc["tiers"]:

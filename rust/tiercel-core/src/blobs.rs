@@ -70,6 +70,11 @@ pub trait Blobs: Send + Sync {
     fn delete(&self, key: &str) -> Result<()>;
     /// Deletes everything under `prefix`.
     fn delete_prefix(&self, prefix: &str) -> Result<()>;
+    /// Deletes `names` (keys), in order, without listing; missing keys are not errors. The
+    /// default deletes one by one; object stores batch them (DeleteObjects, 1,000 a request).
+    fn delete_names(&self, names: &[String]) -> Result<()> {
+        names.iter().try_for_each(|n| self.delete(n))
+    }
     /// What writers that died left here (see `gc`): temporary files of writers that
     /// are gone, at least `temp_age` old (None: none of them), on a filesystem; abandoned
     /// multipart uploads on an object store.

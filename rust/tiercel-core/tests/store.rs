@@ -419,7 +419,7 @@ fn read_range_reads_only_the_chunks_it_needs() {
     let disk_m = store.slot("disk").unwrap().tier.read_manifest(1, 0).unwrap();
     let w = disk_m.item_index("model/w").unwrap();
     let c3 = &disk_m.items[w].chunks[3];
-    flip_byte(&dirs.disk().join(format::step_dir(1)).join(&disk_m.objects[0].name), c3.stored_offset + c3.stored_len / 2);
+    flip_byte(&dirs.disk().join(disk_m.objects[c3.object as usize].key_in(1)), c3.stored_offset + c3.stored_len / 2);
     let reader = StepReader::open(&store, 1, 0, Some(&only("disk")), &JobFilter::Mine).unwrap();
     let (d, _) = reader.read_range(w, 0, 3 * C).unwrap();
     assert!(d.bytes() == &want[..3 * C as usize]);
