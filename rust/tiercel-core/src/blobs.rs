@@ -70,6 +70,14 @@ pub trait Blobs: Send + Sync {
     fn delete(&self, key: &str) -> Result<()>;
     /// Deletes everything under `prefix`.
     fn delete_prefix(&self, prefix: &str) -> Result<()>;
+    /// Deletes the objects `names` (keys, as `delete` takes them), whose names the caller
+    /// knows, so that nothing is listed to find them; names that are not there are not an
+    /// error. One by one here (a filesystem: an unlink each); an object store overrides it
+    /// with its bulk delete (S3's DeleteObjects, 1,000 keys a request). The first failure
+    /// ends the call; what was deleted before it stays deleted.
+    fn delete_names(&self, names: &[String]) -> Result<()> {
+        names.iter().try_for_each(|n| self.delete(n))
+    }
     /// What writers that died left here (see `gc`): temporary files of writers that
     /// are gone, at least `temp_age` old (None: none of them), on a filesystem; abandoned
     /// multipart uploads on an object store.
