@@ -125,6 +125,8 @@ impl StepReport {
             "peak_prefix_writes_at": self.tally.peak_writes.1,
             "peak_prefix_reads_per_s": self.tally.peak_reads.0,
             "peak_prefix_reads_at": self.tally.peak_reads.1,
+            "prefixes_written": self.tally.writes_by_prefix.len(),
+            "busiest_prefix_writes": self.tally.writes_by_prefix.values().max().copied().unwrap_or(0),
             "wall_s": self.wall.as_secs_f64(),
             "commit_delay_s": self.commit_delay.map(|d| d.as_secs_f64()),
             "failed_ranks": self.failed,
@@ -265,21 +267,21 @@ struct Env {
     counter: Arc<SimCounter>,
 }
 
-fn report(cfg: &SimConfig, env: &Env, step: u64, started: Instant, outcomes: &[Outcome]) -> StepReport {
+fn report(env: &Env, step: u64, started: Instant, outcomes: &[Outcome]) -> StepReport {
     let blobs = &env.blobs;
     let wall = started.elapsed();
-    let dir = format::step_dir(step);
-    let last = (0..cfg.ranks).filter_map(|r| blobs.visible_at(&format!("{dir}/{}", format::manifest_name(r)))).max();
-    let commit = blobs.visible_at(&format!("{dir}/{}", format::COMMIT_NAME));
     let errors: Vec<String> = outcomes.iter().filter_map(|o| o.as_ref().err().cloned()).collect();
+    // The step's own manifests and commit record are the only ones put during it, wherever
+    // the layout keeps them.
+    let tally = blobs.take_tally();
     StepReport {
         step,
-        tally: blobs.take_tally(),
-        wall,
-        commit_delay: match (last, commit) {
+        commit_delay: match (tally.last_manifest, tally.last_commit) {
             (Some(l), Some(c)) => Some(c.saturating_duration_since(l)),
             _ => None,
         },
+        tally,
+        wall,
         failed: errors.len() as u32,
         errors: errors.into_iter().take(3).collect(),
         stopped: blobs.stop.swap(false, std::sync::atomic::Ordering::Relaxed),
@@ -292,7 +294,7 @@ fn run_sequential(cfg: &SimConfig, env: &Env, mut ranks: Vec<Rank>) -> Vec<StepR
         .map(|step| {
             let started = Instant::now();
             let outcomes: Vec<Outcome> = ranks.iter_mut().map(|r| r.persist(cfg, step).map_err(|e| e.to_string())).collect();
-            report(cfg, env, step, started, &outcomes)
+            report(env, step, started, &outcomes)
         })
         .collect()
 }
@@ -337,7 +339,7 @@ fn run_threads(cfg: &SimConfig, env: &Env, ranks: Vec<Rank>) -> Vec<StepReport> 
             }
         }
         done.wait();
-        out.push(report(cfg, env, step, started, &outcomes));
+        out.push(report(env, step, started, &outcomes));
     }
     for h in handles {
         let _ = h.join();
