@@ -59,9 +59,11 @@ def simulate_saves(binary: Path, n: int, protocol: str, args: argparse.Namespace
     cmd = [str(binary), "--ranks", str(n), "--steps", str(args.steps), "--keep", "1", "--protocol", protocol,
            "--latency-ms", str(args.latency_ms), "--time-limit-s", str(args.time_limit_s),
            "--kv-latency-ms", str(args.kv_latency_ms), "--kv-service-us", str(args.kv_service_us)]
+    # The host's load (other work on a shared machine) stretches the times, never the counts.
+    load = os.getloadavg()[0]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     run = json.loads(out.splitlines()[-1])
-    return {**run["steps"][-1], "ranks": n, "protocol": protocol}
+    return {**run["steps"][-1], "ranks": n, "protocol": protocol, "load": [load, os.getloadavg()[0]]}
 
 
 def row(s: dict, agree: _agree_sim.AgreeResult | None) -> str:
@@ -70,17 +72,21 @@ def row(s: dict, agree: _agree_sim.AgreeResult | None) -> str:
     note = " (stopped)" if s["stopped"] else (f" ({s['failed_ranks']} ranks failed)" if s["failed_ranks"] else "")
     ag = "" if agree is None else f"{agree.estimate_s:.2f} ({agree.seconds:.2f}) | {agree.ops_per_rank:.2f}"
     return (f"| {s['ranks']:,} | {s['protocol']} | {s['per_rank']:.1f}{note} | {k['GET']:,} | {k['LIST']:,} | {k['HEAD']:,} | "
-            f"{k['PUT']:,} | {k['DELETE'] + k['POST']:,} | {s['peak_prefix_writes_per_s']:,} / {s['peak_prefix_reads_per_s']:,} | "
+            f"{k['PUT']:,} | {k['DELETE'] + k['POST']:,} | {s['prefixes_written']:,} | {s['busiest_prefix_writes']:,} | "
+            f"{s['peak_prefix_writes_per_s']:,} / {s['peak_prefix_reads_per_s']:,} | "
             f"{s['slowdowns']:,} | {delay} | {ag} |")
 
 
 def table(saves: list[dict], agrees: dict[int, _agree_sim.AgreeResult], args: argparse.Namespace) -> str:
+    loads = [x for s in saves for x in s.get("load", [])]
+    load = f" Load average of this host ({os.cpu_count()} cores) over the runs: {min(loads):.1f}-{max(loads):.1f}." if loads else ""
     head = (f"Object store: {args.latency_ms:g} ms a request, {S3_WRITES:,} writes and {S3_READS:,} reads a second per prefix; "
-            f"coordinator: {args.kv_latency_ms:g} ms a call, {args.kv_service_us:g} µs of its server each.\n\n"
-            "| ranks | commit | requests per rank | GET | LIST | HEAD | PUT | DELETE (+ multi) | busiest prefix, writes / reads per s | "
+            f"coordinator: {args.kv_latency_ms:g} ms a call, {args.kv_service_us:g} µs of its server each.{load}\n\n"
+            "| ranks | commit | requests per rank | GET | LIST | HEAD | PUT | DELETE (+ multi) | prefixes written | "
+            "writes on the busiest prefix | busiest prefix in its busiest second, writes / reads | "
             "503s | commit after last data (s) | restore agreement (s): critical path (simulated here) | "
             "agreement: coordinator calls per rank |\n"
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     return head + "\n".join(row(s, agrees.get(s["ranks"])) for s in saves) + "\n"
 
 
