@@ -130,7 +130,7 @@ fn sample_manifest() -> Manifest {
         });
         pos = format::align_up(pos + n, 64);
     }
-    m.objects.push(ObjectMeta { name: format::part_name(1, 0), len: pos });
+    m.objects.push(ObjectMeta { name: format::part_name(1, 0), len: pos, key: None });
     m
 }
 

@@ -55,6 +55,8 @@ pub enum Target {
     Upload { key: String, marker: String, upload_id: String },
     /// A spare shared-memory segment of a process that is gone (memory tier).
     Segment { key: String, bytes: u64 },
+    /// A manifest or data object in a rank area (version 3) that nothing kept refers to.
+    Object { key: String, bytes: Option<u64> },
 }
 
 /// One entry of a plan: what, and why.
@@ -69,13 +71,14 @@ impl Removal {
         Removal { target, reason: reason.into() }
     }
 
-    /// "step", "temp file", "upload" or "segment".
+    /// "step", "temp file", "upload", "segment" or "object".
     pub fn what(&self) -> &'static str {
         match self.target {
             Target::Step(_) => "step",
             Target::TempFile { .. } => "temp file",
             Target::Upload { .. } => "upload",
             Target::Segment { .. } => "segment",
+            Target::Object { .. } => "object",
         }
     }
 
@@ -90,7 +93,9 @@ impl Removal {
     pub fn key(&self) -> Option<&str> {
         match &self.target {
             Target::Step(_) => None,
-            Target::TempFile { key, .. } | Target::Upload { key, .. } | Target::Segment { key, .. } => Some(key),
+            Target::TempFile { key, .. } | Target::Upload { key, .. } | Target::Segment { key, .. } | Target::Object { key, .. } => {
+                Some(key)
+            }
         }
     }
 
@@ -98,6 +103,7 @@ impl Removal {
     pub fn bytes(&self) -> Option<u64> {
         match self.target {
             Target::TempFile { bytes, .. } | Target::Segment { bytes, .. } => Some(bytes),
+            Target::Object { bytes, .. } => bytes,
             _ => None,
         }
     }

@@ -19,6 +19,7 @@
 //! nesting limit.
 
 mod integrity;
+mod names;
 mod source;
 
 use serde::{Deserialize, Serialize};
@@ -26,12 +27,19 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use integrity::{check_depth, seal};
 pub use integrity::{json_depth, unseal, MAX_TREE_DEPTH};
+pub use names::{area_data_key, area_manifest_key, parse_area_name, parse_rank_dir, rank_area, unique_token, AreaEntry, AREAS};
 pub use source::ChunkSource;
 
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 /// The version written when no item is stored by reference (`Replica::shared`): readers of
 /// version 1 read such manifests as before.
 pub const PLAIN_VERSION: u32 = 1;
+/// The version of manifests with items stored by another rank (`Replica::shared`).
+pub const SHARED_VERSION: u32 = 2;
+/// The version of a blob tier's per-rank areas (`names`): manifests whose objects carry a
+/// root-relative `key` (chunks may lie in an earlier step's object), and the commit records
+/// of steps whose manifests lie in rank areas.
+pub const AREAS_VERSION: u32 = 3;
 pub const MANIFEST_FORMAT: &str = "tiercel-manifest";
 pub const COMMIT_FORMAT: &str = "tiercel-commit";
 pub const COMMIT_NAME: &str = "COMMIT";
@@ -178,6 +186,21 @@ impl ShardInfo {
 pub struct ObjectMeta {
     pub name: String,
     pub len: u64,
+    /// Where the object lies, relative to the tier's root (version 3: a rank area's data
+    /// object, possibly of an earlier step whose chunks this one shares). Absent: `name` in
+    /// the step's own directory, as in versions 1 and 2.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+}
+
+impl ObjectMeta {
+    /// The object's key under the tier's root, for a manifest of `step`.
+    pub fn key_in(&self, step: u64) -> String {
+        match &self.key {
+            Some(k) => k.clone(),
+            None => format!("{}/{}", step_dir(step), self.name),
+        }
+    }
 }
 
 /// What one rank wrote for one step on one tier.
@@ -243,12 +266,21 @@ impl Manifest {
                 m.version
             )));
         }
+        if let Some(o) = m.objects.iter().find(|o| o.key.is_some()) {
+            let key = o.key.as_deref().unwrap_or_default();
+            if m.version < AREAS_VERSION {
+                return Err(Error::integrity(format!("{where_}: object '{}' has a key ({key}) in a version {} manifest", o.name, m.version)));
+            }
+            if key.starts_with('/') || key.split('/').any(|c| c.is_empty() || c == "..") {
+                return Err(Error::integrity(format!("{where_}: object '{}' has a key outside the tier's root: {key:?}", o.name)));
+            }
+        }
         for item in &m.items {
             if let Some(shard) = &item.shard {
                 shard.check(&item.shape).map_err(|why| Error::integrity(format!("{where_}: item '{}': {why}", item.name)))?;
             }
             let shared = item.replica.as_ref().is_some_and(|r| r.shared);
-            if shared && m.version < 2 {
+            if shared && m.version < SHARED_VERSION {
                 return Err(Error::integrity(format!("{where_}: item '{}' is stored by reference in a version 1 manifest", item.name)));
             }
             let mut expect = 0u64;
@@ -418,7 +450,7 @@ mod tests {
     #[test]
     fn manifest_rejects_bad_chunk_table() {
         let mut m = Manifest::new(1, 0, 1, "ram", 4);
-        m.objects.push(ObjectMeta { name: "d".into(), len: 8 });
+        m.objects.push(ObjectMeta { name: "d".into(), len: 8, key: None });
         m.items.push(ItemMeta {
             name: "a".into(),
             kind: "array".into(),
@@ -446,7 +478,7 @@ mod tests {
 
     fn one_item(shard: Option<ShardInfo>) -> Manifest {
         let mut m = Manifest::new(1, 0, 1, "ram", 4);
-        m.objects.push(ObjectMeta { name: "d".into(), len: 8 });
+        m.objects.push(ObjectMeta { name: "d".into(), len: 8, key: None });
         m.items.push(ItemMeta {
             name: "w".into(),
             kind: "array".into(),

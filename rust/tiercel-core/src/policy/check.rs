@@ -29,6 +29,7 @@ pub(super) const TIER_KEYS: &[&str] = &[
     "every",
     "keep",
     "compression",
+    "dedup",
     "bandwidth",
     "capacity",
     "replicas",
@@ -396,7 +397,21 @@ impl Checker<'_> {
             TierKind::Memory | TierKind::Peer => (Some(DEFAULT_MEMORY_KEEP), Compression::none()),
             TierKind::Fs | TierKind::S3 | TierKind::Gcs | TierKind::Python => (None, Compression::zstd(DEFAULT_ZSTD_LEVEL)),
         };
+        // Blob tiers refer to chunks their previous save stores (docs/config.md, `dedup`): on
+        // by default where the core writes the objects itself, off for Python tiers.
+        let dedup = match (kind, t.optional("dedup")) {
+            (TierKind::Memory | TierKind::Peer, Some((n, p))) => {
+                return Err(self.at(n, &p, format!("`dedup` is not valid for kind {kind_name:?}; it applies to fs, s3, gcs and Python tiers")))
+            }
+            (_, Some((n, p))) => match n.value {
+                Value::Bool(b) => b,
+                _ => return Err(self.expected(n, &p, "true or false")),
+            },
+            (TierKind::Fs | TierKind::S3 | TierKind::Gcs, None) => true,
+            _ => false,
+        };
         Ok(TierConfig {
+            dedup,
             every: t.optional("every").map_or(Ok(1), |(n, p)| self.positive_int(n, &p))?,
             keep: t.optional("keep").map_or(Ok(default_keep), |(n, p)| self.count(n, &p).map(Some))?,
             // A peer tier refuses `compression` (see `peer`).

@@ -57,6 +57,9 @@ pub struct TierConfig {
     pub keep: Option<usize>,
     /// How chunks are stored; always none for the memory and peer tiers.
     pub compression: Compression,
+    /// Whether a save refers to the chunks its rank's previous save on this tier stores
+    /// instead of writing them again (blob tiers; docs/config.md).
+    pub dedup: bool,
     /// Bytes per second.
     pub bandwidth: Option<u64>,
     /// Bytes (enforced on the memory tier).

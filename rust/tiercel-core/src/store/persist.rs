@@ -258,6 +258,10 @@ impl PersistJob {
                         log::warn!("tier '{name}': retention after step {step} failed: {e}");
                     }
                 }
+                // Each rank then sweeps what its own earlier saves left (a blob tier's area).
+                if let Err(e) = slot.tier.sweep(store.rank, slot.config.keep) {
+                    log::warn!("tier '{name}': rank {}'s sweep after step {step} failed: {e}", store.rank);
+                }
             }
             Err(e) => {
                 let e = e

@@ -145,7 +145,7 @@ impl StepWriter {
                 chunks,
             });
         }
-        self.manifest.objects.push(ObjectMeta { name: format::part_name(self.store.rank, part), len: pos });
+        self.manifest.objects.push(ObjectMeta { name: format::part_name(self.store.rank, part), len: pos, key: None });
         self.manifest.trees.push((name.into(), tree));
         self.parts.push(seg);
         Ok((part, out))

@@ -110,7 +110,7 @@ fn logical(step: u64, rank: u32, world_size: u32) -> (Manifest, VecSource) {
         pos += bytes.len() as u64;
         data.push(bytes);
     }
-    m.objects = vec![ObjectMeta { name: format::part_name(rank, 0), len: pos }];
+    m.objects = vec![ObjectMeta { name: format::part_name(rank, 0), len: pos, key: None }];
     (m, VecSource { data, chunk_size: CHUNK })
 }
 
@@ -126,7 +126,7 @@ fn write_committed(tier: &dyn Tier, step: u64) -> Manifest {
 }
 
 fn object_key(m: &Manifest, object: u32) -> String {
-    format!("{}/{}", format::step_dir(m.step), m.objects[object as usize].name)
+    m.objects[object as usize].key_in(m.step)
 }
 
 /// Rewrites a stored object with `f` applied: in place when it is a local file.

@@ -1,8 +1,17 @@
 //! The step layout of docs/format.md on named byte objects (`Blobs`): one directory (key
-//! prefix) per step, per-rank data objects and manifests, a commit record written last. The
-//! tiers that keep their steps this way (memory, fs, s3, gcs) implement `Tier` through it;
-//! a tier that keeps them elsewhere (peer) does not use it at all.
+//! prefix) per step with a commit record written last, and each rank's manifests and data
+//! objects either in the step's directory (versions 1-2: the memory tier, and steps blob tiers
+//! wrote before version 3) or in the rank's own area (version 3, `format::rank_area`: the
+//! blob tiers now). The tiers that keep their steps this way (memory, fs, s3, gcs) implement
+//! `Tier` through it; a tier that keeps them elsewhere (peer) does not use it at all.
+//!
+//! Which layout a step has is learnt per step and remembered (`known`): from its commit
+//! record (version 3: rank areas), from a manifest this process wrote or read. A reader of an
+//! old step reads its commit record first (restores do), so it reads each manifest with one
+//! request, as before; a manifest of a step not known yet is looked for in its rank area
+//! first, then in the step's directory.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::blobs::Blobs;
@@ -15,7 +24,16 @@ pub struct StepLayout {
     blobs: Arc<dyn Blobs>,
     /// The job written into commit records (`set_job`); none until a Store sets it.
     job: parking_lot::RwLock<Option<JobId>>,
+    /// Whether this tier writes the version-3 layout (rank areas): blob tiers do.
+    areas: bool,
+    /// Per step, whether its manifests lie in rank areas, as last learnt (bounded).
+    known: parking_lot::Mutex<BTreeMap<u64, bool>>,
+    /// The world size of the saves this process wrote here (`ranks` of a step not committed).
+    world: parking_lot::Mutex<Option<u32>>,
 }
+
+/// How many steps' layouts a `StepLayout` remembers.
+const KNOWN_STEPS: usize = 4096;
 
 /// The key of object `name` of `step`.
 pub fn key(step: u64, name: &str) -> String {
@@ -23,8 +41,46 @@ pub fn key(step: u64, name: &str) -> String {
 }
 
 impl StepLayout {
+    /// The layout of versions 1-2 (every rank's objects in the step's directory): the
+    /// memory tier's.
     pub fn new(tier: &str, blobs: Arc<dyn Blobs>) -> StepLayout {
-        StepLayout { tier: tier.into(), blobs, job: Default::default() }
+        StepLayout { tier: tier.into(), blobs, job: Default::default(), areas: false, known: Default::default(), world: Default::default() }
+    }
+
+    /// The version-3 layout (rank areas) for the steps written from now on; steps of
+    /// versions 1-2 are read as before.
+    pub fn with_areas(tier: &str, blobs: Arc<dyn Blobs>) -> StepLayout {
+        StepLayout { areas: true, ..StepLayout::new(tier, blobs) }
+    }
+
+    /// Whether this layout writes rank areas.
+    pub fn areas(&self) -> bool {
+        self.areas
+    }
+
+    fn learn(&self, step: u64, in_areas: bool) {
+        let mut known = self.known.lock();
+        known.insert(step, in_areas);
+        while known.len() > KNOWN_STEPS {
+            known.pop_first();
+        }
+    }
+
+    /// Whether `step`'s manifests lie in rank areas: None while not known.
+    fn in_areas(&self, step: u64) -> Option<bool> {
+        if !self.areas {
+            return Some(false);
+        }
+        self.known.lock().get(&step).copied()
+    }
+
+    /// The key of rank `rank`'s manifest of `step` in one layout or the other.
+    pub fn manifest_key(step: u64, rank: u32, in_areas: bool) -> String {
+        if in_areas {
+            format::area_manifest_key(step, rank)
+        } else {
+            key(step, &format::manifest_name(rank))
+        }
     }
 
     /// The job that commits here from now on (recorded in each commit record).
@@ -37,11 +93,21 @@ impl StepLayout {
         &*self.blobs
     }
 
-    /// All steps with a directory here, committed or not, oldest first.
+    /// All steps with a directory here or (rank areas) a manifest in some rank's area,
+    /// committed or not, oldest first. Lists every area: for tools, not a save's path.
     pub fn all_steps(&self) -> Result<Vec<u64>> {
-        let mut v: Vec<u64> = self.blobs.list("")?.iter().filter_map(|n| format::parse_step_dir(n)).collect();
-        v.sort_unstable();
-        Ok(v)
+        let names = self.blobs.list("")?;
+        let mut v: std::collections::BTreeSet<u64> = names.iter().filter_map(|n| format::parse_step_dir(n)).collect();
+        if self.areas && names.iter().any(|n| n == format::AREAS) {
+            for area in self.rank_areas()? {
+                for n in self.blobs.list(&area)? {
+                    if let Some(format::AreaEntry::Manifest(s)) = format::parse_area_name(&n) {
+                        v.insert(s);
+                    }
+                }
+            }
+        }
+        Ok(v.into_iter().collect())
     }
 
     /// Committed steps, oldest first.
@@ -71,11 +137,30 @@ impl StepLayout {
             _ => e,
         });
         let at = |e: Error| e.with_tier(&self.tier).with_step(step).with_path(self.blobs.describe(&k));
-        CommitRecord::from_json(&bytes.map_err(at)?, &self.blobs.describe(&k)).map_err(at)
+        let record = CommitRecord::from_json(&bytes.map_err(at)?, &self.blobs.describe(&k)).map_err(at)?;
+        if self.areas {
+            self.learn(step, record.version >= format::AREAS_VERSION);
+        }
+        Ok(record)
     }
 
     pub fn read_manifest(&self, step: u64, rank: u32) -> Result<Manifest> {
-        let k = key(step, &format::manifest_name(rank));
+        match self.in_areas(step) {
+            Some(in_areas) => self.read_manifest_at(step, rank, in_areas),
+            None => match self.read_manifest_at(step, rank, true) {
+                Err(e) if e.kind == ErrorKind::NotFound => self.read_manifest_at(step, rank, false),
+                res => res,
+            },
+        }
+    }
+
+    /// Rank `rank`'s manifest of `step` in its rank area (gc reads the areas it lists).
+    pub fn read_manifest_in_area(&self, step: u64, rank: u32) -> Result<Manifest> {
+        self.read_manifest_at(step, rank, true)
+    }
+
+    fn read_manifest_at(&self, step: u64, rank: u32, in_areas: bool) -> Result<Manifest> {
+        let k = Self::manifest_key(step, rank, in_areas);
         let bytes = self.blobs.get(&k).map_err(|e| match e.kind {
             ErrorKind::NotFound => Error::not_found(format!("tier '{}': step {step} has no manifest for rank {rank}", self.tier)),
             _ => e,
@@ -90,31 +175,95 @@ impl StepLayout {
                 m.rank
             ))));
         }
+        if self.areas {
+            self.learn(step, in_areas);
+        }
         Ok(m)
     }
 
-    /// Writes a rank's manifest (atomically): its data is complete.
+    /// Writes a rank's manifest (atomically): its data is complete. In this layout's own
+    /// place for new steps (a rank area, or the step's directory).
     pub fn write_manifest(&self, m: &Manifest) -> Result<()> {
-        self.blobs.put(&key(m.step, &format::manifest_name(m.rank)), &m.to_json())
+        self.blobs.put(&Self::manifest_key(m.step, m.rank, self.areas), &m.to_json())?;
+        if self.areas {
+            self.learn(m.step, true);
+            *self.world.lock() = Some(m.world_size);
+        }
+        Ok(())
     }
 
     /// Before a rank writes a step again: its commit and this rank's manifest go first, so
     /// no reader mixes old and new data and no stale manifest counts towards a new commit.
+    /// (A blob tier skips this where it knows that the rank has no manifest of the step
+    /// here: then no commit of it can be there either.)
     pub fn uncommit(&self, step: u64, rank: u32) -> Result<()> {
         self.blobs.delete(&key(step, format::COMMIT_NAME))?;
-        self.blobs.delete(&key(step, &format::manifest_name(rank)))
+        self.blobs.delete(&Self::manifest_key(step, rank, self.areas))
     }
 
-    /// Ranks whose manifest is in `step`'s directory (committed or not).
+    /// Ranks whose manifest of `step` is here (committed or not). In the step's directory:
+    /// one listing. In rank areas: a look at each rank's manifest of 0..world size (the
+    /// commit record's, else this process's saves', else rank 0's manifest's), never a
+    /// listing of every area.
     pub fn ranks(&self, step: u64) -> Result<Vec<u32>> {
-        let mut v: Vec<u32> = self
-            .blobs
-            .list(&format::step_dir(step))?
-            .iter()
-            .filter_map(|n| n.strip_prefix("rank-")?.strip_suffix(".manifest.json")?.parse().ok())
-            .collect();
+        let names = self.blobs.list(&format::step_dir(step))?;
+        let mut v: Vec<u32> =
+            names.iter().filter_map(|n| n.strip_prefix("rank-")?.strip_suffix(".manifest.json")?.parse().ok()).collect();
+        if !self.areas || !v.is_empty() {
+            v.sort_unstable();
+            return Ok(v);
+        }
+        let world = if names.iter().any(|n| n == format::COMMIT_NAME) {
+            Some(self.commit_record(step)?.world_size)
+        } else {
+            *self.world.lock()
+        };
+        let world = match world {
+            Some(w) => w,
+            None => match self.read_manifest_at(step, 0, true) {
+                Ok(m) => m.world_size,
+                Err(e) if e.kind == ErrorKind::NotFound => return self.ranks_by_listing(step),
+                Err(e) => return Err(e),
+            },
+        };
+        let mut v = vec![];
+        for r in 0..world {
+            if self.blobs.exists(&format::area_manifest_key(step, r))? {
+                v.push(r);
+            }
+        }
+        Ok(v)
+    }
+
+    /// Ranks with a manifest of `step` in their area, found by listing every area (a step
+    /// whose world size nothing here tells: a diagnosis, never on a save's path).
+    fn ranks_by_listing(&self, step: u64) -> Result<Vec<u32>> {
+        let mut v = vec![];
+        for area in self.rank_areas()? {
+            let Some(rank) = format::parse_rank_dir(area.rsplit('/').next().unwrap_or("")) else { continue };
+            if self.blobs.exists(&format::area_manifest_key(step, rank))? {
+                v.push(rank);
+            }
+        }
         v.sort_unstable();
         Ok(v)
+    }
+
+    /// Every rank area here (`ranks/<pp>/rank-RRRRR`), by listing.
+    pub fn rank_areas(&self) -> Result<Vec<String>> {
+        let mut out = vec![];
+        for p in self.blobs.list(format::AREAS)? {
+            if p.len() != 2 || !p.bytes().all(|b| b.is_ascii_hexdigit()) {
+                continue;
+            }
+            let dir = format!("{}/{p}", format::AREAS);
+            for r in self.blobs.list(&dir)? {
+                if format::parse_rank_dir(&r).is_some() {
+                    out.push(format!("{dir}/{r}"));
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Writes `step`'s commit record once the manifest of every rank it covers is there:
@@ -130,7 +279,9 @@ impl StepLayout {
             Some(rs) => rs.clone(),
             None => (0..world_size).collect(),
         };
-        if !needed.iter().all(|r| names.contains(&format::manifest_name(*r))) {
+        // In rank areas the manifests are not listed here: reading them (`one_generation`)
+        // finds a missing one.
+        if !self.areas && !needed.iter().all(|r| names.contains(&format::manifest_name(*r))) {
             return Ok(false);
         }
         let Some(generation) = self.one_generation(step, &needed)? else {
@@ -147,14 +298,24 @@ impl StepLayout {
     /// directory that is not one shared by every host would otherwise commit ranks it lacks.
     pub fn commit_counted(&self, step: u64, world_size: u32, generation: &Option<String>) -> Result<()> {
         if self.blobs.lists_cheaply() {
-            let have = self.ranks(step)?;
+            let have = if self.areas {
+                let mut v = vec![];
+                for r in 0..world_size {
+                    if self.blobs.exists(&format::area_manifest_key(step, r))? {
+                        v.push(r);
+                    }
+                }
+                v
+            } else {
+                self.ranks(step)?
+            };
             let missing: Vec<u32> = (0..world_size).filter(|r| have.binary_search(r).is_err()).collect();
             if !missing.is_empty() {
                 return Err(Error::integrity(format!(
                     "tier '{}': step {step}: every rank counted its manifest in, but {} has none of ranks {:?}{}: \
                      an fs tier must be one directory that every host of the job mounts",
                     self.tier,
-                    self.blobs.describe(&format::step_dir(step)),
+                    self.blobs.describe(if self.areas { format::AREAS } else { "" }),
                     &missing[..missing.len().min(8)],
                     if missing.len() > 8 { " ..." } else { "" }
                 ))
@@ -169,6 +330,11 @@ impl StepLayout {
     /// by a rank that retried, or one a reader already trusts) is left as it is.
     fn write_commit(&self, step: u64, world_size: u32, ranks: Option<Vec<u32>>, generation: Option<String>) -> Result<()> {
         let mut record = CommitRecord::new(step, world_size, &self.tier);
+        if self.areas {
+            // Tells a reader that the manifests lie in rank areas (and an older tiercel to
+            // refuse the step rather than look for them in the step's directory).
+            record.version = format::AREAS_VERSION;
+        }
         record.ranks = ranks;
         record.job = self.job.read().clone();
         record.generation = generation;
@@ -206,21 +372,27 @@ impl StepLayout {
         Ok(Some(seen.flatten()))
     }
 
-    /// Removes a step; its commit record goes first, so no reader sees it half-deleted.
+    /// Removes a step; its commit record goes first, so no reader sees it half-deleted. A
+    /// step in rank areas keeps nothing else in its directory: on an object store (where a
+    /// prefix is nothing but its objects) its commit record is all there is to delete. Its
+    /// manifests and data objects go with each rank's sweep (`tier::sweep`).
     pub fn delete_step(&self, step: u64) -> Result<()> {
         self.blobs.delete(&key(step, format::COMMIT_NAME))?;
+        if self.in_areas(step) == Some(true) && !self.blobs.lists_cheaply() {
+            return Ok(());
+        }
         self.blobs.delete_prefix(&format::step_dir(step))
     }
 
     /// Reads the stored bytes of one chunk: `stored_len` bytes at `stored_offset` of its object.
     pub fn read_stored(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8]) -> Result<()> {
-        self.blobs.get_range(&key(m.step, &m.objects[c.object as usize].name), c.stored_offset, dst)
+        self.blobs.get_range(&m.objects[c.object as usize].key_in(m.step), c.stored_offset, dst)
     }
 
     /// `read_stored`, handing the bytes to `each` piece by piece as they land
     /// (`Blobs::get_range_blocks`).
     pub fn read_stored_blocks(&self, m: &Manifest, c: &ChunkMeta, dst: &mut [u8], each: &mut dyn FnMut(&[u8])) -> Result<()> {
-        self.blobs.get_range_blocks(&key(m.step, &m.objects[c.object as usize].name), c.stored_offset, dst, each)
+        self.blobs.get_range_blocks(&m.objects[c.object as usize].key_in(m.step), c.stored_offset, dst, each)
     }
 
     /// Reads the stored bytes of chunks that lie back to back in one object in one ranged

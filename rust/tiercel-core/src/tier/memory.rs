@@ -444,7 +444,7 @@ impl Tier for MemoryTier {
                 ch.codec = crate::codec::RAW.into();
             }
         }
-        m.objects = vec![ObjectMeta { name: format::part_name(m.rank, 0), len: pos }];
+        m.objects = vec![ObjectMeta { name: format::part_name(m.rank, 0), len: pos, key: None }];
         self.publish(&m)?;
         Ok(m)
     }

@@ -4,8 +4,12 @@
 //! items are stored once and checked at commit, `open` turns a policy's tiers into `Tier`s.
 //! The retention and cleanup rule every tier applies is `crate::gc`.
 
+mod areas;
 pub mod blob;
+mod blob_gc;
 pub mod external;
+#[cfg(test)]
+mod areas_tests;
 #[cfg(test)]
 mod gc_tests;
 pub mod layout;
@@ -122,6 +126,14 @@ pub trait Tier: Send + Sync {
     /// Removes a step, so that no reader sees it half-deleted.
     fn delete_step(&self, step: u64) -> Result<()>;
 
+    /// After this rank's persist of a step here (and its commit and retention, where it ran
+    /// them): removes what the rank's own earlier saves left that nothing kept needs any more
+    /// (a blob tier's rank area: `tier::areas`). `keep` is the tier's retention. The default
+    /// has nothing to sweep.
+    fn sweep(&self, _rank: u32, _keep: Option<usize>) -> Result<()> {
+        Ok(())
+    }
+
     /// What gc would remove now, and why (see `gc`).
     fn gc_plan(&self, opts: &GcOptions) -> Result<Vec<Removal>>;
 
@@ -230,22 +242,29 @@ enum Stored<'a> {
 /// blob tier's writer holds a bounded amount of memory.
 const ENCODE_BATCH: usize = 8;
 
-/// Streams every chunk of `logical` from `src` through `encode` into `sink`, in manifest
-/// order, and returns the manifest with this tier's stored layout (one data object).
+/// Streams the chunks of `logical` that `store` names (by item and chunk index) from `src`
+/// through `encode` into `sink`, in manifest order, and returns the manifest with this
+/// tier's stored layout: those chunks in one data object (`object`, whose `len` this sets),
+/// object 0; the other chunks as `logical` has them (a caller that stores by reference sets
+/// them). A shared item's bytes are never stored here (its primary rank stores them: see
+/// `replica`).
 pub fn encode_rank(
     tier_name: &str,
     logical: &Manifest,
     src: &dyn ChunkSource,
     compression: crate::codec::Compression,
-    object_name: &str,
+    object: format::ObjectMeta,
     link: &Link,
+    store: &dyn Fn(usize, usize) -> bool,
     sink: &mut dyn FnMut(&[u8]) -> Result<()>,
 ) -> Result<Manifest> {
     let mut out = logical.clone();
     out.tier = tier_name.into();
-    // A shared item's bytes are stored by its primary rank (see `replica`).
-    let refs: Vec<(usize, usize)> =
-        logical.chunk_refs().into_iter().filter(|&(i, _)| !logical.items[i].replica.as_ref().is_some_and(|r| r.shared)).collect();
+    let refs: Vec<(usize, usize)> = logical
+        .chunk_refs()
+        .into_iter()
+        .filter(|&(i, c)| !logical.items[i].replica.as_ref().is_some_and(|r| r.shared) && store(i, c))
+        .collect();
     let mut pos = 0u64;
     for batch in refs.chunks(ENCODE_BATCH) {
         let encoded: Vec<Result<(String, Stored)>> = batch
@@ -285,6 +304,6 @@ pub fn encode_rank(
             pos += bytes.len() as u64;
         }
     }
-    out.objects = vec![format::ObjectMeta { name: object_name.into(), len: pos }];
+    out.objects = vec![format::ObjectMeta { len: pos, ..object }];
     Ok(out)
 }

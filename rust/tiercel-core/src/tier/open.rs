@@ -63,16 +63,16 @@ pub fn open_tier(cfg: &TierConfig) -> Result<Arc<dyn Tier>> {
         TierSpec::Memory { root } => MemoryTier::open(&cfg.name, root.as_ref(), cfg.capacity).map_err(at)?,
         TierSpec::Fs { path } => {
             let blobs = FsBlobs::new(&cfg.name, path.as_ref()).map_err(at)?;
-            Arc::new(BlobTier::new(&cfg.name, Arc::new(blobs), cfg.compression))
+            Arc::new(BlobTier::with_dedup(&cfg.name, Arc::new(blobs), cfg.compression, cfg.dedup))
         }
         spec @ (TierSpec::S3(_) | TierSpec::Gcs(_)) => {
             let blobs = ObjectBlobs::open(&cfg.name, spec).map_err(at)?;
             blobs.check_bucket()?;
-            Arc::new(BlobTier::new(&cfg.name, Arc::new(blobs), cfg.compression))
+            Arc::new(BlobTier::with_dedup(&cfg.name, Arc::new(blobs), cfg.compression, cfg.dedup))
         }
         TierSpec::Python(spec) => {
             let blobs = super::external::open(&cfg.name, spec).map_err(at)?;
-            Arc::new(BlobTier::new(&cfg.name, blobs, cfg.compression))
+            Arc::new(BlobTier::with_dedup(&cfg.name, blobs, cfg.compression, cfg.dedup))
         }
         TierSpec::Peer(_) => {
             return Err(Error::invalid(format!("tier '{}': a peer tier is opened by its Store (it needs the rank)", cfg.name)))

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 
 use crate::error::{Error, Result};
-use crate::format::{Manifest, ObjectMeta, FORMAT_VERSION};
+use crate::format::{Manifest, SHARED_VERSION};
 use crate::tier::Tier;
 
 /// What a persistent tier stores for `logical`: its replicated items of which this rank is
@@ -25,7 +25,7 @@ pub fn share(logical: &Manifest) -> Manifest {
     }
     if any {
         // Readers that do not know shared items must refuse the manifest, not misread it.
-        out.version = FORMAT_VERSION;
+        out.version = SHARED_VERSION;
     }
     out
 }
@@ -62,7 +62,7 @@ pub fn link_shared(m: &mut Manifest, primary: &Manifest) -> Result<()> {
             let next = m.objects.len() as u32;
             let idx = *objects.entry(c.object).or_insert_with(|| {
                 let o = &primary.objects[c.object as usize];
-                m.objects.push(ObjectMeta { name: o.name.clone(), len: o.len });
+                m.objects.push(o.clone());
                 next
             });
             c.object = idx;
@@ -136,7 +136,7 @@ mod tests {
 
     fn manifest(rank: u32, crc: u32) -> Manifest {
         let mut m = Manifest::new(3, rank, 2, "disk", 4);
-        m.objects.push(ObjectMeta { name: crate::format::data_name(rank), len: 8 });
+        m.objects.push(crate::format::ObjectMeta { name: crate::format::data_name(rank), len: 8, key: None });
         m.items.push(ItemMeta {
             name: "model/w".into(),
             kind: "array".into(),

@@ -46,7 +46,7 @@ pub(super) fn manifest(step: u64, rank: u32, data: &[Vec<u8>]) -> Manifest {
         });
         pos = format::align_up(pos + d.len() as u64, 64);
     }
-    m.objects.push(format::ObjectMeta { name: format::part_name(rank, 0), len: pos });
+    m.objects.push(format::ObjectMeta { name: format::part_name(rank, 0), len: pos, key: None });
     m
 }
 
