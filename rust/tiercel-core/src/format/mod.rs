@@ -269,7 +269,10 @@ impl Manifest {
         if let Some(o) = m.objects.iter().find(|o| o.key.is_some()) {
             let key = o.key.as_deref().unwrap_or_default();
             if m.version < AREAS_VERSION {
-                return Err(Error::integrity(format!("{where_}: object '{}' has a key ({key}) in a version {} manifest", o.name, m.version)));
+                return Err(Error::integrity(format!(
+                    "{where_}: object '{}' has a key ({key}) in a version {} manifest",
+                    o.name, m.version
+                )));
             }
             if key.starts_with('/') || key.split('/').any(|c| c.is_empty() || c == "..") {
                 return Err(Error::integrity(format!("{where_}: object '{}' has a key outside the tier's root: {key:?}", o.name)));

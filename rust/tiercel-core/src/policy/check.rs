@@ -401,7 +401,11 @@ impl Checker<'_> {
         // by default where the core writes the objects itself, off for Python tiers.
         let dedup = match (kind, t.optional("dedup")) {
             (TierKind::Memory | TierKind::Peer, Some((n, p))) => {
-                return Err(self.at(n, &p, format!("`dedup` is not valid for kind {kind_name:?}; it applies to fs, s3, gcs and Python tiers")))
+                return Err(self.at(
+                    n,
+                    &p,
+                    format!("`dedup` is not valid for kind {kind_name:?}; it applies to fs, s3, gcs and Python tiers"),
+                ))
             }
             (_, Some((n, p))) => match n.value {
                 Value::Bool(b) => b,

@@ -207,8 +207,12 @@ pub fn sweep(
     let mut objects = vec![];
     if complete {
         let a = area.lock();
-        let pinned: BTreeSet<&String> =
-            a.inflight.values().flat_map(|(_, k)| k.iter()).chain(a.last.iter().flat_map(|m| m.objects.iter().filter_map(|o| o.key.as_ref()))).collect();
+        let pinned: BTreeSet<&String> = a
+            .inflight
+            .values()
+            .flat_map(|(_, k)| k.iter())
+            .chain(a.last.iter().flat_map(|m| m.objects.iter().filter_map(|o| o.key.as_ref())))
+            .collect();
         objects = data.into_iter().filter(|k| !referenced.contains(k) && !pinned.contains(k)).collect();
     }
     names.extend(objects.iter().cloned());

@@ -39,7 +39,16 @@ fn lora(step: u64, rank: u32) -> (Manifest, Src) {
         let chunks = format::chunk_ranges(bytes.len() as u64, CHUNK)
             .map(|(off, len)| {
                 let (crc32c, hash) = crate::checksum::crc32c_and_hash(&bytes[off as usize..(off + len) as usize]);
-                ChunkMeta { offset: off, len, crc32c, object: 0, stored_offset: off, stored_len: len, codec: "raw".into(), hash: Some(hash) }
+                ChunkMeta {
+                    offset: off,
+                    len,
+                    crc32c,
+                    object: 0,
+                    stored_offset: off,
+                    stored_len: len,
+                    codec: "raw".into(),
+                    hash: Some(hash),
+                }
             })
             .collect();
         m.items.push(ItemMeta {

@@ -72,8 +72,9 @@ fn sweep_areas(layout: &StepLayout, kept: &BTreeSet<u64>, newest: Option<u64>) -
             }
         }
         let newest_here = manifests.last().copied();
-        let (marked, gone): (Vec<u64>, Vec<u64>) =
-            manifests.iter().partition(|&&s| kept.contains(&s) || in_flight(s) || (Some(s) == newest_here && newest.is_none_or(|n| s >= n)));
+        let (marked, gone): (Vec<u64>, Vec<u64>) = manifests
+            .iter()
+            .partition(|&&s| kept.contains(&s) || in_flight(s) || (Some(s) == newest_here && newest.is_none_or(|n| s >= n)));
         let mut referenced = BTreeSet::new();
         let mut complete = true;
         for &s in &marked {

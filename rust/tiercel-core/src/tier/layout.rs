@@ -207,17 +207,13 @@ impl StepLayout {
     /// listing of every area.
     pub fn ranks(&self, step: u64) -> Result<Vec<u32>> {
         let names = self.blobs.list(&format::step_dir(step))?;
-        let mut v: Vec<u32> =
-            names.iter().filter_map(|n| n.strip_prefix("rank-")?.strip_suffix(".manifest.json")?.parse().ok()).collect();
+        let mut v: Vec<u32> = names.iter().filter_map(|n| n.strip_prefix("rank-")?.strip_suffix(".manifest.json")?.parse().ok()).collect();
         if !self.areas || !v.is_empty() {
             v.sort_unstable();
             return Ok(v);
         }
-        let world = if names.iter().any(|n| n == format::COMMIT_NAME) {
-            Some(self.commit_record(step)?.world_size)
-        } else {
-            *self.world.lock()
-        };
+        let world =
+            if names.iter().any(|n| n == format::COMMIT_NAME) { Some(self.commit_record(step)?.world_size) } else { *self.world.lock() };
         let world = match world {
             Some(w) => w,
             None => match self.read_manifest_at(step, 0, true) {

@@ -5,11 +5,11 @@
 //! The retention and cleanup rule every tier applies is `crate::gc`.
 
 mod areas;
+#[cfg(test)]
+mod areas_tests;
 pub mod blob;
 mod blob_gc;
 pub mod external;
-#[cfg(test)]
-mod areas_tests;
 #[cfg(test)]
 mod gc_tests;
 pub mod layout;

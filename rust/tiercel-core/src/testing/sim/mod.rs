@@ -1,6 +1,7 @@
 //! The scale simulator (docs/scale.md, "Simulated scale"): N ranks, as threads of one
 //! process, each doing on one object-store tier what a rank's persist does
-//! (`store::persist`: `write_and_commit`, then `Store::retain` where the rank retains),
+//! (`store::persist`: `write_and_commit`, then `Store::retain` where the rank retains, then
+//! `Tier::sweep` of its own rank area),
 //! through tiercel's own `BlobTier`, `StepLayout` and gc code, against `SimBlobs`, a
 //! simulated object store with S3's request latency and per-prefix rates, and, for the
 //! counted commit, `SimCounter`, a job-wide counter with a coordinator's latency. Only the
@@ -106,6 +107,8 @@ pub struct StepReport {
     pub stopped: bool,
     /// Calls to the job-wide counter (adds and deletes).
     pub counter_ops: u64,
+    /// Ranks whose sweep of their own area failed (their saves stand).
+    pub sweep_failures: u64,
 }
 
 impl StepReport {
@@ -133,6 +136,7 @@ impl StepReport {
             "errors": self.errors,
             "stopped": self.stopped,
             "counter_ops": self.counter_ops,
+            "sweep_failures": self.sweep_failures,
         })
     }
 }
@@ -189,6 +193,8 @@ struct Rank {
     link: Arc<Link>,
     /// `Store::other_job`'s cache: a step's commit record is read once per process.
     records_seen: HashMap<u64, ()>,
+    /// Sweeps that failed (every rank's, shared).
+    sweep_failures: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Rank {
@@ -217,6 +223,12 @@ impl Rank {
         if retains {
             self.retain(cfg)?;
         }
+        // Then each rank sweeps its own area (version 3), as `PersistJob::run` does: a
+        // failure is logged there and fails nothing; here it is counted.
+        if let Err(e) = self.tier.sweep(self.rank, Some(cfg.keep)) {
+            self.sweep_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            log::warn!("rank {}'s sweep after step {step}: {e}", self.rank);
+        }
         Ok(committed)
     }
 
@@ -242,6 +254,7 @@ pub fn run(cfg: &SimConfig) -> Vec<StepReport> {
     let blobs = SimBlobs::new(cfg.store.clone());
     let shared: Arc<dyn crate::blobs::Blobs> = Arc::new(blobs.clone());
     let counter = Arc::new(SimCounter::new(cfg.counter_latency, cfg.counter_service));
+    let sweep_failures = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let ranks: Vec<Rank> = (0..cfg.ranks)
         .map(|r| Rank {
             rank: r,
@@ -249,9 +262,10 @@ pub fn run(cfg: &SimConfig) -> Vec<StepReport> {
             counter: counter.clone(),
             link: Link::new("sim", None),
             records_seen: HashMap::new(),
+            sweep_failures: sweep_failures.clone(),
         })
         .collect();
-    let env = Env { blobs, counter };
+    let env = Env { blobs, counter, sweep_failures };
     if cfg.sequential {
         run_sequential(cfg, &env, ranks)
     } else {
@@ -265,6 +279,7 @@ type Outcome = std::result::Result<bool, String>;
 struct Env {
     blobs: SimBlobs,
     counter: Arc<SimCounter>,
+    sweep_failures: Arc<std::sync::atomic::AtomicU64>,
 }
 
 fn report(env: &Env, step: u64, started: Instant, outcomes: &[Outcome]) -> StepReport {
@@ -286,6 +301,7 @@ fn report(env: &Env, step: u64, started: Instant, outcomes: &[Outcome]) -> StepR
         errors: errors.into_iter().take(3).collect(),
         stopped: blobs.stop.swap(false, std::sync::atomic::Ordering::Relaxed),
         counter_ops: env.counter.take_ops(),
+        sweep_failures: env.sweep_failures.swap(0, std::sync::atomic::Ordering::Relaxed),
     }
 }
 

@@ -112,6 +112,9 @@ pub fn object_class(key: &str) -> &'static str {
         "data"
     } else if format::parse_step_dir(key).is_some() {
         "step"
+    } else if format::parse_rank_dir(name).is_some() {
+        // A listing of a rank's area (version 3).
+        "area"
     } else {
         "other"
     }
