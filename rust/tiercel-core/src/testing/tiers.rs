@@ -125,6 +125,16 @@ fn write_committed(tier: &dyn Tier, step: u64) -> Manifest {
     m
 }
 
+/// Where rank `rank`'s manifest of `step` is stored: its rank area (blob tiers, version 3),
+/// else the step's directory.
+fn manifest_key(storage: &dyn Blobs, step: u64, rank: u32) -> String {
+    let area = format::area_manifest_key(step, rank);
+    if storage.exists(&area).unwrap() {
+        return area;
+    }
+    format!("{}/{}", format::step_dir(step), format::manifest_name(rank))
+}
+
 fn object_key(m: &Manifest, object: u32) -> String {
     m.objects[object as usize].key_in(m.step)
 }
@@ -178,7 +188,7 @@ fn write_and_read_back(subject: &TierSubject) {
     assert_eq!(m.trees, lm.trees);
     assert!(!m.objects.is_empty());
     for obj in &m.objects {
-        let key = format!("{}/{}", format::step_dir(1), obj.name);
+        let key = obj.key_in(1);
         assert_eq!(storage.get(&key).unwrap().len() as u64, obj.len, "object {key} length");
     }
     assert_eq!(m.items.len(), lm.items.len());
@@ -275,7 +285,7 @@ fn missing_data_is_a_clear_error(subject: &TierSubject) {
 fn corrupt_manifest_is_integrity_error(subject: &TierSubject) {
     let (tier, storage) = (&*subject.tier, &*subject.storage);
     write_committed(tier, 1);
-    let key = format!("{}/{}", format::step_dir(1), format::manifest_name(0));
+    let key = manifest_key(storage, 1, 0);
     damage(storage, &key, |b| {
         let n = b.len() / 2;
         b.truncate(n);
@@ -288,7 +298,7 @@ fn corrupt_manifest_is_integrity_error(subject: &TierSubject) {
 
     // Well-formed JSON under the wrong name (a manifest copied by hand) is caught too.
     write_committed(tier, 2);
-    let good = storage.get(&format!("{}/{}", format::step_dir(2), format::manifest_name(0))).unwrap();
+    let good = storage.get(&manifest_key(storage, 2, 0)).unwrap();
     storage.put(&key, &good).unwrap();
     let e = tier.read_manifest(1, 0).unwrap_err();
     assert_eq!(e.kind, ErrorKind::Integrity, "{}", e.message);
@@ -386,8 +396,20 @@ fn gc_follows_the_step_rule(subject: &TierSubject) {
     write(tier, 3, 0, 2); // rank 1 of 2 never came
     write(tier, 5, 0, 2); // newer than every committed step: a save in progress
     let plan = tier.gc_plan(&opts).unwrap();
-    assert_eq!(gc::steps_of(&plan), vec![1, 2, 3], "{plan:?}");
-    assert_eq!(plan.len(), 3, "nothing but steps: {plan:?}");
+    // The steps it removes: whole steps, or (rank areas) a step's manifests; an uncommitted
+    // step of rank areas has nothing else to remove.
+    let mut gone = gc::steps_of(&plan);
+    gone.extend(plan.iter().filter_map(|r| match format::parse_area_name(r.key()?.rsplit('/').next()?) {
+        Some(format::AreaEntry::Manifest(s)) => Some(s),
+        _ => None,
+    }));
+    gone.sort_unstable();
+    gone.dedup();
+    assert_eq!(gone, vec![1, 2, 3], "{plan:?}");
+    // Besides steps, only what a blob tier keeps in rank areas: those steps' manifests and
+    // the data objects only they refer to.
+    let objects: Vec<&str> = plan.iter().filter(|r| r.step().is_none()).map(|r| r.key().unwrap_or_default()).collect();
+    assert!(objects.iter().all(|k| k.starts_with(format::AREAS) && !k.contains("step-000000000004") && !k.contains("step-000000000005")), "{plan:?}");
     assert_eq!(tier.all_steps().unwrap(), vec![1, 2, 3, 4, 5], "planning removes nothing");
     assert_eq!(tier.gc_apply(plan.clone()).unwrap(), plan);
     assert_eq!(tier.all_steps().unwrap(), vec![4, 5]);

@@ -244,8 +244,24 @@ impl Tier for BlobTier {
         self.layout.commit_counted(step, world_size, generation)
     }
 
+    /// The commit record first, then every rank's manifest of the step (their data objects
+    /// go with the next sweep or gc: a later step may refer to their chunks).
     fn delete_step(&self, step: u64) -> Result<()> {
-        self.layout.delete_step(step)
+        let ranks = self.layout.ranks(step)?;
+        self.layout.delete_step(step)?;
+        let names: Vec<String> = ranks.iter().map(|&r| format::area_manifest_key(step, r)).collect();
+        self.blobs().delete_names(&names)?;
+        let areas = self.areas.lock();
+        for r in ranks {
+            if let Some(a) = areas.get(&r) {
+                let mut a = a.lock();
+                a.refs.remove(&step);
+                if let Some(set) = &mut a.manifests {
+                    set.remove(&step);
+                }
+            }
+        }
+        Ok(())
     }
 
     fn gc_plan(&self, opts: &GcOptions) -> Result<Vec<Removal>> {
