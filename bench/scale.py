@@ -59,9 +59,16 @@ def simulate_saves(binary: Path, n: int, protocol: str, args: argparse.Namespace
     cmd = [str(binary), "--ranks", str(n), "--steps", str(args.steps), "--keep", "1", "--protocol", protocol,
            "--latency-ms", str(args.latency_ms), "--time-limit-s", str(args.time_limit_s),
            "--kv-latency-ms", str(args.kv_latency_ms), "--kv-service-us", str(args.kv_service_us)]
+    # The host's load (other work on a shared machine) stretches the times, never the counts.
+    load = os.getloadavg()[0]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     run = json.loads(out.splitlines()[-1])
-    return {**run["steps"][-1], "ranks": n, "protocol": protocol}
+    # The first step is of fresh processes (each rank's uncommit cannot know there is
+    # nothing to take back): its hot spot is reported beside the steady state.
+    first = run["steps"][0]
+    first = {k: first[k] for k in ("requests", "slowdowns", "busiest_prefix_writes", "peak_prefix_writes_at",
+                                    "failed_ranks", "commit_delay_s")}
+    return {**run["steps"][-1], "ranks": n, "protocol": protocol, "first": first, "load": [load, os.getloadavg()[0]]}
 
 
 def row(s: dict, agree: _agree_sim.AgreeResult | None) -> str:
@@ -70,17 +77,30 @@ def row(s: dict, agree: _agree_sim.AgreeResult | None) -> str:
     note = " (stopped)" if s["stopped"] else (f" ({s['failed_ranks']} ranks failed)" if s["failed_ranks"] else "")
     ag = "" if agree is None else f"{agree.estimate_s:.2f} ({agree.seconds:.2f}) | {agree.ops_per_rank:.2f}"
     return (f"| {s['ranks']:,} | {s['protocol']} | {s['per_rank']:.1f}{note} | {k['GET']:,} | {k['LIST']:,} | {k['HEAD']:,} | "
-            f"{k['PUT']:,} | {k['DELETE'] + k['POST']:,} | {s['peak_prefix_writes_per_s']:,} / {s['peak_prefix_reads_per_s']:,} | "
-            f"{s['slowdowns']:,} | {delay} | {ag} |")
+            f"{k['PUT']:,} | {k['DELETE'] + k['POST']:,} | {s['prefixes_written']:,} | {s['busiest_prefix_writes']:,} | "
+            f"{s['peak_prefix_writes_per_s']:,} / {s['peak_prefix_reads_per_s']:,} | "
+            f"{s['slowdowns']:,} | {delay} | {first(s)} | {ag} |")
+
+
+def first(s: dict) -> str:
+    """The first step's (fresh processes) busiest prefix and 503s."""
+    f = s.get("first")
+    if f is None:
+        return "—"
+    note = f", {f['failed_ranks']:,} ranks failed" if f["failed_ranks"] else ""
+    return f"{f['busiest_prefix_writes']:,} / {f['slowdowns']:,}{note}"
 
 
 def table(saves: list[dict], agrees: dict[int, _agree_sim.AgreeResult], args: argparse.Namespace) -> str:
+    loads = [x for s in saves for x in s.get("load", [])]
+    load = f" Load average of this host ({os.cpu_count()} cores) over the runs: {min(loads):.1f}-{max(loads):.1f}." if loads else ""
     head = (f"Object store: {args.latency_ms:g} ms a request, {S3_WRITES:,} writes and {S3_READS:,} reads a second per prefix; "
-            f"coordinator: {args.kv_latency_ms:g} ms a call, {args.kv_service_us:g} µs of its server each.\n\n"
-            "| ranks | commit | requests per rank | GET | LIST | HEAD | PUT | DELETE (+ multi) | busiest prefix, writes / reads per s | "
-            "503s | commit after last data (s) | restore agreement (s): critical path (simulated here) | "
-            "agreement: coordinator calls per rank |\n"
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+            f"coordinator: {args.kv_latency_ms:g} ms a call, {args.kv_service_us:g} µs of its server each.{load}\n\n"
+            "| ranks | commit | requests per rank | GET | LIST | HEAD | PUT | DELETE (+ multi) | prefixes written | "
+            "writes on the busiest prefix | busiest prefix in its busiest second, writes / reads | "
+            "503s | commit after last data (s) | first step: writes on the busiest prefix / 503s | "
+            "restore agreement (s): critical path (simulated here) | agreement: coordinator calls per rank |\n"
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     return head + "\n".join(row(s, agrees.get(s["ranks"])) for s in saves) + "\n"
 
 
@@ -140,7 +160,12 @@ def main() -> int:
     ap.add_argument("--protocols", default="list-all,counter",
                     help="commit protocols, comma-separated: list-all (before issue 34: every rank lists, reads "
                          "and retains), list (no coordinator: rank 0 retains), counter")
-    ap.add_argument("--steps", type=int, default=2, help="steps per run; the last is reported")
+    ap.add_argument("--steps", type=int, default=3,
+                    help="steps per run; the last is reported (the steady state from the third: each rank's sweep "
+                         "removes its objects of the step before), the first beside it")
+    ap.add_argument("--list-max", type=int, default=LIST_MAX, help="the largest N the list protocols run at")
+    ap.add_argument("--add", action="store_true",
+                    help="add these runs to the results prefix's .json (replacing runs of the same N), then redraw")
     ap.add_argument("--latency-ms", type=float, default=20.0, help="object store round trip")
     ap.add_argument("--kv-latency-ms", type=float, default=1.0, help="coordinator round trip")
     ap.add_argument("--kv-service-us", type=float, default=10.0, help="coordinator server time per call")
@@ -155,7 +180,7 @@ def main() -> int:
     saves, agrees = [], {}
     for n in ranks:
         for protocol in args.protocols.split(","):
-            if protocol.startswith("list") and n > LIST_MAX:
+            if protocol.startswith("list") and n > args.list_max:
                 print(f"N = {n:,} {protocol}: not run (about N² = {n * n:,} manifest reads a step)", flush=True)
                 continue
             t0 = time.time()
@@ -172,6 +197,11 @@ def main() -> int:
               f"{a.seconds:.2f} s simulated here (cpu {a.cpu_s:.1f} s), {a.ops_per_rank:.2f} store calls per rank "
               f"({time.time() - t0:.0f} s)", flush=True)
     out = Path(args.out)
+    if args.add and Path(f"{out}.json").exists():
+        old = json.loads(Path(f"{out}.json").read_text())
+        saves = [s for s in old["saves"] if s["ranks"] not in agrees] + saves
+        saves.sort(key=lambda s: (s["ranks"], s["protocol"] != "list-all", s["protocol"]))
+        agrees = {**{int(k): SimpleNamespace(**a) for k, a in old["agreement"].items() if int(k) not in agrees}, **agrees}
     md = table(saves, agrees, args)
     print("\n" + md)
     write_results(f"{out}.json", {

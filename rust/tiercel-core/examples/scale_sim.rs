@@ -5,7 +5,8 @@
 //!   cargo run --release -p tiercel-core --features testing --example scale_sim -- \
 //!       --ranks 8,128 [--steps 3] [--keep 1] [--bytes 4096] [--latency-ms 20] \
 //!       [--write-rate 3500] [--read-rate 5500] [--protocol list-all|list|counter] \
-//!       [--kv-latency-ms 1] [--kv-service-us 10] [--time-limit-s 600] [--sequential]
+//!       [--kv-latency-ms 1] [--kv-service-us 10] [--time-limit-s 600] [--sequential] \
+//!       [--prefix-depth 2]
 
 use std::time::Duration;
 
@@ -34,6 +35,7 @@ fn main() {
             "--latency-ms" => cfg.store.latency = Duration::from_secs_f64(num(&value) / 1000.0),
             "--write-rate" => cfg.store.write_rate = num(&value),
             "--read-rate" => cfg.store.read_rate = num(&value),
+            "--prefix-depth" => cfg.store.prefix_depth = num(&value) as usize,
             "--time-limit-s" => cfg.time_limit = Duration::from_secs_f64(num(&value)),
             "--kv-latency-ms" => cfg.counter_latency = Duration::from_secs_f64(num(&value) / 1000.0),
             "--kv-service-us" => cfg.counter_service = Duration::from_secs_f64(num(&value) / 1e6),
@@ -55,6 +57,7 @@ fn main() {
             "latency_ms": run.store.latency.as_secs_f64() * 1000.0,
             "write_rate": run.store.write_rate,
             "read_rate": run.store.read_rate,
+            "prefix_depth": run.store.prefix_depth,
             "keep": run.keep,
             "counter_latency_ms": run.counter_latency.as_secs_f64() * 1000.0,
             "counter_service_us": run.counter_service.as_secs_f64() * 1e6,

@@ -70,8 +70,11 @@ pub trait Blobs: Send + Sync {
     fn delete(&self, key: &str) -> Result<()>;
     /// Deletes everything under `prefix`.
     fn delete_prefix(&self, prefix: &str) -> Result<()>;
-    /// Deletes `names` (keys), in order, without listing; missing keys are not errors. The
-    /// default deletes one by one; object stores batch them (DeleteObjects, 1,000 a request).
+    /// Deletes the objects `names` (keys, as `delete` takes them), whose names the caller
+    /// knows, so that nothing is listed to find them; names that are not there are not an
+    /// error. One by one here (a filesystem: an unlink each); an object store overrides it
+    /// with its bulk delete (S3's DeleteObjects, 1,000 keys a request). The first failure
+    /// ends the call; what was deleted before it stays deleted.
     fn delete_names(&self, names: &[String]) -> Result<()> {
         names.iter().try_for_each(|n| self.delete(n))
     }

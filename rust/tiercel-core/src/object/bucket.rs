@@ -177,6 +177,12 @@ impl Blobs for ObjectBlobs {
         block_on(self.inner.delete_prefix(prefix))
     }
 
+    /// S3: one DeleteObjects request per 1,000 names (object_store's `delete_stream`), no
+    /// listing; GCS, whose XML API has no bulk delete: a DELETE per name, several at once.
+    fn delete_names(&self, names: &[String]) -> Result<()> {
+        block_on(self.inner.delete_names(names))
+    }
+
     fn leftovers_under(&self) -> Option<&str> {
         Some(super::uploads::UPLOADS_DIR)
     }

@@ -266,6 +266,24 @@ impl Inner {
         }
     }
 
+    /// Deletes `names` by their keys in bulk, without listing; a missing one is no error.
+    pub(super) async fn delete_names(&self, names: &[String]) -> Result<()> {
+        let paths: Vec<object_store::Result<ObjPath>> = names.iter().map(|n| Ok(self.path(n))).collect();
+        let mut deleted = self.store.delete_stream(futures_util::stream::iter(paths).boxed());
+        while let Some(r) = deleted.next().await {
+            match r {
+                Ok(_) | Err(object_store::Error::NotFound { .. }) => {}
+                // The error names the object where the store says which; the message names
+                // the first of the batch and how many there were.
+                Err(e) => {
+                    let op = format!("bulk DELETE of {} objects, the first", names.len());
+                    return Err(self.err(&op, names.first().map_or("", |n| n.as_str()), e));
+                }
+            }
+        }
+        Ok(())
+    }
+
     pub(super) async fn delete_prefix(&self, prefix: &str) -> Result<()> {
         let path = self.path(prefix);
         if path.as_ref().is_empty() {

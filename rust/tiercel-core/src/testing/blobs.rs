@@ -5,6 +5,7 @@
 use super::subjects::BlobsSubject;
 use super::{always, noise, Case};
 use crate::error::ErrorKind;
+use crate::requests::RequestKind;
 
 fn put_get_round_trip(s: &BlobsSubject) {
     let b = &*s.blobs;
@@ -107,6 +108,46 @@ fn list_and_delete(s: &BlobsSubject) {
     assert_eq!(b.get("step-10/a").unwrap(), b"step-10/a");
 }
 
+/// `delete_names` removes exactly the names it is given, more than one bulk request's worth
+/// (1,000 on S3) and spread over directories, with missing names among them; on S3 it does
+/// so in one DeleteObjects per 1,000 names and lists nothing (the tier's request counters).
+fn delete_names_removes_those_names(s: &BlobsSubject) {
+    let b = &*s.blobs;
+    let names: Vec<String> = (0..1001).map(|i| format!("del/{:02x}/obj-{i:04}", i % 7)).collect();
+    for n in &names {
+        b.put(n, b"x").unwrap();
+    }
+    let kept = ["del/00/kept", "del/kept", "kept"];
+    for k in kept {
+        b.put(k, k.as_bytes()).unwrap();
+    }
+    let mut doomed = names.clone();
+    doomed.extend(["del/00/never-there".to_string(), "nowhere/at-all".to_string()]);
+    let before = b.requests().map(|r| (r.count(RequestKind::Delete), r.count(RequestKind::List)));
+    b.delete_names(&doomed).unwrap();
+    if let (Some(r), Some((deletes, lists))) = (b.requests(), before) {
+        let (deletes, lists) = (r.count(RequestKind::Delete) - deletes, r.count(RequestKind::List) - lists);
+        assert_eq!(lists, 0, "delete_names listed");
+        if b.describe("").starts_with("s3://") {
+            assert_eq!(deletes, 2, "1,003 names: two DeleteObjects");
+        }
+    }
+    for k in kept {
+        assert_eq!(b.get(k).unwrap(), k.as_bytes(), "{k} was deleted");
+    }
+    for n in names.iter().step_by(97) {
+        assert!(!b.exists(n).unwrap(), "{n} is still there");
+    }
+    // (A filesystem keeps the emptied directories; their listings are empty.)
+    for d in 1..7 {
+        assert!(b.list(&format!("del/{d:02x}")).unwrap().is_empty(), "del/{d:02x} is not empty");
+    }
+    assert_eq!(b.list("del/00").unwrap(), vec!["kept"]);
+    // Nothing to delete is no request and no error; deleting again neither.
+    b.delete_names(&[]).unwrap();
+    b.delete_names(&doomed[..3]).unwrap();
+}
+
 /// Every test of the suite, for one backend.
 pub fn cases() -> Vec<Case<BlobsSubject>> {
     vec![
@@ -117,5 +158,6 @@ pub fn cases() -> Vec<Case<BlobsSubject>> {
         Case { name: "streamed_objects_appear_when_finished", run: streamed_objects_appear_when_finished, skip: always },
         Case { name: "aborted_objects_never_appear", run: aborted_objects_never_appear, skip: always },
         Case { name: "list_and_delete", run: list_and_delete, skip: always },
+        Case { name: "delete_names_removes_those_names", run: delete_names_removes_those_names, skip: always },
     ]
 }

@@ -1,6 +1,7 @@
 //! The scale simulator (docs/scale.md, "Simulated scale"): N ranks, as threads of one
 //! process, each doing on one object-store tier what a rank's persist does
-//! (`store::persist`: `write_and_commit`, then `Store::retain` where the rank retains),
+//! (`store::persist`: `write_and_commit`, then `Store::retain` where the rank retains, then
+//! `Tier::sweep` of its own rank area),
 //! through tiercel's own `BlobTier`, `StepLayout` and gc code, against `SimBlobs`, a
 //! simulated object store with S3's request latency and per-prefix rates, and, for the
 //! counted commit, `SimCounter`, a job-wide counter with a coordinator's latency. Only the
@@ -106,6 +107,8 @@ pub struct StepReport {
     pub stopped: bool,
     /// Calls to the job-wide counter (adds and deletes).
     pub counter_ops: u64,
+    /// Ranks whose sweep of their own area failed (their saves stand).
+    pub sweep_failures: u64,
 }
 
 impl StepReport {
@@ -125,12 +128,15 @@ impl StepReport {
             "peak_prefix_writes_at": self.tally.peak_writes.1,
             "peak_prefix_reads_per_s": self.tally.peak_reads.0,
             "peak_prefix_reads_at": self.tally.peak_reads.1,
+            "prefixes_written": self.tally.writes_by_prefix.len(),
+            "busiest_prefix_writes": self.tally.writes_by_prefix.values().max().copied().unwrap_or(0),
             "wall_s": self.wall.as_secs_f64(),
             "commit_delay_s": self.commit_delay.map(|d| d.as_secs_f64()),
             "failed_ranks": self.failed,
             "errors": self.errors,
             "stopped": self.stopped,
             "counter_ops": self.counter_ops,
+            "sweep_failures": self.sweep_failures,
         })
     }
 }
@@ -187,6 +193,8 @@ struct Rank {
     link: Arc<Link>,
     /// `Store::other_job`'s cache: a step's commit record is read once per process.
     records_seen: HashMap<u64, ()>,
+    /// Sweeps that failed (every rank's, shared).
+    sweep_failures: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Rank {
@@ -215,6 +223,12 @@ impl Rank {
         if retains {
             self.retain(cfg)?;
         }
+        // Then each rank sweeps its own area (version 3), as `PersistJob::run` does: a
+        // failure is logged there and fails nothing; here it is counted.
+        if let Err(e) = self.tier.sweep(self.rank, Some(cfg.keep)) {
+            self.sweep_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            log::warn!("rank {}'s sweep after step {step}: {e}", self.rank);
+        }
         Ok(committed)
     }
 
@@ -240,6 +254,7 @@ pub fn run(cfg: &SimConfig) -> Vec<StepReport> {
     let blobs = SimBlobs::new(cfg.store.clone());
     let shared: Arc<dyn crate::blobs::Blobs> = Arc::new(blobs.clone());
     let counter = Arc::new(SimCounter::new(cfg.counter_latency, cfg.counter_service));
+    let sweep_failures = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let ranks: Vec<Rank> = (0..cfg.ranks)
         .map(|r| Rank {
             rank: r,
@@ -247,9 +262,10 @@ pub fn run(cfg: &SimConfig) -> Vec<StepReport> {
             counter: counter.clone(),
             link: Link::new("sim", None),
             records_seen: HashMap::new(),
+            sweep_failures: sweep_failures.clone(),
         })
         .collect();
-    let env = Env { blobs, counter };
+    let env = Env { blobs, counter, sweep_failures };
     if cfg.sequential {
         run_sequential(cfg, &env, ranks)
     } else {
@@ -263,27 +279,29 @@ type Outcome = std::result::Result<bool, String>;
 struct Env {
     blobs: SimBlobs,
     counter: Arc<SimCounter>,
+    sweep_failures: Arc<std::sync::atomic::AtomicU64>,
 }
 
-fn report(cfg: &SimConfig, env: &Env, step: u64, started: Instant, outcomes: &[Outcome]) -> StepReport {
+fn report(env: &Env, step: u64, started: Instant, outcomes: &[Outcome]) -> StepReport {
     let blobs = &env.blobs;
     let wall = started.elapsed();
-    let dir = format::step_dir(step);
-    let last = (0..cfg.ranks).filter_map(|r| blobs.visible_at(&format!("{dir}/{}", format::manifest_name(r)))).max();
-    let commit = blobs.visible_at(&format!("{dir}/{}", format::COMMIT_NAME));
     let errors: Vec<String> = outcomes.iter().filter_map(|o| o.as_ref().err().cloned()).collect();
+    // The step's own manifests and commit record are the only ones put during it, wherever
+    // the layout keeps them.
+    let tally = blobs.take_tally();
     StepReport {
         step,
-        tally: blobs.take_tally(),
-        wall,
-        commit_delay: match (last, commit) {
+        commit_delay: match (tally.last_manifest, tally.last_commit) {
             (Some(l), Some(c)) => Some(c.saturating_duration_since(l)),
             _ => None,
         },
+        tally,
+        wall,
         failed: errors.len() as u32,
         errors: errors.into_iter().take(3).collect(),
         stopped: blobs.stop.swap(false, std::sync::atomic::Ordering::Relaxed),
         counter_ops: env.counter.take_ops(),
+        sweep_failures: env.sweep_failures.swap(0, std::sync::atomic::Ordering::Relaxed),
     }
 }
 
@@ -292,7 +310,7 @@ fn run_sequential(cfg: &SimConfig, env: &Env, mut ranks: Vec<Rank>) -> Vec<StepR
         .map(|step| {
             let started = Instant::now();
             let outcomes: Vec<Outcome> = ranks.iter_mut().map(|r| r.persist(cfg, step).map_err(|e| e.to_string())).collect();
-            report(cfg, env, step, started, &outcomes)
+            report(env, step, started, &outcomes)
         })
         .collect()
 }
@@ -337,7 +355,7 @@ fn run_threads(cfg: &SimConfig, env: &Env, ranks: Vec<Rank>) -> Vec<StepReport> 
             }
         }
         done.wait();
-        out.push(report(cfg, env, step, started, &outcomes));
+        out.push(report(env, step, started, &outcomes));
     }
     for h in handles {
         let _ = h.join();

@@ -11,13 +11,20 @@
 //! `put`, `put_if_absent` one PUT; a streamed object one PUT up to a part, else a multipart
 //! upload (POST, marker PUT, one PUT per part, POST, marker DELETE); `get`, `get_range` one
 //! GET; `exists` one HEAD; `list` one LIST per 1,000 names; `delete` one DELETE;
-//! `delete_prefix` a recursive LIST and one DeleteObjects POST per 1,000 keys; `leftovers`
-//! a LIST of `.uploads/` (which gc skips where the root has none, as on S3).
+//! `delete_names` one DeleteObjects POST per 1,000 keys; `delete_prefix` a recursive LIST
+//! and one DeleteObjects POST per 1,000 keys; `leftovers` a LIST of `.uploads/` (which gc
+//! skips where the root has none, as on S3).
 //!
-//! A prefix, for the rates, is a key's directory (everything before its last '/'; the
-//! prefix itself for a listing): all ranks of one step share one, as all objects directly
-//! under the tier's root share another. A real bucket splits partitions only after minutes
-//! of sustained load, so this is the optimistic reading of S3's limit for a fresh prefix.
+//! A prefix, for the rates (`prefix_of`), is a key's first `SimOptions::prefix_depth`
+//! '/'-separated parts (2: the key up to its second '/'), or its whole directory where the
+//! key has fewer; for a listing, the listed prefix cut the same way. Whatever layout the
+//! keys follow, that is what S3 can rate separately once it has split its partitions at
+//! those '/' boundaries: a step directory `step-<12>/` is one prefix for all its ranks'
+//! objects, and a layout that puts each rank's objects under `<2 hex digits>/...` spreads
+//! them over up to 256 (or more, one per second part). A real bucket splits partitions only
+//! after minutes of sustained load, so this is the optimistic reading of S3's limit. A
+//! DeleteObjects request is rated on the prefix of its first key (S3 documents no finer
+//! rule for a request that names keys under several).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -43,6 +50,9 @@ pub struct SimOptions {
     pub part_size: usize,
     /// Retries of a request answered 503 before the call fails (object_store: 10).
     pub retries: u32,
+    /// How many leading '/'-separated parts of a key make its prefix for the rates
+    /// (`prefix_of`).
+    pub prefix_depth: usize,
 }
 
 impl Default for SimOptions {
@@ -53,6 +63,7 @@ impl Default for SimOptions {
             read_rate: 5500.0,
             part_size: crate::policy::DEFAULT_PART_SIZE as usize,
             retries: 10,
+            prefix_depth: 2,
         }
     }
 }
@@ -101,6 +112,9 @@ pub fn object_class(key: &str) -> &'static str {
         "data"
     } else if format::parse_step_dir(key).is_some() {
         "step"
+    } else if format::parse_rank_dir(name).is_some() {
+        // A listing of a rank's area (version 3).
+        "area"
     } else {
         "other"
     }
@@ -111,6 +125,16 @@ struct Bucket {
     at: Instant,
     /// Requests admitted since the last `take_tally`.
     admitted: u64,
+}
+
+/// The prefix whose rate a request about `key` takes: its first `depth` '/'-separated parts,
+/// or all of its directory where it has fewer (a key at the root: ""). `listing` says that
+/// `key` is itself a prefix (a LIST's, a recursive delete's), not an object's name.
+pub fn prefix_of(key: &str, depth: usize, listing: bool) -> String {
+    let key = key.trim_matches('/');
+    let parts: Vec<&str> = key.split('/').filter(|p| !p.is_empty()).collect();
+    let dir = if listing { parts.len() } else { parts.len().saturating_sub(1) };
+    parts[..dir.min(depth)].join("/")
 }
 
 /// What one run of requests did: counts by (kind, object class), 503s, and the peak demand
@@ -125,6 +149,13 @@ pub struct Tally {
     /// second, by class: (writes, reads), and that prefix.
     pub peak_writes: (u64, String),
     pub peak_reads: (u64, String),
+    /// Write requests (refused ones included) by prefix, and read requests by prefix.
+    pub writes_by_prefix: BTreeMap<String, u64>,
+    pub reads_by_prefix: BTreeMap<String, u64>,
+    /// When the last manifest was put, and the last commit record (the step's, in a step's
+    /// tally): the time from the last rank's data to the commit, whatever the key layout.
+    pub last_manifest: Option<Instant>,
+    pub last_commit: Option<Instant>,
 }
 
 impl Tally {
@@ -160,9 +191,6 @@ pub struct SimState {
     tally: Mutex<Tally>,
     /// Arrivals per (prefix, is_write, second since `start`).
     arrivals: Mutex<HashMap<(String, bool, u64), u64>>,
-    /// When each object was last put, for `visible_at` (only the step layout's small
-    /// objects: manifests and commit records).
-    visible: Mutex<HashMap<String, Instant>>,
     start: Instant,
     /// Set to fail every request from now on (a run past its time limit).
     pub stop: AtomicBool,
@@ -190,7 +218,6 @@ impl SimBlobs {
             buckets: Default::default(),
             tally: Default::default(),
             arrivals: Default::default(),
-            visible: Default::default(),
             start: Instant::now(),
             stop: AtomicBool::new(false),
             seed: AtomicU64::new(0x9E37_79B9_7F4A_7C15),
@@ -208,17 +235,13 @@ impl SimState {
         }
         let arrivals = std::mem::take(&mut *self.arrivals.lock());
         for ((prefix, write, _), n) in arrivals {
+            *(if write { &mut t.writes_by_prefix } else { &mut t.reads_by_prefix }).entry(prefix.clone()).or_default() += n;
             let peak = if write { &mut t.peak_writes } else { &mut t.peak_reads };
             if n > peak.0 {
                 *peak = (n, prefix);
             }
         }
         t
-    }
-
-    /// When `key` was last put (manifests and commit records), if it was.
-    pub fn visible_at(&self, key: &str) -> Option<Instant> {
-        self.visible.lock().get(key).copied()
     }
 
     /// Keys in the store (for tests).
@@ -304,10 +327,37 @@ impl SimState {
         }
         m.insert(name.to_string(), data);
         drop(dirs);
-        if matches!(object_class(key), "manifest" | "commit") {
-            self.visible.lock().insert(key.trim_matches('/').to_string(), Instant::now());
+        let class = object_class(key);
+        if matches!(class, "manifest" | "commit") {
+            let now = Instant::now();
+            let mut t = self.tally.lock();
+            let at = if class == "manifest" { &mut t.last_manifest } else { &mut t.last_commit };
+            *at = Some(at.map_or(now, |a| a.max(now)));
         }
         true
+    }
+
+    /// The prefix whose rate a request about object `key` takes.
+    fn prefix(&self, key: &str) -> String {
+        prefix_of(key, self.opts.prefix_depth, false)
+    }
+
+    /// The prefix whose rate a listing (or a recursive delete) of `prefix` takes.
+    fn listing_prefix(&self, prefix: &str) -> String {
+        prefix_of(prefix, self.opts.prefix_depth, true)
+    }
+
+    fn remove(&self, keys: &[String]) {
+        let mut dirs = self.dirs.write();
+        for k in keys {
+            let (dir, name) = split(k);
+            if let Some(m) = dirs.get_mut(dir) {
+                m.remove(name);
+                if m.is_empty() {
+                    dirs.remove(dir);
+                }
+            }
+        }
     }
 
     fn lookup(&self, key: &str) -> Option<Vec<u8>> {
@@ -343,11 +393,11 @@ impl Blobs for SimBlobs {
     }
 
     fn put(&self, key: &str, data: &[u8]) -> Result<()> {
-        self.request(Req::Put, key, split(key).0, || self.store(key, data.to_vec(), false)).map(|_| ())
+        self.request(Req::Put, key, &self.prefix(key), || self.store(key, data.to_vec(), false)).map(|_| ())
     }
 
     fn put_if_absent(&self, key: &str, data: &[u8]) -> Result<bool> {
-        self.request(Req::Put, key, split(key).0, || self.store(key, data.to_vec(), true))
+        self.request(Req::Put, key, &self.prefix(key), || self.store(key, data.to_vec(), true))
     }
 
     fn create(&self, key: &str) -> Result<Box<dyn BlobWriter>> {
@@ -355,7 +405,7 @@ impl Blobs for SimBlobs {
     }
 
     fn get(&self, key: &str) -> Result<Vec<u8>> {
-        self.request(Req::Get, key, split(key).0, || self.lookup(key))?.ok_or_else(|| self.missing(key))
+        self.request(Req::Get, key, &self.prefix(key), || self.lookup(key))?.ok_or_else(|| self.missing(key))
     }
 
     fn get_range(&self, key: &str, offset: u64, dst: &mut [u8]) -> Result<()> {
@@ -371,7 +421,7 @@ impl Blobs for SimBlobs {
     }
 
     fn exists(&self, key: &str) -> Result<bool> {
-        self.request(Req::Head, key, split(key).0, || self.lookup(key).is_some())
+        self.request(Req::Head, key, &self.prefix(key), || self.lookup(key).is_some())
     }
 
     fn list(&self, prefix: &str) -> Result<Vec<String>> {
@@ -390,44 +440,34 @@ impl Blobs for SimBlobs {
             names
         };
         // One LIST per page of 1,000 names; the names are those of the first page's time.
+        let at = self.listing_prefix(&p);
         for _ in 1..SimState::pages(names.len()) {
-            self.request(Req::List, &p, &p, || ())?;
+            self.request(Req::List, &p, &at, || ())?;
         }
-        self.request(Req::List, &p, &p, || names)
+        self.request(Req::List, &p, &at, || names)
     }
 
     fn delete(&self, key: &str) -> Result<()> {
-        self.request(Req::Delete, key, split(key).0, || {
-            let (dir, name) = split(key);
-            let mut dirs = self.dirs.write();
-            if let Some(m) = dirs.get_mut(dir) {
-                m.remove(name);
-                if m.is_empty() {
-                    dirs.remove(dir);
-                }
-            }
-        })
+        self.request(Req::Delete, key, &self.prefix(key), || self.remove(&[key.to_string()]))
+    }
+
+    /// One DeleteObjects per 1,000 names, as `ObjectBlobs` sends them: no listing.
+    fn delete_names(&self, names: &[String]) -> Result<()> {
+        for batch in names.chunks(1000) {
+            self.request(Req::Post, &batch[0], &self.prefix(&batch[0]), || self.remove(batch))?;
+        }
+        Ok(())
     }
 
     fn delete_prefix(&self, prefix: &str) -> Result<()> {
         let p = prefix.trim_matches('/').to_string();
         let keys = self.under(&p);
+        let at = self.listing_prefix(&p);
         for _ in 0..SimState::pages(keys.len()) {
-            self.request(Req::List, &p, &p, || ())?;
+            self.request(Req::List, &p, &at, || ())?;
         }
         for batch in keys.chunks(1000) {
-            self.request(Req::Post, &p, &p, || {
-                let mut dirs = self.dirs.write();
-                for k in batch {
-                    let (dir, name) = split(k);
-                    if let Some(m) = dirs.get_mut(dir) {
-                        m.remove(name);
-                        if m.is_empty() {
-                            dirs.remove(dir);
-                        }
-                    }
-                }
-            })?;
+            self.request(Req::Post, &p, &at, || self.remove(batch))?;
         }
         Ok(())
     }
@@ -458,7 +498,8 @@ impl BlobWriter for SimWriter {
 
     fn finish(self: Box<Self>) -> Result<()> {
         let SimWriter { blobs, key, buf } = *self;
-        let (dir, _) = split(&key);
+        let dir = blobs.prefix(&key);
+        let dir = dir.as_str();
         let part = blobs.opts.part_size.max(1);
         if buf.len() > part {
             // A multipart upload, recorded by a marker while it runs (object::uploads).
