@@ -7,10 +7,13 @@ the CPU: two ranks on gloo, as tests/test_deepspeed.py runs them.
   export), and the job still loads from tiercel.
 - A kill in the middle of the mirror's write never leaves `latest` naming a torn tag folder;
   the next launch removes the leftovers.
+- A kill while rank 0 copies DeepSpeed's zero_to_fp32.py into save_dir (it does at every
+  save, on the training thread) leaves the script of the save before whole.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -107,3 +110,18 @@ def test_a_kill_while_the_mirror_writes_never_leaves_latest_at_a_torn_tag(tmp_pa
     assert not list((save_dir / STAGING).iterdir()), "the killed launch's staging folder was not removed"
     assert_whole(save_dir, f"global_step{STEPS + 1}", policy, tmp_path)
     assert os.listdir(save_dir / f"global_step{STEPS + 1}")
+
+
+def test_a_kill_while_rank_0_copies_zero_to_fp32_leaves_the_script_whole(tmp_path, shm_root, disk_root):
+    """DeepSpeed's own copy opens save_dir/zero_to_fp32.py truncated, then writes it: rank 0
+    killed in between (here at step 2's save; in the test above, by its mirror thread while
+    the training thread copied) left an empty script, which then had no
+    convert_zero_checkpoint_to_fp32_state_dict. attach() copies through a temporary name."""
+    policy = make_policy(shm_root, disk_root, ram={"keep": 3}, every=1)
+    save_dir = tmp_path / "ckpt"
+    cfg = {"stage": 2, "steps": STEPS, "mode": "tiercel", "policy": policy, "save_dir": str(save_dir), "mirror": True}
+    assert run_job(tmp_path, {**cfg, "script_kill": 2, "victim": 0}, "killed", victim=0) == []
+    spec = importlib.util.find_spec("deepspeed")  # found, not imported
+    assert spec is not None and spec.origin is not None
+    stock = (Path(spec.origin).parent / "utils" / "zero_to_fp32.py").read_bytes()
+    assert (save_dir / "zero_to_fp32.py").read_bytes() == stock, "step 1's zero_to_fp32.py is torn"
