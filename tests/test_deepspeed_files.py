@@ -22,7 +22,7 @@ import torch
 from test_deepspeed import fp32_of, plain, run_job
 
 import tiercel.deepspeed
-from tiercel.deepspeed.mirror import STAGING
+from tiercel.deepspeed.mirror import STAGING, Mirror
 
 from conftest import assert_same, make_policy
 
@@ -125,3 +125,27 @@ def test_a_kill_while_rank_0_copies_zero_to_fp32_leaves_the_script_whole(tmp_pat
     assert spec is not None and spec.origin is not None
     stock = (Path(spec.origin).parent / "utils" / "zero_to_fp32.py").read_bytes()
     assert (save_dir / "zero_to_fp32.py").read_bytes() == stock, "step 1's zero_to_fp32.py is torn"
+
+
+def test_rank_0_removes_only_earlier_launches_leftovers_from_the_staging_folder(tmp_path):
+    """Rank 0, publishing a save, removes what killed launches left in the staging root, but
+    nothing of its own launch: another rank may be writing its marker of the next save under
+    a temporary name. (Removing that file failed the marker's rename, and rank 0 waited 10
+    minutes for the marker: a busy machine's failure of the test above, with `lag`.)"""
+    root = tmp_path / STAGING
+    folders = ["new0-000003", "old0-000001"]  # staging folders of a save, the rest markers
+    ours = ["new0-000003", "new0-000004.rank-00000", ".tmp-4242-new0-000004.rank-00001"]
+    theirs = ["old0-000001", "old0-000001.rank-00000", ".tmp-99-old0-000002.rank-00001"]
+    root.mkdir()
+    for name in ours + theirs:
+        if name in folders:
+            (root / name).mkdir()
+            (root / name / "mp_rank_00_model_states.pt").write_bytes(b"x")
+        else:
+            (root / name).write_bytes(b"ok")
+    mirror = Mirror(None, "new0")  # type: ignore[arg-type]  # the staging root is all it reads
+    try:
+        mirror._remove_leftovers(str(root))
+    finally:
+        mirror.close()
+    assert sorted(os.listdir(root)) == sorted(ours)
