@@ -8,6 +8,7 @@ from an installed deepspeed when there is one.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -111,7 +112,8 @@ def copy_recovery_scripts(save_dir: str | os.PathLike) -> None:
             shutil.copyfile(src, tmp)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
-            tmp.chmod(tmp.stat().st_mode | stat.S_IEXEC)
+            with contextlib.suppress(PermissionError):  # some file shares refuse it; DeepSpeed goes on too
+                tmp.chmod(tmp.stat().st_mode | stat.S_IEXEC)
             os.replace(tmp, dest)
 
 
