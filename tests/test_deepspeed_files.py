@@ -94,7 +94,9 @@ def test_a_kill_while_the_mirror_writes_never_leaves_latest_at_a_torn_tag(tmp_pa
     # Rank 0 (which publishes tag folders and `latest`) dies on its mirror thread right after
     # the first file of step 2's save: one file of the tag written, the others not.
     killed = run_job(tmp_path, {**cfg, "mirror_kill": 2, "victim": 0}, "killed", victim=0)
-    assert killed == []
+    # Rank 1 may have finished its own saves and report before rank 0's mirror, behind the
+    # training, reached step 2: only rank 0 surely has none.
+    assert [r["rank"] for r in killed] in ([], [1]), killed
     # Step 1 was published before step 2's files were started (one save at a time, in order);
     # step 2's file went to a staging folder, never to a tag folder `latest` names.
     assert (save_dir / "latest").read_text() == "global_step1"

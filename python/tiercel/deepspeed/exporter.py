@@ -98,7 +98,8 @@ def copy_recovery_scripts(save_dir: str | os.PathLike) -> None:
     deepspeed (found without importing it), when there is one: for export, and for every save
     of an attached engine in place of DeepSpeed's own copy, which truncates the script first
     (a process killed right then left an empty zero_to_fp32.py in save_dir). Each goes through
-    a temporary name, fsynced, then renamed: a killed copy leaves the old script whole."""
+    a temporary name and a rename: a killed copy leaves the old script whole. (No fsync: this
+    runs on the training thread at every save, as DeepSpeed's copy does.)"""
     spec = importlib.util.find_spec("deepspeed")
     if spec is None or spec.origin is None:
         return
@@ -110,8 +111,6 @@ def copy_recovery_scripts(save_dir: str | os.PathLike) -> None:
             # One fixed temporary name per script: a killed copy's is taken by the next one.
             tmp = dest.with_name(f".tmp-{name}")
             shutil.copyfile(src, tmp)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
             with contextlib.suppress(PermissionError):  # some file shares refuse it; DeepSpeed goes on too
                 tmp.chmod(tmp.stat().st_mode | stat.S_IEXEC)
             os.replace(tmp, dest)
