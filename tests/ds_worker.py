@@ -11,7 +11,9 @@ snapshot sleeps before it copies: the next optimizer step must wait for it), mod
 checkpoint), mirror (attach with mirror=True: DeepSpeed's files under save_dir too),
 mirror_kill/victim (that rank SIGKILLs itself on the mirror thread, right after it wrote
 the first file of that step's save into the staging folder), mirror_lag (the mirror reads
-step 1 only once retention removed it), resave_rank0 (after the last step, one more update,
+step 1 only once retention removed it), script_kill/victim (that rank SIGKILLs itself as soon as
+a zero_to_fp32.py under save_dir is opened for writing at that step's save: the moment its
+bytes are being copied), resave_rank0 (after the last step, one more update,
 then rank 0 alone saves the last step's tag again; with resume and steps = the loaded step: a
 relaunch redoing it), out (a directory for this rank's report and state dumps).
 
@@ -150,6 +152,21 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)  # one file of the tag written, the rest not
 
             mirror.write_file = write_then_die
+        if cfg.get("script_kill") and rank == cfg.get("victim"):
+            import builtins
+
+            real_open = builtins.open
+            save_dir = os.path.realpath(cfg["save_dir"])
+
+            def open_then_die(file, mode="r", *args, **kwargs):  # type: ignore[no-untyped-def]
+                f = real_open(file, mode, *args, **kwargs)
+                if ("w" in mode and isinstance(file, (str, os.PathLike)) and engine.global_steps == cfg["script_kill"]
+                        and os.path.basename(os.fspath(file)).endswith("zero_to_fp32.py")
+                        and os.path.realpath(os.fspath(file)).startswith(save_dir + os.sep)):
+                    os.kill(os.getpid(), signal.SIGKILL)  # opened (truncated, if in place), not written
+                return f
+
+            builtins.open = open_then_die
         if cfg.get("snapshot_delay"):
             import time
 

@@ -8,6 +8,7 @@ with the traceback in the log."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -428,6 +429,68 @@ def two_items(policy: dict, directory: str) -> dict:
     out["after_clash"] = restored(check, 2)
     check.close()
     return out
+
+
+def refused_save(policy: dict, directory: str, delay: float) -> dict:
+    """A save that tiercel refuses (an item that a step this process saved does not have),
+    while Orbax creates the step's directories slowly (`delay` s more, as on a loaded
+    machine), and its manager closed right after, as two_items does: the errors Orbax logged
+    and the threads of Orbax's still running once that creation is over. Run through
+    conftest.run_isolated."""
+    import logging
+    import threading
+    import time
+
+    # Where Orbax's async save creates a step's temporary directory, in a thread of its own
+    # (internal to Orbax: this fails loudly if it moves).
+    from orbax.checkpoint._src.path import atomicity
+
+    errors: list[str] = []
+
+    class Errors(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            errors.append(record.getMessage()[:300])
+
+    logging.getLogger().addHandler(Errors(logging.ERROR))
+    first = manager(tiercel.orbax.TiercelCheckpointHandler(policy), os.path.join(directory, "first"))
+    first.save(1, args=ocp.args.Composite(state=tiercel.orbax.Save({"x": np.ones(3)})))
+    first.wait_until_finished()
+    first.close()
+
+    create = atomicity._create_tmp_directory
+
+    async def slowly(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(delay)
+        return await create(*args, **kwargs)
+
+    atomicity._create_tmp_directory = slowly
+    other = mngr_of_item("extra", policy, os.path.join(directory, "other"))
+    out: dict[str, Any] = {}
+    try:
+        other.save(1, args=ocp.args.Composite(extra=tiercel.orbax.Save({"x": np.zeros(3)})))
+        other.wait_until_finished()
+        out["clash"] = "saved"
+    except Exception as e:  # noqa: BLE001 - the report says what it was
+        out["clash"] = f"{type(e).__name__}: {e}"
+    other.close()
+    time.sleep(delay + 1.0)  # the slowed creation, had nothing waited for it, is over by now
+    atomicity._create_tmp_directory = create
+    out["orbax_errors"] = errors
+    out["orbax_threads"] = [t.name for t in threading.enumerate() if type(t).__module__.startswith("orbax") and t.is_alive()]
+    if out["orbax_threads"]:
+        # One waits for a directory signal that never comes, for Orbax's 300 s, and the
+        # interpreter's exit would wait for it: report and leave now.
+        print("RESULT " + json.dumps(out), flush=True)
+        os._exit(0)
+    return out
+
+
+def mngr_of_item(item: str, policy: dict, directory: str) -> ocp.CheckpointManager:
+    reg = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    handler = tiercel.orbax.TiercelCheckpointHandler(policy)
+    reg.add(item, tiercel.orbax.Save, handler)
+    reg.add(item, tiercel.orbax.Restore, handler)
+    return ocp.CheckpointManager(directory, handler_registry=reg)
 
 
 def leaf_kinds(policy: dict, directory: str) -> dict:

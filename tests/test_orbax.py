@@ -231,3 +231,17 @@ def test_two_items_of_one_step_on_one_policy_both_restore(tmp_path, shm):
         assert r[case]["reopened"] == want, r
     assert r["clash"].startswith("InvalidArgumentError") and "step 2" in r["clash"] and "'extra'" in r["clash"], r
     assert r["after_clash"] == [2.0, 2.0, "p2", True, 2], r
+
+
+def test_a_refused_save_leaves_no_orbax_work_running_behind_it(tmp_path, shm):
+    """A save tiercel refuses raises from Orbax's mngr.save after Orbax's own creation of the
+    step's directories is over. Before, it left that creation running in Orbax's threads: a
+    mngr.close() right after shut the metadata executor it still needed ("cannot schedule new
+    futures after shutdown", two_items' intermittent failure on a busy machine) and the item
+    directories' thread waited 300 s for its signal, also at the process's exit. Orbax's
+    directory creation is slowed by 1 s here so that the close always comes first."""
+    r = run_isolated("orbax_worker", "refused_save", make_policy(shm, tmp_path / "disk", every=1),
+                     str(tmp_path / "orbax"), 1.0, timeout=TIMEOUT)
+    assert r["clash"].startswith("InvalidArgumentError") and "step 1" in r["clash"] and "'extra'" in r["clash"], r
+    assert r["orbax_errors"] == [], r
+    assert r["orbax_threads"] == [], r

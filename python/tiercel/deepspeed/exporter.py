@@ -8,6 +8,7 @@ from an installed deepspeed when there is one.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -61,7 +62,7 @@ def write(store: Store, step_or_tag: int | str, out: Path, *, progress: Progress
             progress(done, total)
     checkpoints = [s for s in saves if s.is_checkpoint()]
     if any("optim_states" in rel for s in checkpoints for rel in s.files):
-        _copy_recovery_scripts(out)
+        copy_recovery_scripts(out)
     latest = [s for s in checkpoints if s.latest] or checkpoints
     if latest:
         _write(out / "latest", latest[-1].tag)
@@ -92,9 +93,13 @@ def select(store: Store, step_or_tag: int | str) -> tuple[Layout, list[Save], St
     return found.layout, saves, StepView(store, found.layout.step, trust_pickles=True)
 
 
-def _copy_recovery_scripts(out: Path) -> None:
-    """DeepSpeed copies zero_to_fp32.py next to every ZeRO checkpoint; so does export, from
-    the installed deepspeed (found without importing it), when there is one."""
+def copy_recovery_scripts(save_dir: str | os.PathLike) -> None:
+    """DeepSpeed's recovery scripts (zero_to_fp32.py, ...) into `save_dir`, from the installed
+    deepspeed (found without importing it), when there is one: for export, and for every save
+    of an attached engine in place of DeepSpeed's own copy, which truncates the script first
+    (a process killed right then left an empty zero_to_fp32.py in save_dir). Each goes through
+    a temporary name and a rename: a killed copy leaves the old script whole. (No fsync: this
+    runs on the training thread at every save, as DeepSpeed's copy does.)"""
     spec = importlib.util.find_spec("deepspeed")
     if spec is None or spec.origin is None:
         return
@@ -102,9 +107,13 @@ def _copy_recovery_scripts(out: Path) -> None:
     for name in RECOVERY_SCRIPTS:
         src = utils / name
         if src.is_file():
-            dest = out / name
-            shutil.copyfile(src, dest)
-            dest.chmod(dest.stat().st_mode | stat.S_IEXEC)
+            dest = Path(save_dir) / name
+            # One fixed temporary name per script: a killed copy's is taken by the next one.
+            tmp = dest.with_name(f".tmp-{name}")
+            shutil.copyfile(src, tmp)
+            with contextlib.suppress(PermissionError):  # some file shares refuse it; DeepSpeed goes on too
+                tmp.chmod(tmp.stat().st_mode | stat.S_IEXEC)
+            os.replace(tmp, dest)
 
 
 def _write(path: Path, text: str) -> None:

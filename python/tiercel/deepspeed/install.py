@@ -17,6 +17,9 @@ outside the engine; `attach` covers each piece on the engine instance:
 - `engine.optimizer.step` first waits for the last save's snapshot: a save returns before
   the parameters and optimizer states are copied into shared memory, and the next update
   must not change them while they are (see snapshot.py).
+- `engine._copy_recovery_script` (rank 0 copies zero_to_fp32.py into save_dir at every save)
+  copies through a temporary name and a rename (exporter.copy_recovery_scripts): DeepSpeed's
+  copy truncates the script first, and a rank killed right then left it empty.
 - With `mirror=True` (or TIERCEL_DEEPSPEED_MIRROR=1), `engine.save_checkpoint` runs
   DeepSpeed's with save_latest=False, and the mirror writes DeepSpeed's own files and
   `latest` under save_dir in the background (see mirror.py).
@@ -41,6 +44,7 @@ from ..coordinator import agree, all_true, barrier, broadcast
 from ..errors import InvalidArgumentError, TierUnavailableError
 from ..store import PolicyLike, Store
 from .engine import Loading, TiercelCheckpointEngine
+from .exporter import copy_recovery_scripts
 from .layout import norm_dir
 from .mirror import Mirror, enabled
 from .resolve import committed_steps, coordinator_of, may_hold_dir, not_found, resolve
@@ -69,6 +73,7 @@ def attach(engine: Any, policy: PolicyLike | None = None, *, mirror: bool | None
     engine.load_checkpoint = functools.update_wrapper(
         functools.partial(load_checkpoint, engine, engine.load_checkpoint), engine.load_checkpoint)
     engine._get_all_ckpt_names = functools.partial(_ckpt_names, engine, engine._get_all_ckpt_names)
+    engine._copy_recovery_script = copy_recovery_scripts
     if enabled(mirror):
         # The save ids of this launch, the same on every rank: a staging folder of another
         # launch is a leftover.

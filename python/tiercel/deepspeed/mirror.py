@@ -198,14 +198,23 @@ class Mirror:
             os.unlink(m)
 
     def _remove_leftovers(self, root: str) -> None:
-        """Staging folders and markers of earlier launches (killed while writing)."""
+        """Staging folders and markers of earlier launches (killed while writing), and their
+        temporary files. This launch's stay: another rank may be writing its marker of a later
+        save right now (under a temporary name, which was taken for a leftover: its rename
+        failed, and rank 0 waited for that marker until RANKS_WAIT_S)."""
         for name in os.listdir(root):
-            if not name.startswith(self.launch + "-"):
+            if not _save_id_of(name).startswith(self.launch + "-"):
                 path = os.path.join(root, name)
                 if os.path.isdir(path):
                     shutil.rmtree(path, ignore_errors=True)
                 else:
                     os.unlink(path)
+
+
+def _save_id_of(name: str) -> str:
+    """The save id that a name in the staging root starts with, a temporary name's too
+    (`.tmp-<pid>-<save id>.rank-NNNNN`, see `_write_bytes`)."""
+    return name.split("-", 2)[-1] if name.startswith(".tmp-") else name
 
 
 def write_file(value: Any, dest: str) -> None:

@@ -9,6 +9,7 @@ themselves are in the tiers of the handler's policy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import re
@@ -80,6 +81,25 @@ def wait_for_tier(handle: SaveHandle, tier: str, timeout: float) -> str:
         pause = min(pause * 2, 0.02)
 
 
+async def _nothing() -> None:
+    pass
+
+
+def _settle_orbax_directories() -> None:
+    """Waits until the directories Orbax started creating for this save exist, before a save
+    that tiercel refuses raises. Orbax's async save starts creating the step's directories (its
+    step metadata written through the manager's metadata executor) in threads of its own before
+    it calls the handler, and only the save's commit futures wait for them: a refusal raised
+    from `async_save` left them running. A `mngr.close()` right after (it shuts that executor
+    down) then failed their metadata write, "cannot schedule new futures after shutdown", and
+    the directory signal they never sent kept the item directories' thread waiting, for
+    Orbax's 300 s, also at the process's exit. The wait is the one every save future makes
+    (Orbax's awaitable-signals contract of this save)."""
+    # The refusal is what the caller must see; a failure of Orbax's own work is logged by Orbax.
+    with contextlib.suppress(Exception):
+        ocp_future.CommitFutureAwaitingContractedSignals(_nothing(), name="tiercel_refused_save").result()
+
+
 class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     """Saves and restores a pytree of jax.Arrays (any sharding), numpy arrays, Python scalars
     and strings through a tiercel Store.
@@ -129,6 +149,14 @@ class TiercelCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             f.result()
 
     def _start_save(self, directory: epath.Path, args: Save | None, alone: bool) -> list[ocp_future.Future]:
+        try:
+            return self._begin_save(directory, args, alone)
+        except Exception:
+            if not alone:
+                _settle_orbax_directories()
+            raise
+
+    def _begin_save(self, directory: epath.Path, args: Save | None, alone: bool) -> list[ocp_future.Future]:
         t0 = time.perf_counter()
         if not isinstance(args, Save):
             raise InvalidArgumentError(f"TiercelCheckpointHandler saves tiercel.orbax.Save(state), got {type(args).__name__}")
