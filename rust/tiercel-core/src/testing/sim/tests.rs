@@ -9,15 +9,27 @@ fn fast(ranks: u32) -> SimConfig {
 }
 
 /// The counted commit, ranks one after another (deterministic counts), in the version-3
-/// layout, keep 1. A step of fresh processes costs 5N + 4: each rank's uncommit (a process
-/// that has not listed its area yet cannot know there is nothing to take back: two DELETEs),
-/// its data and manifest, the listing of its area by its sweep (nothing to remove yet);
-/// then the commit record and the committer's retention. The steady state (step 4) costs 5N + 6: each rank its data,
-/// its manifest, and its sweep (a LIST of its area, a LIST of the root for the committed
-/// steps, one DeleteObjects of its manifest and data of the step retention removed); the
-/// committer its commit record and retention (the root, a HEAD per step there, the new
-/// record's GET, the removed step's record). No LIST of a step, no manifest read; N adds
-/// and one delete on the counter (docs/scale.md).
+/// layout, keep 1, so rank N - 1 commits every step.
+///
+/// A step of fresh processes costs 5N + 4: each rank's uncommit (a process that has not
+/// listed its area yet cannot know there is nothing to take back: two DELETEs, the step's
+/// `COMMIT` and its manifest), its data and manifest, and its sweep's one LIST of its area
+/// (once per process: what an earlier process left; nothing to remove yet); then the commit
+/// record and the committer's retention (a LIST of the root, a HEAD of the one step there,
+/// a GET of its record).
+///
+/// In the steady state a rank's sweep lists nothing: it knows its area, and looks at two
+/// commit records, HEADs of `step-<s-1>/COMMIT` (still committed: its manifest stays) and of
+/// `step-<s-2>/COMMIT` (gone: the last retention removed it), then deletes that step's manifest and
+/// data object in one DeleteObjects. Each rank: data, manifest, 2 HEADs, 1 DeleteObjects. The
+/// committer: its record, and retention: a LIST of the root, a HEAD per step there (K + 1),
+/// a GET of the new record, the removed step's `COMMIT` DELETE and a LIST of its prefix
+/// (`delete_step` removes the prefix always). The committer's own sweep runs right after its
+/// retention removed step s - 1, which it has seen committed and so does not look at: in
+/// one step it looks at nothing and deletes nothing (5N + 4 in all), in the next it finds
+/// two steps gone (3 HEADs, 1 DeleteObjects: 5N + 8). 5N + 6 a step on average, as
+/// (P + 4)·N + K + 5 (docs/scale.md). No LIST of the new step, no manifest read; N adds and
+/// one delete on the counter.
 #[test]
 fn requests_per_step_follow_the_formula() {
     let n = 8u64;
@@ -43,29 +55,36 @@ fn requests_per_step_follow_the_formula() {
     .collect();
     assert_eq!(steps[0].tally.requests, first);
     assert_eq!(steps[0].tally.total(), 5 * n + 4);
-    let steady: BTreeMap<(Req, &str), u64> = [
-        ((Req::Put, "data"), n),
-        ((Req::Put, "manifest"), n),
-        ((Req::List, "area"), n),
-        ((Req::List, "root"), n + 1),
-        // One DeleteObjects a rank (its first key: the manifest of the step removed).
-        ((Req::Post, "manifest"), n),
-        ((Req::Put, "commit"), 1),
-        ((Req::Head, "commit"), 2),
-        ((Req::Get, "commit"), 1),
-        ((Req::Delete, "commit"), 1),
-    ]
-    .into_iter()
-    .collect();
-    assert_eq!(steps[3].tally.requests, steady);
-    assert_eq!(steps[3].tally.total(), 5 * n + 6);
-    assert_eq!(steps[3].tally.slowdowns, 0);
+    // Steps 3 and 4: the committer's sweep idle, then catching up.
+    for (s, committer_heads, committer_deletes) in [(&steps[2], 0, 0), (&steps[3], 3, 1)] {
+        let steady: BTreeMap<(Req, &str), u64> = [
+            ((Req::Put, "data"), n),
+            ((Req::Put, "manifest"), n),
+            // Every other rank's sweep: 2 HEADs; the committer's retention: K + 1.
+            ((Req::Head, "commit"), 2 * (n - 1) + committer_heads + 2),
+            // One DeleteObjects a sweeping rank (its first key: the removed step's manifest).
+            ((Req::Post, "manifest"), n - 1 + committer_deletes),
+            ((Req::Put, "commit"), 1),
+            ((Req::List, "root"), 1),
+            ((Req::Get, "commit"), 1),
+            ((Req::Delete, "commit"), 1),
+            ((Req::List, "step"), 1),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(s.tally.requests, steady, "step {}", s.step);
+        assert_eq!(s.tally.slowdowns, 0);
+    }
+    assert_eq!(steps[2].tally.total(), 5 * n + 4);
+    assert_eq!(steps[3].tally.total(), 5 * n + 8);
 }
 
 /// Without a counter (`Protocol::ListAll`, ranks one after another): the step's directory
-/// holds only its commit record in version 3, so each rank's commit attempt reads the
-/// manifests in rank order until one is missing, and the last reads all N: N(N + 3)/2 - 1
-/// manifest GETs a step, quadratic in N (the counted commit reads none).
+/// holds only its commit record in version 3, so each rank's commit attempt LISTs it and
+/// reads the manifests in rank order until one is missing, and the last reads all N:
+/// N(N + 3)/2 - 1 manifest GETs a step, quadratic in N (the counted commit reads none). From
+/// step 2 on, the retention that removes the step before (keep 1) LISTs that step's prefix
+/// once more (`delete_step` removes the prefix always): N + 1 LISTs of step directories.
 #[test]
 fn the_commit_without_a_counter_reads_manifests_up_to_the_first_missing_one() {
     let n = 8u64;
@@ -74,7 +93,8 @@ fn the_commit_without_a_counter_reads_manifests_up_to_the_first_missing_one() {
         assert_eq!(s.failed, 0, "step {}: {:?}", s.step, s.errors);
         assert!(s.commit_delay.is_some(), "step {} did not commit", s.step);
         assert_eq!(s.tally.of(Req::Get, "manifest"), n * (n + 3) / 2 - 1, "step {}: {:?}", s.step, s.tally.requests);
-        assert_eq!(s.tally.of(Req::List, "step"), n, "one LIST of the step a rank");
+        let removed = u64::from(s.step > 1);
+        assert_eq!(s.tally.of(Req::List, "step"), n + removed, "step {}: one LIST of the step a rank, one of the removed step", s.step);
     }
 }
 
@@ -97,19 +117,28 @@ fn slowdowns_are_answered_and_retried() {
     assert!(steps[0].tally.peak_writes.0 > 20, "{:?}", steps[0].tally.peak_writes);
 }
 
-/// All 64 ranks at once with the counted commit: no LIST of the step and no manifest read,
-/// whichever rank counts last; each rank lists its own area once.
+/// All 64 ranks at once with the counted commit: the commit lists nothing and reads no
+/// manifest, whichever rank counts last. Each rank lists its own area once, in its first
+/// step; after that the step's only LISTs are the committer's retention (the root, and the
+/// prefix of the step it removes), and each rank's sweep HEADs the records of the two steps
+/// before: N HEADs on each of those two steps' prefixes.
 #[test]
 fn the_counted_commit_lists_nothing_when_ranks_race() {
     let n = 64u64;
     let steps = run(&SimConfig { protocol: Protocol::Counter, steps: 3, ..fast(n as u32) });
+    assert_eq!(steps[0].tally.of(Req::List, "area"), n, "{:?}", steps[0].tally.requests);
     let s = &steps[2];
     assert_eq!(s.failed, 0, "{:?}", s.errors);
     assert_eq!(s.tally.of(Req::Get, "manifest"), 0);
-    assert_eq!(s.tally.of(Req::List, "step"), 0, "{:?}", s.tally.requests);
-    assert_eq!(s.tally.of(Req::List, "area"), n, "{:?}", s.tally.requests);
-    // As in the steady state above; the committer reads the record of an earlier step too
-    // when it did not commit that one.
+    assert_eq!(s.tally.of(Req::List, "area"), 0, "{:?}", s.tally.requests);
+    assert_eq!(s.tally.of(Req::List, "root"), 1, "{:?}", s.tally.requests);
+    assert_eq!(s.tally.of(Req::List, "step"), 1, "{:?}", s.tally.requests);
+    for before in [1, 2] {
+        let reads = s.tally.reads_by_prefix.get(&format::step_dir(s.step - before)).copied().unwrap_or(0);
+        assert!((n - 2..=n + 3).contains(&reads), "step {}'s prefix: {reads} reads", s.step - before);
+    }
+    // As in the steady state above (5N + 4 to 5N + 8, by what the committer's sweep finds);
+    // the committer reads the record of an earlier step too when it did not commit that one.
     assert!((5 * n + 2..=5 * n + 8).contains(&s.tally.total()), "{:?}", s.tally.requests);
     assert!(s.commit_delay.is_some());
 }
