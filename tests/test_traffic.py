@@ -15,7 +15,7 @@ from test_multirank import run_ranks
 # Rank 0 replicates to rank 1's peer server through a counting TCP proxy (started in rank 0's
 # process, spliced into the address exchange), and pauses it with training_comm().
 WORKER = r"""
-import json, os, socket, sys, threading, time
+import json, os, sys, time
 from datetime import timedelta
 import numpy as np
 import torch.distributed as dist
@@ -25,58 +25,8 @@ from tiercel.coordinator import TorchCoordinator
 shm, out_dir = sys.argv[1], sys.argv[2]
 host = os.environ["TIERCEL_HOST"]
 
-class CountingProxy:
-    # Forwards one direction's bytes and counts them as they arrive (with the time).
-    def __init__(self, target):
-        self.target, self.sent, self.lock = target, 0, threading.Lock()
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
-        threading.Thread(target=self.accept, daemon=True).start()
-    def accept(self):
-        while True:
-            c, _ = self.sock.accept()
-            h, p = self.target.rsplit(":", 1)
-            s = socket.create_connection((h, int(p)))
-            threading.Thread(target=self.pipe, args=(c, s, True), daemon=True).start()
-            threading.Thread(target=self.pipe, args=(s, c, False), daemon=True).start()
-    def pipe(self, a, b, count):
-        try:
-            while True:
-                d = a.recv(1 << 16)
-                if not d:
-                    break
-                if count:
-                    with self.lock:
-                        self.sent += len(d)
-                b.sendall(d)
-        except OSError:
-            pass
-        for x in (a, b):
-            try:
-                x.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-class Splicing:
-    # Rank 0 learns rank 1's peer address through a counting proxy: the members round of the
-    # store's open (tiercel.members.learn) is spliced on rank 0.
-    proxy = None
-    learn = tiercel.members.learn
-    @staticmethod
-    def spliced(coordinator, rank, value, neighbours):
-        part = Splicing.learn(coordinator, rank, value, neighbours)
-        if rank != 0:
-            return part
-        members = []
-        for index, name, ranks in part.members:
-            for i, (r, addr) in enumerate(ranks):
-                if r == 1:
-                    Splicing.proxy = CountingProxy(addr)
-                    ranks = [*ranks[:i], (r, Splicing.proxy.addr), *ranks[i + 1:]]
-            members.append((index, name, ranks))
-        return part._replace(members=members)
-
-tiercel.members.learn = Splicing.spliced
+from peer_proxy import Splicing
+Splicing.install()
 
 policy = {
     "tier": [
