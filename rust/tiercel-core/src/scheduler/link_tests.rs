@@ -315,15 +315,16 @@ fn before_the_warmup_ends_and_without_a_model_chunks_go() {
 #[test]
 fn a_link_learns_its_cost_from_the_chunks_it_sends() {
     let t = traffic(TrafficMode::Signals, None);
-    let link = Link::with_traffic("peer", Some(20_000_000), LinkKind::Network, t);
+    let link = Link::with_traffic("peer", Some(5_000_000), LinkKind::Network, t);
     assert!(link.model().is_none());
     for _ in 0..20 {
         link.acquire(100_000);
         std::thread::sleep(Duration::from_millis(2)); // "sending" takes 2 ms
     }
     let m = link.model().unwrap();
-    // The cap (20 MB/s) is slower than the 50 MB/s the gaps show: the model keeps the cap.
-    assert_eq!(m.bandwidth, 20_000_000.0);
+    // The cap (5 MB/s) is slower than the 50 MB/s the gaps show: the model keeps the cap. (A
+    // loaded machine stretches the 2 ms sleeps; only a tenfold stretch would reach the cap.)
+    assert_eq!(m.bandwidth, 5_000_000.0);
     assert_eq!(link.bytes_sent(), 2_000_000);
 }
 
@@ -351,7 +352,10 @@ fn the_model_prefers_chunks_that_went_back_to_back() {
         pause();
     }
     let m = link.model().unwrap();
-    assert!((20e6..26e6).contains(&m.bandwidth), "{} B/s: want about 100 kB / 4 ms", m.bandwidth);
+    // About 100 kB / 4 ms = 25 MB/s; every chunk alike would read about 50 MB/s (2 ms on
+    // average). A loaded machine stretches the sleeps, which only lowers the rate: the bound
+    // below is loose, the one above tells the two readings apart.
+    assert!((8e6..35e6).contains(&m.bandwidth), "{} B/s: want about 100 kB / 4 ms", m.bandwidth);
 }
 
 #[test]
