@@ -137,6 +137,7 @@ _bench: build
 	$(PY) bench/interleave.py
 	$(PY) bench/broadcast.py
 	$(PY) bench/scale.py
+	$(PY) bench/scale_real.py
 	$(PY) bench/goodput.py
 
 # The frameworks' own checkpoint tests (DeepSpeed, Orbax, DCP) with tiercel in place of their
