@@ -139,6 +139,7 @@ _bench: build
 	$(PY) bench/scale.py
 	$(PY) bench/scale_real.py
 	$(PY) bench/goodput.py
+	$(PY) bench/bytes.py
 
 # The frameworks' own checkpoint tests (DeepSpeed, Orbax, DCP) with tiercel in place of their
 # stock backends, pass counts next to the stock ones: docs/peer-suites.md. Not part of `make

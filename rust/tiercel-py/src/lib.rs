@@ -80,6 +80,19 @@ fn placement(
     Ok((p.groups(), holders, exact, closed))
 }
 
+/// The CRC32C and XXH3-128 (32 hex digits) of `data`, computed as a save computes them for
+/// each chunk (`checksum::crc32c_and_hash`), without the GIL: bench/bytes.py times the
+/// hashing that dedup adds to a save through this, on one core.
+#[pyfunction]
+fn crc32c_and_hash(py: Python<'_>, data: pyo3::buffer::PyBuffer<u8>) -> TcResult<(u32, String)> {
+    if !data.is_c_contiguous() {
+        return Err(invalid("crc32c_and_hash needs a contiguous buffer").into());
+    }
+    // SAFETY: `data` holds the buffer (and its exporter's memory) until this returns.
+    let bytes = unsafe { std::slice::from_raw_parts(data.buf_ptr() as *const u8, data.len_bytes()) };
+    Ok(py.allow_threads(|| tiercel_core::checksum::crc32c_and_hash(bytes)))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let level = match std::env::var("TIERCEL_LOG").unwrap_or_default().to_lowercase().as_str() {
@@ -108,6 +121,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     metrics::add(m)?;
     m.add_function(wrap_pyfunction!(placement, m)?)?;
     m.add_function(wrap_pyfunction!(step_dir_name, m)?)?;
+    m.add_function(wrap_pyfunction!(crc32c_and_hash, m)?)?;
     m.add_function(wrap_pyfunction!(kinds::conformance_cases, m)?)?;
     m.add_function(wrap_pyfunction!(kinds::run_conformance_case, m)?)?;
     m.add_function(wrap_pyfunction!(pytier::exiting, m)?)?;
