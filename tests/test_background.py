@@ -94,7 +94,8 @@ from conftest import make_policy
 policy = make_policy(sys.argv[1], sys.argv[2], every=1, compression="none", disk_opts={"bandwidth": "1MB/s"})
 store = tiercel.Store(policy, rank=0, world_size=1)
 store.save(1, {"w": np.ones(16 << 10, dtype=np.float32)}).wait(60)
-h = store.save(2, {"w": np.ones(2 << 20, dtype=np.float32)})  # 8 MiB: ~8 s at 1 MB/s
+# 8 MiB: ~8 s at 1 MB/s. Not ones, as step 1: its chunks would be stored already (dedup).
+h = store.save(2, {"w": np.full(2 << 20, 2, dtype=np.float32)})
 while h.states()["ram"] != "committed":
     time.sleep(0.01)
 print("closing", flush=True)
