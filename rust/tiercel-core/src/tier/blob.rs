@@ -91,6 +91,13 @@ impl BlobTier {
     /// object of its area (none when every chunk is), then the manifest, last.
     fn write_area(&self, logical: &Manifest, src: &dyn ChunkSource, link: &Link, area: &parking_lot::Mutex<RankArea>) -> Result<Manifest> {
         let (step, rank) = (logical.step, logical.rank);
+        // What an earlier process left in the area, once per process: a fresh launch's save
+        // of a step the rank has no manifest of then sends nothing to the step's prefix.
+        // Where the listing fails the area stays unknown, and the save takes back what may
+        // be there, as before a listing.
+        if let Err(e) = areas::learn(self.blobs(), area, rank) {
+            log::warn!("tier '{}': rank {rank}'s area cannot be listed: {e}; taking step {step} back before writing it", self.name);
+        }
         let (prev, may_hold) = {
             let a = area.lock();
             (a.last.clone(), a.may_hold(step))
