@@ -60,11 +60,16 @@ impl BlobTier {
     }
 
     /// Sweeps rank `rank`'s area: its manifests of steps that are gone, its data objects no
-    /// manifest left refers to (see `areas`). `keep` is the tier's retention.
-    pub fn sweep_rank(&self, rank: u32, keep: Option<usize>) -> Result<Swept> {
+    /// manifest left refers to (see `areas`). `keep` is the tier's retention; whether a step
+    /// is committed is `known`'s answer (the job's counter: `store::records`), else a HEAD
+    /// of its record.
+    pub fn sweep_rank(&self, rank: u32, keep: Option<usize>, known: &dyn Fn(u64) -> Option<bool>) -> Result<Swept> {
         let area = self.area(rank);
         let read = |step: u64| self.layout.read_manifest_in_area(step, rank);
-        let committed = |step: u64| self.blobs().exists(&format!("{}/{}", format::step_dir(step), format::COMMIT_NAME));
+        let committed = |step: u64| match known(step) {
+            Some(c) => Ok(c),
+            None => self.blobs().exists(&format!("{}/{}", format::step_dir(step), format::COMMIT_NAME)),
+        };
         areas::sweep(self.blobs(), &area, rank, keep, &committed, &read).map_err(|e| e.with_tier(&self.name))
     }
 
@@ -194,8 +199,8 @@ impl Tier for BlobTier {
         self.write_area(logical, src, link, &area)
     }
 
-    fn sweep(&self, rank: u32, keep: Option<usize>) -> Result<()> {
-        let swept = self.sweep_rank(rank, keep)?;
+    fn sweep(&self, rank: u32, keep: Option<usize>, known: &dyn Fn(u64) -> Option<bool>) -> Result<()> {
+        let swept = self.sweep_rank(rank, keep, known)?;
         if !swept.manifests.is_empty() || !swept.objects.is_empty() {
             log::debug!(
                 "tier '{}': rank {rank} swept its manifests of steps {:?} and {} data objects",
