@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
+use super::records::{self, Records};
 use super::{Store, TierSlot};
 use crate::error::{Error, Result};
 use crate::format::Manifest;
@@ -168,7 +169,8 @@ impl Store {
         if let (Some(counter), Some(launch), Some(generation)) = (counter, launch, &manifest.generation) {
             if slot.tier.counts_commits() {
                 let key = counter_key(&launch, &slot.config.name, manifest.step, generation);
-                if let Some(outcome) = self.commit_counted(slot, manifest, &*counter, &key)? {
+                let records = Records { counter: &*counter, launch: &launch, tier: &slot.config.name };
+                if let Some(outcome) = self.commit_counted(slot, manifest, &records, &key)? {
                     return Ok(outcome);
                 }
             }
@@ -188,8 +190,10 @@ impl Store {
     /// None: the counter failed (logged), and the caller commits by listing: whether the add
     /// happened is unknown, and the listing path is correct either way (it checks every
     /// manifest itself).
-    fn commit_counted(&self, slot: &TierSlot, manifest: &Manifest, counter: &dyn StepCounter, key: &str) -> Result<Option<Outcome>> {
-        let (tier, step, rank) = (&slot.config.name, manifest.step, self.rank);
+    /// Once `COMMIT` is written, the commit is recorded for the ranks' sweeps, and the keys of
+    /// a step no sweep asks about any more go (`records`).
+    fn commit_counted(&self, slot: &TierSlot, manifest: &Manifest, records: &Records, key: &str) -> Result<Option<Outcome>> {
+        let (tier, step, rank, counter) = (&slot.config.name, manifest.step, self.rank, records.counter);
         let counting_failed = |e: Error| {
             log::warn!("tier '{tier}': step {step} rank {rank}: the counter key '{key}': {e}; committing by listing the step instead");
             Ok(None)
@@ -218,6 +222,48 @@ impl Store {
         if let Err(e) = counter.delete(key) {
             log::debug!("tier '{tier}': step {step}: the counter key '{key}' stays: {e}");
         }
+        if let Some(g) = &manifest.generation {
+            records.committed(step, g);
+        }
+        let old = records::to_forget(self.committed.lock().keys().copied(), step, slot.config.keep);
+        if let Some(old) = old {
+            records.forget(old, &self.generations(old));
+        }
         Ok(Some(Outcome { committed: true, retains: true }))
+    }
+}
+
+impl Store {
+    /// This launch's generations of `step` (the saves this process began of it), oldest first.
+    fn generations(&self, step: u64) -> Vec<String> {
+        let (Some(launch), Some(&n)) = (self.launch.read().clone(), self.committed.lock().get(&step)) else { return vec![] };
+        (1..=n).map(|i| format!("{launch}.{i}")).collect()
+    }
+
+    /// Whether `step` is committed on `slot`'s tier, as the job's counter knows it for this
+    /// rank's own save of it (its newest generation: the manifest in its area); None where
+    /// it cannot know (no counter, a step this launch did not save, nothing recorded yet).
+    pub(super) fn commit_known(&self, slot: &TierSlot, step: u64) -> Option<bool> {
+        let counter = self.commits.counter.read().clone()?;
+        let launch = self.launch.read().clone()?;
+        let generation = self.generations(step).pop()?;
+        if !slot.tier.counts_commits() {
+            return None;
+        }
+        Records { counter: &*counter, launch: &launch, tier: &slot.config.name }.state(step, &generation)
+    }
+
+    /// Retention on `slot`'s tier with `opts`, recording the commits it removes where the
+    /// job has a counter and the tier counts commits (`records`).
+    pub(super) fn run_retention(&self, slot: &TierSlot, opts: &crate::gc::GcOptions) -> Result<Vec<crate::gc::Removal>> {
+        let counter = self.commits.counter.read().clone();
+        let launch = self.launch.read().clone();
+        match (counter, launch) {
+            (Some(counter), Some(launch)) if slot.tier.counts_commits() => {
+                let records = Records { counter: &*counter, launch: &launch, tier: &slot.config.name };
+                records.retain(&*slot.tier, opts, &|s| self.generations(s))
+            }
+            _ => crate::tier::run_gc(&*slot.tier, opts),
+        }
     }
 }

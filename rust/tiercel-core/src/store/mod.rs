@@ -16,6 +16,7 @@ pub mod metrics;
 mod pending;
 mod persist;
 mod preempt;
+pub mod records;
 mod restore;
 mod save;
 
@@ -487,7 +488,7 @@ impl Store {
         } else {
             GcOptions { keep: slot.config.keep, ..Default::default() }
         };
-        let done = run_gc(&*slot.tier, &opts)?;
+        let done = self.run_retention(slot, &opts)?;
         for r in done.iter().filter(|r| r.step().is_none()) {
             log::info!("tier '{}': removed {}", slot.config.name, r.reason);
         }

@@ -263,7 +263,7 @@ impl PersistJob {
                     }
                 }
                 // Each rank then sweeps what its own earlier saves left (a blob tier's area).
-                if let Err(e) = slot.tier.sweep(store.rank, slot.config.keep) {
+                if let Err(e) = slot.tier.sweep(store.rank, slot.config.keep, &|t| store.commit_known(slot, t)) {
                     log::warn!("tier '{name}': rank {}'s sweep after step {step} failed: {e}", store.rank);
                 }
             }

@@ -33,7 +33,7 @@ pub(crate) struct RankArea {
     /// refers to (its dedup source).
     pub last: Option<Arc<Manifest>>,
     /// The steps whose manifest the rank has here: None until this process listed the area
-    /// (its first sweep), then kept up to date by its own writes and sweeps (a save of a step
+    /// (`learn`, before its first write), then kept up to date by its own writes and sweeps (a save of a step
     /// not in it needs no uncommit: nothing can be there).
     pub manifests: Option<BTreeSet<u64>>,
     /// The data objects (keys) of the area: listed once, then this process's own.
@@ -114,6 +114,42 @@ pub fn same_bytes(c: &ChunkMeta, r: &StoredRef) -> bool {
     c.hash.is_some() && c.hash == r.chunk.hash && c.len == r.chunk.len && c.crc32c == r.chunk.crc32c
 }
 
+/// Lists rank `rank`'s area once per process (what an earlier process left: its manifests
+/// and data objects), before the rank's first write there and, where that failed, at its
+/// next sweep; after that the process knows the area from its own writes and sweeps. One
+/// LIST of the rank's own prefix, never of a step's: a launch's first save then knows
+/// whether the rank has a manifest of the step to take back (`RankArea::may_hold`) instead
+/// of every rank sending an uncommit DELETE to the step's one prefix. Two first writes of
+/// one rank at once may both list (the later listing is dropped).
+pub fn learn(blobs: &dyn Blobs, area: &parking_lot::Mutex<RankArea>, rank: u32) -> Result<()> {
+    if area.lock().manifests.is_some() {
+        return Ok(());
+    }
+    let dir = format::rank_area(rank);
+    let mut manifests = BTreeSet::new();
+    let mut data = BTreeSet::new();
+    for n in blobs.list(&dir)? {
+        match format::parse_area_name(&n) {
+            Some(AreaEntry::Manifest(s)) => {
+                manifests.insert(s);
+            }
+            Some(AreaEntry::Data(_)) => {
+                data.insert(format!("{dir}/{n}"));
+            }
+            None => {}
+        }
+    }
+    let mut a = area.lock();
+    if a.manifests.is_some() {
+        return Ok(()); // another write listed meanwhile
+    }
+    // And what writes that ended meanwhile added.
+    manifests.extend(a.refs.keys().copied());
+    a.manifests = Some(manifests);
+    a.data.extend(data);
+    Ok(())
+}
+
 /// What one sweep removed.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Swept {
@@ -125,8 +161,8 @@ pub struct Swept {
 
 /// Sweeps rank `rank`'s area (see the module's invariants). `keep` is the tier's retention;
 /// `committed` looks at a step's commit record; `read` reads a manifest of the area this
-/// process did not write. The area is listed once per process (its first sweep: what an
-/// earlier process left); after that this process knows what is there, and a sweep looks
+/// process did not write. The area is listed once per process (`learn`, normally before the
+/// rank's first write); after that this process knows what is there, and a sweep looks
 /// at the commit records of at most a few steps: the newest step it has not seen committed
 /// yet, a step at the edge of `keep`, and (where a step is gone) one committed step newer.
 pub fn sweep(
@@ -137,27 +173,7 @@ pub fn sweep(
     committed: &dyn Fn(u64) -> Result<bool>,
     read: &dyn Fn(u64) -> Result<Manifest>,
 ) -> Result<Swept> {
-    if area.lock().manifests.is_none() {
-        let dir = format::rank_area(rank);
-        let mut manifests = BTreeSet::new();
-        let mut data = BTreeSet::new();
-        for n in blobs.list(&dir)? {
-            match format::parse_area_name(&n) {
-                Some(AreaEntry::Manifest(s)) => {
-                    manifests.insert(s);
-                }
-                Some(AreaEntry::Data(_)) => {
-                    data.insert(format!("{dir}/{n}"));
-                }
-                None => {}
-            }
-        }
-        let mut a = area.lock();
-        // And what writes that ended meanwhile added.
-        manifests.extend(a.refs.keys().copied());
-        a.manifests = Some(manifests);
-        a.data.extend(data);
-    }
+    learn(blobs, area, rank)?;
     let (manifests, last, busy, mut confirmed) = {
         let a = area.lock();
         let busy: BTreeSet<u64> = a.inflight.values().map(|(s, _)| *s).collect();

@@ -140,7 +140,7 @@ fn a_frozen_base_is_stored_once_and_every_step_restores() {
         for step in 1..=8 {
             let m = save(&tier, step, true);
             assert_eq!(m.version, format::AREAS_VERSION);
-            tier.sweep(0, None).unwrap();
+            tier.sweep(0, None, &|_| None).unwrap();
             if dedup && step > 1 {
                 assert_eq!(m.objects.len(), 2, "its own data object and step 1's");
                 assert_eq!(m.objects[0].len, ADAPTER as u64, "only the adapter is written again");
@@ -162,7 +162,7 @@ fn a_frozen_base_is_stored_once_and_every_step_restores() {
             save(&tier, step, true);
             run_gc(&tier, &GcOptions { keep: Some(2), ..Default::default() }).unwrap();
             let (lists, heads) = (counting.lists.load(Relaxed), counting.heads.load(Relaxed));
-            let gone = tier.sweep_rank(0, Some(2)).unwrap().manifests;
+            let gone = tier.sweep_rank(0, Some(2), &|_| None).unwrap().manifests;
             // O(1) requests per step: no listing, a look at one commit record per step the
             // sweep decides on (the newest not seen committed, the one at the edge of keep),
             // and one per manifest that goes.
@@ -218,7 +218,7 @@ fn the_sweep_removes_leftovers_and_never_a_referenced_object() {
     let writing = format::area_data_key(4, 0, "0123456789abcdef");
     tier.blobs().put(&writing, b"half").unwrap();
     let id = tier.area(0).lock().begin(4, [writing.clone()].into());
-    let swept = tier.sweep_rank(0, None).unwrap();
+    let swept = tier.sweep_rank(0, None, &|_| None).unwrap();
     assert_eq!(swept.manifests, vec![2], "step 2 never committed and step 3 did");
     let step1_data = tier.read_manifest(1, 0).unwrap().objects[0].key.clone().unwrap();
     let step2_data = format!("{}/{}.", format::rank_area(0), format::step_dir(2));
@@ -230,12 +230,12 @@ fn the_sweep_removes_leftovers_and_never_a_referenced_object() {
     }
     // The write ended without a manifest (it failed): the next sweep removes its object.
     tier.area(0).lock().end(id, &writing, None);
-    assert_eq!(tier.sweep_rank(0, None).unwrap().objects, vec![writing]);
+    assert_eq!(tier.sweep_rank(0, None, &|_| None).unwrap().objects, vec![writing]);
     // The last manifest this process wrote stays, even where a newer step committed
     // without it (another process's): its chunks are what the next save refers to.
     save(&tier, 5, false);
     save(&earlier, 6, true);
-    assert!(tier.sweep_rank(0, None).unwrap().manifests.is_empty());
+    assert!(tier.sweep_rank(0, None, &|_| None).unwrap().manifests.is_empty());
     assert!(tier.read_manifest(5, 0).is_ok());
 }
 

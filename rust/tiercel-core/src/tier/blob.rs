@@ -60,11 +60,16 @@ impl BlobTier {
     }
 
     /// Sweeps rank `rank`'s area: its manifests of steps that are gone, its data objects no
-    /// manifest left refers to (see `areas`). `keep` is the tier's retention.
-    pub fn sweep_rank(&self, rank: u32, keep: Option<usize>) -> Result<Swept> {
+    /// manifest left refers to (see `areas`). `keep` is the tier's retention; whether a step
+    /// is committed is `known`'s answer (the job's counter: `store::records`), else a HEAD
+    /// of its record.
+    pub fn sweep_rank(&self, rank: u32, keep: Option<usize>, known: &dyn Fn(u64) -> Option<bool>) -> Result<Swept> {
         let area = self.area(rank);
         let read = |step: u64| self.layout.read_manifest_in_area(step, rank);
-        let committed = |step: u64| self.blobs().exists(&format!("{}/{}", format::step_dir(step), format::COMMIT_NAME));
+        let committed = |step: u64| match known(step) {
+            Some(c) => Ok(c),
+            None => self.blobs().exists(&format!("{}/{}", format::step_dir(step), format::COMMIT_NAME)),
+        };
         areas::sweep(self.blobs(), &area, rank, keep, &committed, &read).map_err(|e| e.with_tier(&self.name))
     }
 
@@ -91,6 +96,13 @@ impl BlobTier {
     /// object of its area (none when every chunk is), then the manifest, last.
     fn write_area(&self, logical: &Manifest, src: &dyn ChunkSource, link: &Link, area: &parking_lot::Mutex<RankArea>) -> Result<Manifest> {
         let (step, rank) = (logical.step, logical.rank);
+        // What an earlier process left in the area, once per process: a fresh launch's save
+        // of a step the rank has no manifest of then sends nothing to the step's prefix.
+        // Where the listing fails the area stays unknown, and the save takes back what may
+        // be there, as before a listing.
+        if let Err(e) = areas::learn(self.blobs(), area, rank) {
+            log::warn!("tier '{}': rank {rank}'s area cannot be listed: {e}; taking step {step} back before writing it", self.name);
+        }
         let (prev, may_hold) = {
             let a = area.lock();
             (a.last.clone(), a.may_hold(step))
@@ -187,8 +199,8 @@ impl Tier for BlobTier {
         self.write_area(logical, src, link, &area)
     }
 
-    fn sweep(&self, rank: u32, keep: Option<usize>) -> Result<()> {
-        let swept = self.sweep_rank(rank, keep)?;
+    fn sweep(&self, rank: u32, keep: Option<usize>, known: &dyn Fn(u64) -> Option<bool>) -> Result<()> {
+        let swept = self.sweep_rank(rank, keep, known)?;
         if !swept.manifests.is_empty() || !swept.objects.is_empty() {
             log::debug!(
                 "tier '{}': rank {rank} swept its manifests of steps {:?} and {} data objects",

@@ -142,9 +142,11 @@ pub trait Tier: Send + Sync {
 
     /// After this rank's persist of a step here (and its commit and retention, where it ran
     /// them): removes what the rank's own earlier saves left that nothing kept needs any more
-    /// (a blob tier's rank area: `tier::areas`). `keep` is the tier's retention. The default
-    /// has nothing to sweep.
-    fn sweep(&self, _rank: u32, _keep: Option<usize>) -> Result<()> {
+    /// (a blob tier's rank area: `tier::areas`). `keep` is the tier's retention; `known`
+    /// answers whether a step is committed here where the job's counter knows
+    /// (`store::records`), None where the tier's own record must tell. The default has
+    /// nothing to sweep.
+    fn sweep(&self, _rank: u32, _keep: Option<usize>, _known: &dyn Fn(u64) -> Option<bool>) -> Result<()> {
         Ok(())
     }
 

@@ -20,6 +20,7 @@ use crate::error::Result;
 use crate::format::{self, ChunkMeta, ChunkSource, ItemMeta, Manifest};
 use crate::gc::GcOptions;
 use crate::scheduler::Link;
+use crate::store::records::{self, Records};
 use crate::store::StepCounter;
 use crate::tier::blob::BlobTier;
 use crate::tier::{run_gc, Tier};
@@ -181,8 +182,13 @@ fn logical(step: u64, rank: u32, world: u32, bytes: usize) -> (Manifest, State) 
         chunks,
     });
     // One save of the step: every rank's manifest carries its generation.
-    m.generation = Some(format!("sim.{step}"));
+    m.generation = Some(generation_of(step));
     (m, State(data))
+}
+
+/// The generation of the one save of `step` (launch "sim").
+fn generation_of(step: u64) -> String {
+    format!("sim.{step}")
 }
 
 /// One rank: its tier (over the shared store) and what its process remembers between steps.
@@ -214,6 +220,11 @@ impl Rank {
                 if self.counter.add(&key, 1)? == world {
                     self.tier.commit_counted(step, cfg.ranks, &m.generation)?;
                     self.counter.delete(&key)?;
+                    // Recorded for the sweeps, and the keys of a step none asks about go.
+                    self.records().committed(step, generation);
+                    if let Some(old) = records::to_forget(1..step, step, Some(cfg.keep)) {
+                        self.records().forget(old, &[generation_of(old)]);
+                    }
                     (true, true)
                 } else {
                     (false, false)
@@ -225,7 +236,10 @@ impl Rank {
         }
         // Then each rank sweeps its own area (version 3), as `PersistJob::run` does: a
         // failure is logged there and fails nothing; here it is counted.
-        if let Err(e) = self.tier.sweep(self.rank, Some(cfg.keep)) {
+        // With a counter, whether a step is committed comes from it first (`store::records`).
+        let records = self.records();
+        let known = |t: u64| if cfg.protocol == Protocol::Counter { records.state(t, &generation_of(t)) } else { None };
+        if let Err(e) = self.tier.sweep(self.rank, Some(cfg.keep), &known) {
             self.sweep_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             log::warn!("rank {}'s sweep after step {step}: {e}", self.rank);
         }
@@ -244,8 +258,19 @@ impl Rank {
                 }
             }
         }
-        run_gc(&self.tier, &GcOptions { keep: Some(cfg.keep), temp_age: None, foreign: vec![], listed: Some(listed) })?;
+        let opts = GcOptions { keep: Some(cfg.keep), temp_age: None, foreign: vec![], listed: Some(listed) };
+        if cfg.protocol == Protocol::Counter {
+            // `Store::run_retention`: the commits it removes are recorded.
+            self.records().retain(&self.tier, &opts, &|s| vec![generation_of(s)])?;
+        } else {
+            run_gc(&self.tier, &opts)?;
+        }
         Ok(())
+    }
+
+    /// The tier's commit records on the job's counter (`store::records`).
+    fn records(&self) -> Records<'_> {
+        Records { counter: &*self.counter, launch: "sim", tier: "sim" }
     }
 }
 
