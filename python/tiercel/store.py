@@ -76,10 +76,14 @@ class Store:
             coordinator, rank, world_size = default_coordinator(rank, world_size)
         self.coordinator = coordinator
         policy = _policy_path(policy)
+        # What the tiers hold (a missing bucket, other jobs' steps) costs requests at the
+        # tiers' roots: with a coordinator rank 0 checks, and the members round hands its
+        # answer to every rank (`_join_cluster`); alone, each rank checks as it opens.
+        check = coordinator is None or world_size == 1
         if isinstance(policy, Mapping):
-            self._core = _core.Store(rank, world_size, policy_json=json.dumps(policy), tool=tool)
+            self._core = _core.Store(rank, world_size, policy_json=json.dumps(policy), tool=tool, check=check)
         else:
-            self._core = _core.Store(rank, world_size, path=str(Path(policy)), tool=tool)
+            self._core = _core.Store(rank, world_size, path=str(Path(policy)), tool=tool, check=check)
         self.rank: int = rank
         self.world_size: int = world_size
         #: The training job's communication signals (`with store.traffic.training_comm():`).
@@ -143,9 +147,19 @@ class Store:
                 if not self._core.peer_has_secret():
                     secret = secrets.token_hex(32)
                 job = getattr(self._core, "run_id", None) or secrets.token_hex(8)
+        refused: Exception | None = None
+        if self.rank == 0:
+            try:
+                self._core.check_open()
+            except Exception as e:  # noqa: BLE001 -- every rank raises it, after the round
+                refused = e
         # One round: each rank learns its own host's part only (tiercel.members).
         neighbours = self._core.peer_neighbours if has_peer else None
-        part = members.learn(self.coordinator, self.rank, (host, addr, secret, job, launch), neighbours)
+        entry = (host, addr, secret, job, launch, members.refusal(refused) if refused is not None else None)
+        part = members.learn(self.coordinator, self.rank, entry, neighbours)
+        if part.refused is not None:
+            self._close(None, interrupted=False)
+            raise refused if refused is not None else members.refused_error(part.refused)
         self.hosts = part.every_host
         self._core.set_local_ranks(part.local)
         self._core.set_launch(part.launch)

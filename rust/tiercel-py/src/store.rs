@@ -34,16 +34,32 @@ pub struct Store {
 impl Store {
     /// Opens a store from a policy file (`path`) or a JSON policy (`policy_json`). `tool`:
     /// for tools that look at tiers as they are (every job's steps; see `core::Store::open_as`).
+    /// `check=False`: without `check_open`, which the caller runs (on one rank of a job).
     #[new]
-    #[pyo3(signature = (rank, world_size, path=None, policy_json=None, tool=false))]
-    fn new(py: Python<'_>, rank: u32, world_size: u32, path: Option<String>, policy_json: Option<String>, tool: bool) -> TcResult<Self> {
+    #[pyo3(signature = (rank, world_size, path=None, policy_json=None, tool=false, check=true))]
+    fn new(
+        py: Python<'_>,
+        rank: u32,
+        world_size: u32,
+        path: Option<String>,
+        policy_json: Option<String>,
+        tool: bool,
+        check: bool,
+    ) -> TcResult<Self> {
         let policy = match (path, policy_json) {
             (Some(p), None) => Policy::load(Path::new(&p))?,
             (None, Some(j)) => Policy::from_json(&j, "<dict>")?,
             _ => return Err(invalid("give exactly one of path= and policy_json=").into()),
         };
-        let inner = py.allow_threads(|| core::Store::open_as(policy, rank, world_size, tool))?;
+        let open = if check { core::Store::open_as } else { core::Store::open_unchecked };
+        let inner = py.allow_threads(|| open(policy, rank, world_size, tool))?;
         Ok(Store { inner })
+    }
+
+    /// What the tiers hold, checked at open (`core::Store::check_open`): a missing bucket,
+    /// other jobs' steps.
+    fn check_open(&self, py: Python<'_>) -> TcResult<()> {
+        Ok(py.allow_threads(|| self.inner.check_open())?)
     }
 
     #[getter]

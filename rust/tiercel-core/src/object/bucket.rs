@@ -52,15 +52,16 @@ impl ObjectBlobs {
             Secrets,
             Option<NoCredentials>,
             Option<S3Uploads>,
+            Option<Arc<dyn ObjectStore>>,
         );
-        let (store, multipart, lister, endpoint, secrets, no_credentials, server_uploads): Clients = match spec {
+        let (store, multipart, lister, endpoint, secrets, no_credentials, server_uploads, directories): Clients = match spec {
             TierSpec::Gcs(_) => {
                 let (b, secrets) = gcs_builder(&url, opts, env, &gate).map_err(context)?;
                 let endpoint = b
                     .get_config_value(&object_store::gcp::GoogleConfigKey::BaseUrl)
                     .unwrap_or_else(|| "https://storage.googleapis.com".into());
                 let s = Arc::new(b.build().map_err(|e| fail(e, &secrets))?);
-                (s.clone(), s.clone(), s, endpoint, secrets, None, None)
+                (s.clone(), s.clone(), s, endpoint, secrets, None, None, None)
             }
             _ => {
                 use object_store::aws::AmazonS3ConfigKey;
@@ -71,7 +72,10 @@ impl ObjectBlobs {
                 let s = Arc::new(b.clone().build().map_err(|e| fail(e, &secrets))?);
                 let bucket = url.split('/').nth(2).unwrap_or("");
                 let uploads = S3Uploads::new(&b, s.clone(), bucket).map_err(context)?;
-                (s.clone(), s.clone(), s, endpoint, secrets, no_credentials, Some(uploads))
+                // One DELETE per key (`Inner::delete_directory`): a bulk delete's per-key
+                // answer for a key that ends in '/' is not one object_store can read back.
+                let dirs = Arc::new(b.clone().with_disable_bulk_delete(true).build().map_err(|e| fail(e, &secrets))?);
+                (s.clone(), s.clone(), s, endpoint, secrets, no_credentials, Some(uploads), Some(dirs as Arc<dyn ObjectStore>))
             }
         };
         let prefix = url.splitn(4, '/').nth(3).unwrap_or("").to_string();
@@ -91,6 +95,7 @@ impl ObjectBlobs {
                 no_conditional_put: AtomicBool::new(false),
                 host: host_id(),
                 server_uploads,
+                directories,
                 requests: gate.counters.clone(),
             }),
         })

@@ -41,6 +41,9 @@ pub(super) struct Inner {
     pub(super) host: String,
     /// The server's own list of multipart uploads (S3 only; see `server_uploads`).
     pub(super) server_uploads: Option<S3Uploads>,
+    /// S3 only: a client that deletes one key per request, for the empty directories some
+    /// servers keep (`delete_directory`).
+    pub(super) directories: Option<Arc<dyn ObjectStore>>,
     /// What the tier's gate counts of its requests (`gate`).
     pub(super) requests: Arc<crate::requests::RequestCounters>,
 }
@@ -297,6 +300,23 @@ impl Inner {
                 Err(e) => return Err(self.err("DELETE", prefix, e)),
             }
         }
+        self.delete_directory(&path).await;
         Ok(())
+    }
+
+    /// After the objects under a prefix are deleted, its directory: SeaweedFS keeps the
+    /// directory of objects it removed (`prefix/`) and its listing of the parent names it,
+    /// so gc took every step it ever removed for a leftover again at every run (requests
+    /// per step that grew with the steps saved). A DELETE of the key `prefix/`, which
+    /// SeaweedFS takes as the directory, makes the listing forget it; to AWS S3 it is a key
+    /// that does not exist (no error). One request per prefix, S3 only (GCS has no
+    /// directories). Best effort: the objects are gone already.
+    async fn delete_directory(&self, path: &ObjPath) {
+        let Some(store) = &self.directories else { return };
+        let dir = path.clone().join(""); // "<prefix>/": an empty last part keeps the '/'
+        match store.delete(&dir).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+            Err(e) => log::debug!("tier '{}': removing the directory {dir}: {}", self.tier, sanitize(&e.to_string(), &self.secrets)),
+        }
     }
 }

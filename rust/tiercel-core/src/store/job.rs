@@ -261,13 +261,14 @@ impl Store {
     /// with the setting that keeps jobs apart. Refusing them would break resharded resumes;
     /// a plain restore at another world size is refused by the step choice itself (Python's
     /// `WorldSizeError`, naming both world sizes).
-    fn warn_unnamed_jobs(&self) {
+    /// `committed`: each tier's committed steps, by slot (empty for tiers without commit
+    /// records), as `check_other_jobs` listed them.
+    fn warn_unnamed_jobs(&self, committed: &[Vec<u64>]) {
         if self.job.run.is_some() {
             return;
         }
         let mut seen = vec![];
-        for slot in self.slots.iter().filter(|s| s.config.capabilities().commit_records) {
-            let steps = slot.tier.committed_steps().unwrap_or_default();
+        for (slot, steps) in self.slots.iter().zip(committed) {
             // The newest step says which job a restore would continue from.
             let Some(&last) = steps.last() else { continue };
             let Ok(record) = slot.tier.commit_record(last) else { continue };
@@ -287,12 +288,31 @@ impl Store {
         }
     }
 
-    /// At open: finds other jobs' committed steps on every tier. Logged once; an error when
-    /// the policy says `[store] other_jobs = "refuse"`.
-    pub(super) fn check_other_jobs(&self) -> Result<()> {
+    /// At open, what the tiers hold: whether each object store's bucket exists (one LIST of
+    /// one key each), then other jobs' steps (`check_other_jobs`, unless opened for tools).
+    /// A job with a coordinator runs it on rank 0 only and hands the answer to every rank;
+    /// the other ranks learn other jobs' steps when they need them (`other_job`, once per
+    /// step: restores and retention ask it).
+    pub fn check_open(&self) -> Result<()> {
+        for b in &self.buckets {
+            b.check_bucket()?;
+        }
+        if !self.tool {
+            self.check_other_jobs()?;
+        }
+        Ok(())
+    }
+
+    /// At open: finds other jobs' committed steps on every tier, with one listing of each
+    /// tier's root. Logged once; an error when the policy says `[store] other_jobs = "refuse"`.
+    fn check_other_jobs(&self) -> Result<()> {
         let mut found = vec![];
+        let mut committed = vec![];
         for slot in &self.slots {
-            let steps = self.foreign_steps(slot);
+            // Replicas carry no commit record of their own.
+            let listed = if slot.config.capabilities().commit_records { slot.tier.committed_steps().unwrap_or_default() } else { vec![] };
+            let steps = self.foreign_among(slot, &listed);
+            committed.push(listed);
             if let (Some(first), Some(last)) = (steps.first(), steps.last()) {
                 let who = self.other_job(slot, *first).map(|j| j.describe()).unwrap_or_default();
                 found.push(format!(
@@ -303,7 +323,7 @@ impl Store {
                 ));
             }
         }
-        self.warn_unnamed_jobs();
+        self.warn_unnamed_jobs(&committed);
         if found.is_empty() {
             return Ok(());
         }

@@ -74,6 +74,8 @@ pub struct Store {
     writers: job::Writers,
     /// Opened for tools (`open_as`): every job's steps count as this job's.
     tool: bool,
+    /// The object-store tiers' clients, for `check_open`'s bucket checks.
+    buckets: Vec<Arc<crate::object::ObjectBlobs>>,
     metrics: Metrics,
     /// This launch of the job (the same on every rank: `set_launch`) and how many times this
     /// process has committed a save of each step: together a save's generation (`next_generation`).
@@ -163,12 +165,22 @@ impl Store {
     }
 
     /// `tool`: a store for tools that look at tiers as they are (the CLI): it reads every
-    /// job's steps and does not check for other jobs' steps at open.
+    /// job's steps and does not check for other jobs' steps at open. Checks what the tiers
+    /// hold (`check_open`).
     pub fn open_as(policy: Policy, rank: u32, world_size: u32, tool: bool) -> Result<Arc<Store>> {
+        let store = Self::open_unchecked(policy, rank, world_size, tool)?;
+        store.check_open()?;
+        Ok(store)
+    }
+
+    /// `open_as` without `check_open`, which sends requests to every object store: a job
+    /// with a coordinator checks on one rank and hands its answer to every rank (Python's
+    /// `Store`), so that opening costs the other ranks no request (docs/scale.md, "Store open").
+    pub fn open_unchecked(policy: Policy, rank: u32, world_size: u32, tool: bool) -> Result<Arc<Store>> {
         if world_size == 0 || rank >= world_size {
             return Err(Error::invalid(format!("rank {rank} is not in a world of size {world_size}")));
         }
-        let Tiers { all, memory, memory_at, peer } = open_tiers(&policy, rank)?;
+        let Tiers { all, memory, memory_at, peer, buckets } = open_tiers(&policy, rank)?;
         let traffic = Traffic::new(policy.traffic.clone(), SystemClock::shared());
         let slots: Vec<TierSlot> = policy
             .tiers
@@ -221,6 +233,7 @@ impl Store {
             foreign: Default::default(),
             writers: Default::default(),
             tool,
+            buckets,
             metrics,
             // One process is the whole job: its own launch. A larger job's ranks agree on one
             // at open (`set_launch`); until then saves carry no generation.
@@ -232,9 +245,6 @@ impl Store {
             save_order: Default::default(),
             held_persists: Default::default(),
         };
-        if !tool {
-            store.check_other_jobs()?;
-        }
         Ok(Arc::new(store))
     }
 

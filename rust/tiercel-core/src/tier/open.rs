@@ -26,10 +26,14 @@ pub struct Tiers {
     pub memory_at: usize,
     /// The peer tier, if any, which needs to learn where the other ranks are.
     pub peer: Option<Arc<PeerTier>>,
+    /// The object-store tiers' clients, in policy order: their buckets are checked by
+    /// `Store::check_open` (on one rank of a job with a coordinator, on every rank of one
+    /// without), not here.
+    pub buckets: Vec<Arc<ObjectBlobs>>,
 }
 
-/// Opens every tier of `policy` for `rank`. A peer tier keeps the replicas it holds for other
-/// hosts under the memory tier's root.
+/// Opens every tier of `policy` for `rank`, sending no request. A peer tier keeps the
+/// replicas it holds for other hosts under the memory tier's root.
 pub fn open_tiers(policy: &Policy, rank: u32) -> Result<Tiers> {
     let Some((memory_at, mem_cfg)) = policy.tier_in(Role::Memory) else {
         return Err(Error::config(format!("{}: the first tier must be kind \"memory\"", policy.source)));
@@ -41,6 +45,7 @@ pub fn open_tiers(policy: &Policy, rank: u32) -> Result<Tiers> {
     let memory = MemoryTier::open(&mem_cfg.name, root.as_ref(), mem_cfg.capacity).map_err(|e| opening(mem_cfg, e))?;
     let mut all: Vec<Arc<dyn Tier>> = Vec::with_capacity(policy.tiers.len());
     let mut peer = None;
+    let mut buckets = vec![];
     for (i, cfg) in policy.tiers.iter().enumerate() {
         all.push(match &cfg.spec {
             _ if i == memory_at => memory.clone(),
@@ -49,35 +54,55 @@ pub fn open_tiers(policy: &Policy, rank: u32) -> Result<Tiers> {
                 peer = Some(t.clone());
                 t
             }
-            _ => open_tier(cfg)?,
+            _ => {
+                let (tier, bucket) = open_unchecked(cfg)?;
+                buckets.extend(bucket);
+                tier
+            }
         });
     }
-    Ok(Tiers { all, memory, memory_at, peer })
+    Ok(Tiers { all, memory, memory_at, peer, buckets })
 }
 
 /// Opens one tier that needs nothing but its own settings (every kind but peer, which needs
 /// the rank and the memory tier: see `open_tiers`).
+/// An object store's bucket is checked (`ObjectBlobs::check_bucket`).
 pub fn open_tier(cfg: &TierConfig) -> Result<Arc<dyn Tier>> {
+    let (tier, bucket) = open_unchecked(cfg)?;
+    if let Some(b) = bucket {
+        b.check_bucket()?;
+    }
+    Ok(tier)
+}
+
+/// A tier, and its object store's client to check the bucket with (object stores only).
+type Unchecked = (Arc<dyn Tier>, Option<Arc<ObjectBlobs>>);
+
+/// `open_tier` without the bucket check, which needs a request.
+fn open_unchecked(cfg: &TierConfig) -> Result<Unchecked> {
     let at = |e: Error| opening(cfg, e);
-    Ok(match &cfg.spec {
-        TierSpec::Memory { root } => MemoryTier::open(&cfg.name, root.as_ref(), cfg.capacity).map_err(at)?,
-        TierSpec::Fs { path } => {
-            let blobs = FsBlobs::new(&cfg.name, path.as_ref()).map_err(at)?;
-            Arc::new(BlobTier::with_dedup(&cfg.name, Arc::new(blobs), cfg.compression, cfg.dedup))
-        }
-        spec @ (TierSpec::S3(_) | TierSpec::Gcs(_)) => {
-            let blobs = ObjectBlobs::open(&cfg.name, spec).map_err(at)?;
-            blobs.check_bucket()?;
-            Arc::new(BlobTier::with_dedup(&cfg.name, Arc::new(blobs), cfg.compression, cfg.dedup))
-        }
-        TierSpec::Python(spec) => {
-            let blobs = super::external::open(&cfg.name, spec).map_err(at)?;
-            Arc::new(BlobTier::with_dedup(&cfg.name, blobs, cfg.compression, cfg.dedup))
-        }
-        TierSpec::Peer(_) => {
-            return Err(Error::invalid(format!("tier '{}': a peer tier is opened by its Store (it needs the rank)", cfg.name)))
-        }
-    })
+    Ok((
+        match &cfg.spec {
+            TierSpec::Memory { root } => MemoryTier::open(&cfg.name, root.as_ref(), cfg.capacity).map_err(at)?,
+            TierSpec::Fs { path } => {
+                let blobs = FsBlobs::new(&cfg.name, path.as_ref()).map_err(at)?;
+                Arc::new(BlobTier::with_dedup(&cfg.name, Arc::new(blobs), cfg.compression, cfg.dedup))
+            }
+            spec @ (TierSpec::S3(_) | TierSpec::Gcs(_)) => {
+                let blobs = Arc::new(ObjectBlobs::open(&cfg.name, spec).map_err(at)?);
+                let tier = Arc::new(BlobTier::with_dedup(&cfg.name, blobs.clone(), cfg.compression, cfg.dedup));
+                return Ok((tier, Some(blobs)));
+            }
+            TierSpec::Python(spec) => {
+                let blobs = super::external::open(&cfg.name, spec).map_err(at)?;
+                Arc::new(BlobTier::with_dedup(&cfg.name, blobs, cfg.compression, cfg.dedup))
+            }
+            TierSpec::Peer(_) => {
+                return Err(Error::invalid(format!("tier '{}': a peer tier is opened by its Store (it needs the rank)", cfg.name)))
+            }
+        },
+        None,
+    ))
 }
 
 fn opening(cfg: &TierConfig, e: Error) -> Error {
