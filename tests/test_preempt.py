@@ -148,6 +148,18 @@ def test_sigterm_flushes_the_newest_step_in_ram_and_exits_as_the_signal_would(sh
     assert got["model"]["w"].dtype == want.dtype and np.array_equal(got["model"]["w"], want)
 
 
+def each_rank_restores_from_disk_alone(policy: dict, shm_root, step: int) -> None:
+    """RAM wiped (a new host): each of the 2 ranks restores `step` bit-identical from the fs tier."""
+    shutil.rmtree(shm_root)
+    for rank in (0, 1):
+        with tiercel.Store(without_handler(policy), rank=rank, world_size=2) as fresh:
+            assert fresh.steps()["disk"] == [step]
+            got = fresh.restore(step)
+            assert fresh.last_restore is not None and fresh.last_restore.tiers == {"disk": 1}
+        want = state(step, rank)["model"]["w"]
+        assert got["model"]["w"].dtype == want.dtype and np.array_equal(got["model"]["w"], want)
+
+
 def test_two_ranks_both_persist_and_commit(shm_root, disk_root, tmp_path):
     policy = preempt_policy(shm_root, disk_root)
     procs = start(policy, 2, tmp_path)
@@ -158,12 +170,7 @@ def test_two_ranks_both_persist_and_commit(shm_root, disk_root, tmp_path):
     for rank in (0, 1):
         assert report_line(tmp_path, rank).endswith("tier 'disk': holds step 3"), logs(tmp_path, 2)
     print(f"signal to exit {max(took):.2f} s, flush {[flush_seconds(report_line(tmp_path, r)) for r in (0, 1)]} s")
-    shutil.rmtree(shm_root)
-    for rank in (0, 1):
-        with tiercel.Store(without_handler(policy), rank=rank, world_size=2) as fresh:
-            assert fresh.steps()["disk"] == [3]
-            got = fresh.restore(3)
-        assert np.array_equal(got["model"]["w"], state(3, rank)["model"]["w"])
+    each_rank_restores_from_disk_alone(policy, shm_root, 3)
 
 
 def test_a_rank_killed_before_its_flush_is_named_and_the_step_does_not_commit(shm_root, disk_root, tmp_path):
@@ -205,14 +212,7 @@ def test_ranks_at_different_steps_flush_the_newest_step_every_rank_holds(shm_roo
     assert "this rank's newest: 4" in report_line(tmp_path, 0)
     assert max(took) < GRACE / 2, took  # no rank waited for a part that never came
     print(f"signal to exit {max(took):.2f} s, flush {[flush_seconds(report_line(tmp_path, r)) for r in (0, 1)]} s")
-    shutil.rmtree(shm_root)
-    for rank in (0, 1):
-        with tiercel.Store(without_handler(policy), rank=rank, world_size=2) as fresh:
-            assert fresh.steps()["disk"] == [3]
-            got = fresh.restore(3)
-            assert fresh.last_restore is not None and fresh.last_restore.tiers == {"disk": 1}
-        want = state(3, rank)["model"]["w"]
-        assert got["model"]["w"].dtype == want.dtype and np.array_equal(got["model"]["w"], want)
+    each_rank_restores_from_disk_alone(policy, shm_root, 3)
 
 
 RETURNS = textwrap.dedent("""
