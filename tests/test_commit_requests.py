@@ -95,20 +95,32 @@ def counted(world: int, shm, tmp_path, bucket: str, endpoint: str) -> tuple[list
             p.close()
 
 
+# A rank that does not commit, in one step: its manifest (and its data object, unless every
+# chunk is reused), a look at one or two commit records, one batched delete. Which step's
+# window a rank's sweep falls in depends on when it learns of a commit, so a single step may
+# show 1 or 3 where the mean is 2: the bounds are on the mean over the steps, and constant.
+OTHER_RANK_MEAN = 4
+OTHER_RANK_MOST = 6
+COMMITTER_MOST = 16  # its own save, the commit record, retention of one step (2 LISTs, deletes)
+
+
 def test_a_save_costs_each_rank_the_same_requests_at_4_and_24_ranks(moto_server, s3_env, shm, tmp_path):  # noqa: F811
-    """The typical rank's requests per step are the same at 4 and 24 ranks (within 25%); the
-    one rank per step that commits and runs retention makes a bounded number more, whatever N;
-    no rank lists on the save path (the retaining rank lists the root, and a step it removes)."""
+    """A rank's requests per step are bounded by the same constants at 4 and at 24 ranks:
+    every rank but the one that commits makes a few (mean and most), the one that commits
+    and runs retention a bounded number more, whatever N; no rank lists on the save path
+    (the retaining rank lists the root, and a step it removes)."""
     bucket = moto_server.new_bucket()
     seen = {}
     for world in (4, 24):
         by_rank, lists, busiest = counted(world, shm, tmp_path, bucket, moto_server.endpoint)
-        flat = sorted(n for step in by_rank for n in step)
-        typical, most = statistics.median(flat), max(flat)
-        seen[world] = {"typical rank": typical, "busiest rank": most, "all ranks": round(sum(flat) / STEPS, 1), "LISTs": lists}
+        others = [n for step in by_rank for n in sorted(step)[:-1]]  # each step's committer left out
+        mean, most = statistics.mean(others), max(others)
+        committer = max(max(step) for step in by_rank)
+        seen[world] = {"other ranks, mean": round(mean, 2), "other ranks, most": most, "committer": committer,
+                       "all ranks": round(sum(map(sum, by_rank)) / STEPS, 1), "LISTs": lists}
         what = f"{world} ranks: {seen[world]}; the busiest rank's requests in the first counted step:\n" + "\n".join(busiest)
         assert max(lists) <= 2, f"LISTs per step {lists}, at most 2 on one host; {what}"
-        assert most <= typical + 12, f"the busiest rank made {most} requests in a step, more than {typical} + 12; {what}"
+        assert mean <= OTHER_RANK_MEAN, f"a rank that does not commit made {mean:.2f} requests a step, more than {OTHER_RANK_MEAN}; {what}"
+        assert most <= OTHER_RANK_MOST, f"a rank that does not commit made {most} requests in a step, more than {OTHER_RANK_MOST}; {what}"
+        assert committer <= COMMITTER_MOST, f"the committing rank made {committer} requests in a step, more than {COMMITTER_MOST}; {what}"
     print("requests per step:", json.dumps(seen))
-    small, large = seen[4]["typical rank"], seen[24]["typical rank"]
-    assert abs(large - small) <= 0.25 * min(small, large), f"a rank's requests per step grow with N: {seen}"
