@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import tiercel
 
-base, mode, out_dir, last = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+base, mode, out_dir, last, sparse = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "sparse"
 host = os.environ["TIERCEL_HOST"]
 
 def state(rank, step):
@@ -39,6 +39,9 @@ policy = {
     "restore": {"order": ["ram", "peer", "disk"]},
     "store": {"chunk_size": "64KiB", "threads": 1, "io_threads": 2},
 }
+if sparse:  # RAM keeps one step, the peer tier gets every 2nd; no durable tier
+    policy["tier"] = [dict(policy["tier"][0], keep=1), dict(policy["tier"][1], every=2)]
+    policy["restore"]["order"] = ["ram", "peer"]
 dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
 rank = dist.get_rank()
 store = tiercel.Store(policy)
@@ -63,10 +66,12 @@ with open(os.path.join(out_dir, f"{mode}-{rank}.json"), "w") as f:
 """
 
 
-def run_job(tmp_path, base, hosts: list[str], mode: str, last: int) -> list[dict]:
-    """Runs one rank per entry of `hosts` (the rank's host name); returns their reports."""
+def run_job(tmp_path, base, hosts: list[str], mode: str, last: int, sparse: bool = False) -> list[dict]:
+    """Runs one rank per entry of `hosts` (the rank's host name); returns their reports.
+    `sparse`: the policy whose memory tier keeps one step and whose peer tier gets every 2nd."""
     env_of = lambda rank: {"TIERCEL_HOST": hosts[rank], "OMP_NUM_THREADS": "1"}  # noqa: E731
-    run_ranks(WORKER, [str(base), mode, str(tmp_path), str(last)], tmp_path, len(hosts), env_of, tag=mode)
+    run_ranks(WORKER, [str(base), mode, str(tmp_path), str(last), "sparse" if sparse else "all"], tmp_path, len(hosts), env_of,
+              tag=mode)
     return [json.loads((tmp_path / f"{mode}-{r}.json").read_text()) for r in range(len(hosts))]
 
 
@@ -99,6 +104,24 @@ def test_a_wiped_host_restores_from_its_peers(tmp_path, base):
         assert r["step"] == 3, r
         expected = "peer" if r["host"] == "hostB" else "ram"
         assert set(r["tiers"]) == {expected}, r
+
+
+def test_memory_keeps_its_copy_of_the_newest_replicated_step_beyond_its_keep(tmp_path, base):
+    # RAM keeps 1 step, the peer tier replicates every 2nd: after step 3, RAM holds step 3 and
+    # also step 2, the own copy of the newest replicated step (else a host loss would find the
+    # lost host's replicas of step 2 and no surviving copy of the other ranks' parts).
+    hosts = ["hostA", "hostA", "hostB", "hostB"]
+    saved = run_job(tmp_path, base, hosts, "save", last=3, sparse=True)
+    for r in saved:
+        assert r["states"]["2"]["peer"] == "committed" and r["states"]["3"]["peer"] == "not scheduled", r
+    for h in ("hostA", "hostB"):
+        steps = sorted(int(d.name.split("-")[1]) for d in (base / "shm" / h).glob("step-*"))
+        assert steps == [2, 3], (h, steps)
+    shutil.rmtree(base / "shm" / "hostB")
+    restored = run_job(tmp_path, base, hosts, "restore", last=3, sparse=True)
+    for r in restored:
+        assert r["step"] == 2, r
+        assert set(r["tiers"]) == ({"peer"} if r["host"] == "hostB" else {"ram"}), r
 
 
 def test_a_lost_group_falls_back_to_the_same_persistent_step(tmp_path, base):

@@ -27,6 +27,10 @@ pub struct GcOptions {
     pub temp_age: Option<Duration>,
     /// Committed steps of other jobs: not counted towards `keep`, never removed.
     pub foreign: Vec<u64>,
+    /// Committed steps of this job kept beyond `keep` (not counted towards it, not removed):
+    /// on the memory tier, the own copies of the steps a peer tier keeps replicas of
+    /// (`Store::retain`).
+    pub pinned: Vec<u64>,
     /// The tier's steps as the caller listed them just now (`Tier::list_steps`), so that
     /// the plan does not list them again; None: the plan lists them itself.
     pub listed: Option<Listed>,

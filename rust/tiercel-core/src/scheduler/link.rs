@@ -30,6 +30,9 @@ const MAX_CHUNK_GAP: Duration = Duration::from_secs(2);
 const BACK_TO_BACK: Duration = Duration::from_micros(500);
 /// Back-to-back chunks the model needs before it prefers them to all chunks.
 const MIN_BACK_TO_BACK: usize = 4;
+/// Whole persists remembered per link (`whole_seconds`): the last few, so that the plan
+/// follows a link that slows down or speeds up within a few checkpoints.
+const WHOLE_JOBS: usize = 4;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -61,6 +64,8 @@ pub struct Link {
     traffic: Option<Arc<Traffic>>,
     /// (bytes, seconds, back to back) of the chunks sent last.
     observed: Mutex<VecDeque<(u64, f64, bool)>>,
+    /// (bytes, seconds) of the last whole persists over the link, start to commit.
+    whole: Mutex<VecDeque<(u64, f64)>>,
     /// Clock time at which the chunks already admitted are expected to be sent (learned mode).
     pipeline_end: Mutex<f64>,
     sent: AtomicU64,
@@ -96,6 +101,7 @@ impl Link {
             bucket: Mutex::new((0.0, Instant::now())),
             traffic,
             observed: Mutex::new(VecDeque::new()),
+            whole: Mutex::new(VecDeque::new()),
             pipeline_end: Mutex::new(f64::NEG_INFINITY),
             sent: AtomicU64::new(0),
             closed: Default::default(),
@@ -168,6 +174,30 @@ impl Link {
         let queued: Vec<(u64, f64)> = all.iter().filter(|o| o.2).map(|o| (o.0, o.1)).collect();
         let obs = if queued.len() >= MIN_BACK_TO_BACK { queued } else { all.iter().map(|o| (o.0, o.1)).collect() };
         fit_link(&obs).map(|m| m.capped(self.rate))
+    }
+
+    /// A persist of `bytes` over this link took `seconds` from its start to its commit.
+    pub fn whole_took(&self, bytes: u64, seconds: f64) {
+        if bytes == 0 || !seconds.is_finite() || seconds <= 0.0 {
+            return;
+        }
+        let mut w = self.whole.lock();
+        if w.len() == WHOLE_JOBS {
+            w.pop_front();
+        }
+        w.push_back((bytes, seconds));
+    }
+
+    /// The seconds a persist of `bytes` takes at the rate of the last whole persists (their
+    /// bytes over their seconds), if there were any: what the learned plan holds its
+    /// interval to where the chunk model reads the link faster than it is. Only persists of
+    /// at least a quarter of `bytes` count: a small one is mostly its fixed costs (a peer
+    /// tier's step whose chunks the holder had), and scaled up to a whole checkpoint it would
+    /// make the plan wait for hours, so that no new persist came to correct it.
+    pub fn whole_seconds(&self, bytes: u64) -> Option<f64> {
+        let w = self.whole.lock();
+        let (b, t) = w.iter().filter(|o| o.0.saturating_mul(4) >= bytes).fold((0u64, 0.0), |(b, t), o| (b + o.0, t + o.1));
+        (b > 0).then(|| bytes as f64 * t / b as f64)
     }
 
     /// What tells this link from the others (the scheduler lends waiting jobs' slots by it).

@@ -400,3 +400,29 @@ fn a_preemption_lifts_the_gate_and_the_bandwidth_limit_until_it_ends() {
     assert!(again.elapsed() >= Duration::from_millis(400), "the limit is back: {:?}", again.elapsed());
     t.idle().unwrap();
 }
+
+#[test]
+fn whole_persists_give_the_seconds_of_the_next_at_their_rate() {
+    let link = Link::new("bucket", None);
+    assert_eq!(link.whole_seconds(100), None, "nothing measured yet");
+    // 100 MB in 4 s and 100 MB in 6 s: 20 MB/s, so 50 MB take 2.5 s.
+    link.whole_took(100_000_000, 4.0);
+    link.whole_took(100_000_000, 6.0);
+    assert!((link.whole_seconds(50_000_000).unwrap() - 2.5).abs() < 1e-9);
+    // Only the last four count: four fast ones later, the slow start is forgotten.
+    for _ in 0..4 {
+        link.whole_took(100_000_000, 1.0);
+    }
+    assert!((link.whole_seconds(100_000_000).unwrap() - 1.0).abs() < 1e-9);
+    // Nothing moved (a peer tier whose holders had every chunk) says nothing of the link.
+    link.whole_took(0, 3.0);
+    assert!((link.whole_seconds(100_000_000).unwrap() - 1.0).abs() < 1e-9);
+    // Small persists (mostly fixed costs) do not speak for a whole checkpoint: 1 MB in
+    // 0.1 s is not 10 s per 100 MB. They do for one of their size.
+    let small = Link::new("peer", None);
+    for _ in 0..4 {
+        small.whole_took(1_000_000, 0.1);
+    }
+    assert_eq!(small.whole_seconds(100_000_000), None);
+    assert!((small.whole_seconds(2_000_000).unwrap() - 0.2).abs() < 1e-9);
+}

@@ -7,8 +7,9 @@
 //!   `alpha + s / B` (least squares; alpha is taken as 0 when all chunks had one size);
 //! - `plan`: how many chunks fit into each span discounted by `mu` (chunks sent back to back,
 //!   each costing `alpha + s / B`), the bytes one iteration carries, and how many iterations
-//!   a checkpoint of a given size takes: when that is more than the policy's `every`, the
-//!   effective checkpoint interval is longer, and the plan says so.
+//!   a checkpoint of a given size takes (by the chunks, and by how long whole persists of the
+//!   link really took): when that is more than the policy's `every`, the effective
+//!   checkpoint interval is longer (`every` times a power of two), and the plan says so.
 
 /// A time interval in seconds since the start of its iteration.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -197,8 +198,10 @@ pub struct Plan {
 
 /// Plans the chunks of a `checkpoint`-byte checkpoint, cut in `chunk`-byte chunks, into the
 /// idle spans of `profile`, each discounted by `mu`, on a link of model `link`, for a
-/// checkpoint wanted every `every` iterations.
-pub fn plan(profile: &IdleProfile, link: LinkModel, mu: f64, chunk: u64, checkpoint: u64, every: u64) -> Plan {
+/// checkpoint wanted every `every` iterations. `whole`: the seconds a persist of that many
+/// bytes took on the link lately, from its start to its commit (`Link::whole_seconds`), if
+/// one was measured.
+pub fn plan(profile: &IdleProfile, link: LinkModel, mu: f64, chunk: u64, checkpoint: u64, every: u64, whole: Option<f64>) -> Plan {
     let chunk = chunk.max(1);
     let cost = link.cost(chunk);
     let spans: Vec<SpanPlan> = profile
@@ -230,13 +233,23 @@ pub fn plan(profile: &IdleProfile, link: LinkModel, mu: f64, chunk: u64, checkpo
     } else {
         planned
     };
-    let iterations = checkpoint.div_ceil(per_iter).max(1);
-    let effective_interval = iterations.div_ceil(every) * every;
+    let by_chunks = checkpoint.div_ceil(per_iter).max(1);
+    // The chunk model times what each chunk's hand-off cost; a writer that buffers (an
+    // object store's multipart parts) returns long before its bytes are on the wire, and the
+    // commit is not a chunk at all. A whole persist, start to commit, says what it cost.
+    let by_whole =
+        whole.filter(|w| w.is_finite() && profile.iteration > 0.0).map_or(0, |w| (w / profile.iteration - EPS).ceil().max(1.0) as u64);
+    let iterations = by_chunks.max(by_whole);
+    // A power of two times `every`: ranks whose links measured a little differently still
+    // persist common steps (a multiple of 8 is one of 4), so the tier commits some of them.
+    let effective_interval = iterations.div_ceil(every).next_power_of_two() * every;
     if effective_interval > every {
-        let why = format!(
-            "a checkpoint of {checkpoint} bytes takes {iterations} iterations of idle time ({per_iter} bytes per iteration): \
-             effective interval {effective_interval} iterations instead of {every}"
-        );
+        let took = if by_whole > by_chunks {
+            format!("a persist of {checkpoint} bytes took {:.2} s ({by_whole} iterations)", whole.unwrap_or_default())
+        } else {
+            format!("a checkpoint of {checkpoint} bytes takes {iterations} iterations of idle time ({per_iter} bytes per iteration)")
+        };
+        let why = format!("{took}: effective interval {effective_interval} iterations instead of {every}");
         note = Some(match note {
             Some(n) => format!("{n}; {why}"),
             None => why,
@@ -309,21 +322,40 @@ mod tests {
         let p = learn(&[trace(0.0), trace(0.0)]).unwrap();
         // 1 ms + 1 MB at 1 GB/s: 2 ms per chunk. mu = 0.8: spans of 24, 8 and 16 ms usable.
         let link = LinkModel { alpha: 0.001, bandwidth: 1e9 };
-        let pl = plan(&p, link, 0.8, 1_000_000, 50_000_000, 1);
+        let pl = plan(&p, link, 0.8, 1_000_000, 50_000_000, 1, None);
         let chunks: Vec<u64> = pl.spans.iter().map(|s| s.chunks).collect();
         assert_eq!(chunks, vec![12, 4, 8]);
         assert_eq!(pl.bytes_per_iteration, 24_000_000);
-        // 50 MB at 24 MB per iteration: 3 iterations, so every 3rd save reaches the link.
-        assert_eq!((pl.iterations, pl.effective_interval), (3, 3));
-        assert!(pl.note.as_deref().unwrap().contains("effective interval 3 iterations instead of 1"), "{:?}", pl.note);
-        // A checkpoint that fits: the interval is `every`, no note.
-        let pl = plan(&p, link, 0.8, 1_000_000, 20_000_000, 2);
-        assert_eq!((pl.iterations, pl.effective_interval, pl.note.clone()), (1, 2, None));
-        // Longer than `every` = 2: the next multiple of it.
-        let pl = plan(&p, link, 0.8, 1_000_000, 60_000_000, 2);
+        // 50 MB at 24 MB per iteration: 3 iterations, so every 4th save reaches the link
+        // (a power of two: a rank that measured 2 iterations persists every 2nd, and the
+        // two share every 4th).
         assert_eq!((pl.iterations, pl.effective_interval), (3, 4));
+        assert!(pl.note.as_deref().unwrap().contains("effective interval 4 iterations instead of 1"), "{:?}", pl.note);
+        // A checkpoint that fits: the interval is `every`, no note.
+        let pl = plan(&p, link, 0.8, 1_000_000, 20_000_000, 2, None);
+        assert_eq!((pl.iterations, pl.effective_interval, pl.note.clone()), (1, 2, None));
+        // Longer than `every` = 2: 2 x a power of two.
+        let pl = plan(&p, link, 0.8, 1_000_000, 60_000_000, 2, None);
+        assert_eq!((pl.iterations, pl.effective_interval), (3, 4));
+        let pl = plan(&p, link, 0.8, 1_000_000, 120_000_000, 2, None);
+        assert_eq!((pl.iterations, pl.effective_interval), (5, 8));
         // The largest chunk that fits the longest usable span (24 ms - 1 ms at 1 GB/s).
         assert_eq!(pl.largest_chunk, Some(23_000_000 / 4096 * 4096));
+    }
+
+    #[test]
+    fn a_whole_persist_slower_than_its_chunks_sets_the_interval() {
+        let p = learn(&[trace(0.0), trace(0.0)]).unwrap();
+        let link = LinkModel { alpha: 0.001, bandwidth: 1e9 };
+        // The chunks say one iteration (20 MB of 24 per iteration); whole persists took
+        // 0.35 s, 3.5 iterations of 100 ms: every 4th save.
+        let pl = plan(&p, link, 0.8, 1_000_000, 20_000_000, 1, Some(0.35));
+        assert_eq!((pl.iterations, pl.effective_interval), (4, 4));
+        let note = pl.note.unwrap();
+        assert!(note.contains("a persist of 20000000 bytes took 0.35 s (4 iterations)") && note.contains("effective interval 4"), "{note}");
+        // Faster than the chunks: the chunks decide; within one iteration: no change.
+        assert_eq!(plan(&p, link, 0.8, 1_000_000, 50_000_000, 1, Some(0.05)).effective_interval, 4);
+        assert_eq!(plan(&p, link, 0.8, 1_000_000, 20_000_000, 1, Some(0.1)).effective_interval, 1);
     }
 
     #[test]
@@ -332,14 +364,14 @@ mod tests {
         let busy: Vec<IterationTrace> = (0..5).map(|_| IterationTrace { length: 0.1, busy: vec![iv(0.0, 0.1)] }).collect();
         let p = learn(&busy).unwrap();
         assert!(p.spans.is_empty());
-        let pl = plan(&p, LinkModel { alpha: 0.0, bandwidth: 1e8 }, 0.8, 1 << 20, 10 << 20, 1);
+        let pl = plan(&p, LinkModel { alpha: 0.0, bandwidth: 1e8 }, 0.8, 1 << 20, 10 << 20, 1, None);
         assert_eq!(pl.bytes_per_iteration, 1 << 20);
-        assert_eq!((pl.iterations, pl.effective_interval), (10, 10));
+        assert_eq!((pl.iterations, pl.effective_interval), (10, 16));
         let note = pl.note.unwrap();
-        assert!(note.contains("no idle time") && note.contains("effective interval 10 iterations"), "{note}");
+        assert!(note.contains("no idle time") && note.contains("effective interval 16 iterations"), "{note}");
         // Gaps too short for one chunk: the note names a chunk size that would fit.
         let short: Vec<IterationTrace> = (0..5).map(|_| IterationTrace { length: 0.1, busy: vec![iv(0.002, 0.1)] }).collect();
-        let pl = plan(&learn(&short).unwrap(), LinkModel { alpha: 0.0, bandwidth: 1e8 }, 0.8, 1 << 20, 1 << 20, 1);
+        let pl = plan(&learn(&short).unwrap(), LinkModel { alpha: 0.0, bandwidth: 1e8 }, 0.8, 1 << 20, 1 << 20, 1, None);
         let note = pl.note.unwrap();
         assert!(note.contains("no idle span fits one chunk") && note.contains("chunk_size <= 159744"), "{note}");
     }

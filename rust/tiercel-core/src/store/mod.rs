@@ -70,6 +70,8 @@ pub struct Store {
     /// This job's identity, written into every commit record.
     job: crate::format::JobId,
     foreign: job::Foreign,
+    /// The steps the memory tier keeps beyond its `keep` for a peer tier (`OwnCopies`).
+    own_copies: parking_lot::Mutex<persist::OwnCopies>,
     /// This rank's writer leases, from its first save to close (`claim_writer`).
     writers: job::Writers,
     /// Opened for tools (`open_as`): every job's steps count as this job's.
@@ -231,6 +233,7 @@ impl Store {
             recent: Default::default(),
             job,
             foreign: Default::default(),
+            own_copies: Default::default(),
             writers: Default::default(),
             tool,
             buckets,
@@ -485,7 +488,8 @@ impl Store {
         }
         let profile = self.traffic.profile()?;
         let model = slot.link.model()?;
-        Some(plan::plan(&profile, model, self.traffic.config.mu, self.policy.chunk_size, bytes, slot.config.every))
+        let whole = slot.link.whole_seconds(bytes);
+        Some(plan::plan(&profile, model, self.traffic.config.mu, self.policy.chunk_size, bytes, slot.config.every, whole))
     }
 
     /// Retention on one tier, as after every save: `keep`, uncommitted leftovers, abandoned
@@ -494,11 +498,17 @@ impl Store {
         // One listing serves the foreign steps and the plan (a tier with commit records).
         let opts = if slot.config.capabilities().commit_records {
             let listed = slot.tier.list_steps()?;
-            GcOptions { keep: slot.config.keep, temp_age: None, foreign: self.foreign_among(slot, &listed.committed), listed: Some(listed) }
+            GcOptions {
+                keep: slot.config.keep,
+                foreign: self.foreign_among(slot, &listed.committed),
+                listed: Some(listed),
+                ..Default::default()
+            }
         } else {
             GcOptions { keep: slot.config.keep, ..Default::default() }
         };
-        let done = self.run_retention(slot, &opts)?;
+        let pinned = if std::ptr::eq(slot, self.memory_slot()) { self.own_copies.lock().pinned() } else { vec![] };
+        let done = self.run_retention(slot, &GcOptions { pinned, ..opts })?;
         for r in done.iter().filter(|r| r.step().is_none()) {
             log::info!("tier '{}': removed {}", slot.config.name, r.reason);
         }

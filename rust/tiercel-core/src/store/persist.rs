@@ -79,6 +79,8 @@ pub struct TierPersist {
 pub enum PersistAction {
     /// The tier's `every` does not select this step.
     NotScheduled,
+    /// The learned schedule's interval (longer than `every`) does not select this step.
+    Thinned(LearnedInterval),
     /// The tier is degraded: the step is skipped there, for this reason.
     Degraded(String),
     /// A job for the scheduler: it replaces a job of an earlier save with the same key that
@@ -88,13 +90,19 @@ pub enum PersistAction {
 
 /// The persist plan of `step`, the save at `order` in this process's save order, over the
 /// later tiers' `facts`. `every` comes first (a step it does not select is not the tier's,
-/// degraded or not), then a degraded tier's skip.
+/// degraded or not), then the learned interval, then a degraded tier's skip. The learned
+/// interval selects its multiples, as `every` does, so that every rank persists the same
+/// steps (a queued persist that a newer save replaces is each rank's own affair: ranks that
+/// replaced different steps would leave the tier few steps every rank wrote).
 pub fn plan(step: u64, order: u64, facts: Vec<TierFacts>) -> PersistPlan {
     let tiers = facts
         .into_iter()
         .map(|f| {
+            let thinned = f.learned.as_ref().filter(|l| l.interval > f.every && !step.is_multiple_of(l.interval));
             let action = if !step.is_multiple_of(f.every) {
                 PersistAction::NotScheduled
+            } else if let Some(l) = thinned {
+                PersistAction::Thinned(l.clone())
             } else if let Some(why) = f.degraded {
                 PersistAction::Degraded(why)
             } else {
@@ -137,6 +145,14 @@ impl Store {
                     handle.set(&t.name, TierState::NotScheduled);
                     continue;
                 }
+                PersistAction::Thinned(l) => {
+                    counters.set_interval(l.interval);
+                    if let Some(note) = &l.note {
+                        handle.note(&t.name, l.interval, note);
+                    }
+                    handle.set(&t.name, TierState::NotScheduled);
+                    continue;
+                }
                 PersistAction::Degraded(why) => {
                     counters.skipped();
                     handle.set(&t.name, TierState::Skipped(why));
@@ -168,6 +184,9 @@ impl Store {
     pub(super) fn submit_persist(&self, job: PersistJob, priority: Priority, supersede: Supersede, label: String) {
         let counters = self.metrics.tier(job.slot);
         counters.queue(1);
+        if self.pins_own_copy(job.slot) {
+            self.own_copies.lock().replicating.insert(job.manifest.step);
+        }
         counters.scheduled(job.manifest.step, job.manifest.total_bytes());
         self.scheduler.submit(Job {
             link: self.slots[job.slot].link.clone(),
@@ -177,6 +196,47 @@ impl Store {
             supersede: Some(supersede),
             run: Box::new(move |start| job.run(start)),
         });
+    }
+}
+
+/// The steps whose own copy the memory tier keeps beyond its `keep`, for a peer tier (one
+/// that joins the cluster): a peer tier's copy of a rank's part on the rank's own host is the
+/// memory tier's. Without them a host loss finds the lost rank's replica of a step whose
+/// other parts the survivors' memory already evicted (the memory tier keeps fewer steps than
+/// replication lags behind, or the peer tier gets every few), and reads a slower tier.
+#[derive(Default)]
+pub(super) struct OwnCopies {
+    /// The newest steps committed on the peer tier, as many as it keeps.
+    replicated: std::collections::BTreeSet<u64>,
+    /// Steps whose persist to the peer tier is queued or running (else a step could leave
+    /// memory while its replication runs, and be missing once it commits).
+    replicating: std::collections::BTreeSet<u64>,
+}
+
+impl OwnCopies {
+    pub(super) fn pinned(&self) -> Vec<u64> {
+        self.replicated.union(&self.replicating).copied().collect()
+    }
+}
+
+impl Store {
+    fn pins_own_copy(&self, slot: usize) -> bool {
+        slot != self.memory_at && self.slots[slot].config.capabilities().cluster
+    }
+
+    /// `step`'s persist to `slot` is over (`committed` or not).
+    fn own_copy_done(&self, slot: usize, step: u64, committed: bool) {
+        if !self.pins_own_copy(slot) {
+            return;
+        }
+        let mut o = self.own_copies.lock();
+        o.replicating.remove(&step);
+        if committed {
+            o.replicated.insert(step);
+            while o.replicated.len() > self.slots[slot].config.keep.unwrap_or(1).max(1) {
+                o.replicated.pop_first();
+            }
+        }
     }
 }
 
@@ -199,6 +259,9 @@ impl PersistJob {
         let slot = &store.slots[idx];
         let (name, step) = (&slot.config.name, manifest.step);
         store.metrics.tier(idx).queue(-1);
+        // Whatever way the job ends, its step is no longer being replicated; a commit (below)
+        // counts it replicated first.
+        let _done = OwnCopyDone(&store, idx, step);
         match start {
             Start::Run => {}
             Start::Superseded { by } => {
@@ -213,6 +276,9 @@ impl PersistJob {
             }
         }
         handle.set(name, TierState::Running);
+        // What crosses the link, as the learned plan counts it (before the write: a peer
+        // tier's holders have the step's chunks after it).
+        let moving = slot.tier.bytes_to_move(&manifest);
         let started = Instant::now();
         // A preemption's flush of a save the tier holds already only tries its commit (by
         // listing: this rank counted itself in when it wrote), and leaves retention alone.
@@ -230,9 +296,14 @@ impl PersistJob {
         match res {
             Ok(super::Outcome { committed, retains }) => {
                 let took = started.elapsed();
+                if !again {
+                    // (A preemption's flush runs unthrottled: not what the link does.)
+                    slot.link.whole_took(moving, took.as_secs_f64());
+                }
                 store.metrics.tier(idx).written(step, manifest.total_bytes(), took);
                 if committed {
                     store.metrics.tier(idx).committed(step);
+                    store.own_copy_done(idx, step, true);
                 }
                 log::info!(
                     "tier '{name}': step {step} of rank {} {} ({} bytes in {:.2} s)",
@@ -277,6 +348,15 @@ impl PersistJob {
                 handle.set(name, TierState::Failed(e));
             }
         }
+    }
+}
+
+/// Ends a persist's `OwnCopies::replicating` entry when the job ends, whichever way.
+struct OwnCopyDone<'a>(&'a Store, usize, u64);
+
+impl Drop for OwnCopyDone<'_> {
+    fn drop(&mut self) {
+        self.0.own_copy_done(self.1, self.2, false);
     }
 }
 

@@ -75,5 +75,25 @@ fn the_learned_interval_goes_with_the_queued_persist() {
         other => panic!("{other:?}"),
     }
     // A step `every` passes by: the interval is not reported for it.
-    assert_eq!(plan(31, 2, vec![s3]).tiers[0].action, PersistAction::NotScheduled);
+    assert_eq!(plan(31, 2, vec![s3.clone()]).tiers[0].action, PersistAction::NotScheduled);
+    // A step `every` selects and the learned interval does not: thinned, with the interval.
+    assert_eq!(plan(20, 3, vec![s3]).tiers[0].action, PersistAction::Thinned(learned));
+}
+
+#[test]
+fn ranks_with_different_learned_intervals_persist_common_steps() {
+    // Two ranks measured their links a little differently (intervals 4 and 8, both every 1
+    // times a power of two): the steps both persist are every 8th, not none, as when each
+    // rank's newer saves replaced its own queued ones.
+    let rank = |interval: u64| {
+        let learned = LearnedInterval { interval, note: None };
+        let facts = TierFacts { learned: Some(learned), ..tier(1, "s3", 1) };
+        (1..=32u64)
+            .filter(|&s| matches!(plan(s, s, vec![facts.clone()]).tiers[0].action, PersistAction::Queue { .. }))
+            .collect::<Vec<u64>>()
+    };
+    let (a, b) = (rank(4), rank(8));
+    assert_eq!(a, vec![4, 8, 12, 16, 20, 24, 28, 32]);
+    let both: Vec<u64> = a.iter().filter(|s| b.contains(s)).copied().collect();
+    assert_eq!(both, vec![8, 16, 24, 32]);
 }

@@ -401,8 +401,8 @@ impl StepLayout {
     /// left in the objects underneath (temporary files, abandoned uploads), except inside
     /// steps the plan removes anyway.
     pub fn gc_plan(&self, opts: &GcOptions) -> Result<Vec<Removal>> {
-        // Another job's steps are neither counted towards `keep` nor removed.
-        let mine = |s: &u64| !opts.foreign.contains(s);
+        // Another job's steps, and pinned ones, are neither counted towards `keep` nor removed.
+        let mine = |s: &u64| !opts.foreign.contains(s) && !opts.pinned.contains(s);
         let listed = match &opts.listed {
             Some(l) => l.clone(),
             None => self.list_steps()?,

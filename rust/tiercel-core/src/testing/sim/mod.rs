@@ -258,7 +258,7 @@ impl Rank {
                 }
             }
         }
-        let opts = GcOptions { keep: Some(cfg.keep), temp_age: None, foreign: vec![], listed: Some(listed) };
+        let opts = GcOptions { keep: Some(cfg.keep), listed: Some(listed), ..Default::default() };
         if cfg.protocol == Protocol::Counter {
             // `Store::run_retention`: the commits it removes are recorded.
             self.records().retain(&self.tier, &opts, &|s| vec![generation_of(s)])?;

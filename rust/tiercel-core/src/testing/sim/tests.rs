@@ -291,7 +291,7 @@ fn a_sweep_heads_a_record_only_where_the_counter_cannot_know() {
     blobs.take_tally();
     tier.sweep_rank(0, Some(1), &known).unwrap();
     assert_eq!(blobs.take_tally().of(Req::Head, "commit"), 1, "step 1: not recorded, so looked at");
-    let keep1 = GcOptions { keep: Some(1), temp_age: None, foreign: vec![], listed: None };
+    let keep1 = GcOptions { keep: Some(1), ..Default::default() };
     records.retain(&tier, &keep1, &|s| vec![generation_of(s)]).unwrap();
     assert_eq!(known(1), None, "a removal of a commit never recorded is not recorded either");
     assert_eq!(known(2), Some(true));
