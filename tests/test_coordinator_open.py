@@ -8,6 +8,7 @@ from them. Costs asserted here are the formulas of docs/scale.md, "Coordination"
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 
 import pytest
@@ -92,8 +93,8 @@ def test_store_open_hands_each_rank_its_hosts_part_whatever_the_world_size(tmp_p
     """At 6 ranks (3 hosts) and 12 (6 hosts): every rank replicates to its peers and reads
     its step back from them, and a rank that did not combine a round (nor is rank 0, which
     also receives every rank's host for DCP's planning) receives the same bytes at 12 ranks
-    as at 6 (within 10%: host names grow a digit), in as many store calls; an all-gather of
-    every rank's address hands each rank N of them."""
+    as at 6 (within 10%: host names grow a digit; the median of those ranks), in as many
+    store calls; an all-gather of every rank's address hands each rank N of them."""
     received, calls = {}, {}
     for world in (6, 12):
         got = open_at(tmp_path, shm_root, world)
@@ -103,13 +104,17 @@ def test_store_open_hands_each_rank_its_hosts_part_whatever_the_world_size(tmp_p
         assert all(g["hosts"] is None for g in got[1:]), "only rank 0 learns every rank's host"
         others = [g for r, g in enumerate(got) if r != 0 and g["in"] == 0]
         assert others, f"{world} ranks: every rank combined a round"
-        received[world] = max(g["part"] for g in others)
+        # Most ranks' bytes; the one that reads last also reads what it deletes (which rank
+        # that is, and so whether it combined, is timing): bounded, not compared.
+        parts = sorted(g["part"] for g in others)
+        received[world] = statistics.median(parts)
+        assert parts[-1] <= 2 * received[world], f"{world} ranks: a rank received {parts[-1]} bytes at open, most {received[world]}"
         # Most ranks' calls: not the combining rank's, nor the last reader's (it deletes the
         # round's O(hosts) parts: O(N) in total).
         counts = [g["calls"] for g in got]
         calls[world] = (max(set(counts), key=counts.count), max(counts))
-    print({"bytes received by a rank that did not combine": received, "store calls (most ranks, busiest)": calls})
-    assert received[12] <= 1.1 * received[6], f"bytes a rank receives at Store open grew with N: {received}"
+    print({"bytes received by most ranks that did not combine": received, "store calls (most ranks, busiest)": calls})
+    assert received[12] <= 1.1 * received[6], f"bytes most ranks receive at Store open grew with N: {received}"
     assert calls[12][0] == calls[6][0], f"store calls of most ranks grew with N: {calls}"
     # Two rounds (the exchange, the barrier after connecting) of at most 9 calls each, and a
     # delete per part (one per host, and rank 0's).

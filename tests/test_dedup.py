@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +15,7 @@ import pytest
 
 import tiercel
 
-from conftest import child_env, flip_byte, make_policy, manifest_path, new_shm_root
+from conftest import flip_byte, make_policy, manifest_path, new_shm_root
 from servers import moto_server, s3_env  # noqa: F401 (fixtures)
 
 BASE = 2 << 20
@@ -92,37 +90,28 @@ def test_a_damaged_shared_chunk_is_caught_on_every_step_and_read_from_another_ti
             assert same(store.reader(step, tiers=["disk", "disk2"]).get_all(), lora(step)), step
 
 
-MAIN_SAVER = r"""
-import sys, json
-import numpy as np
-import tiercel
-policy = json.loads(sys.argv[1])
-with tiercel.Store(policy, rank=0, world_size=1) as s:
-    for step in (1, 2):
-        s.save(step, {"x": {"a": np.full(50000, step, np.float32)}}).wait(60)
-    s.flush()
-"""
+# An fs tier that the code before format 3 wrote (commit 12fb1ab's parent: every object in
+# the step's directory), steps 1 and 2 of {"x": {"a": np.full(50000, step, np.float32)}}:
+# tiercel reads every older format it wrote.
+FORMAT2 = Path(__file__).parent / "fixtures" / "format2-fs"
 
 
-@pytest.mark.skipif(not Path("/work/main/python/tiercel/_core.abi3.so").exists(), reason="needs main's build beside this tree")
-def test_a_tier_main_wrote_is_read_and_gcd(tmp_path):
-    """Saved by main's code (format 2 layout), then read, saved on and gc'd by this one."""
-    ram = new_shm_root("main")
-    policy = make_policy(ram, tmp_path / "disk", every=1)
-    env = child_env()
-    env["PYTHONPATH"] = "/work/main/python"
-    r = subprocess.run([sys.executable, "-c", MAIN_SAVER, json.dumps(policy)], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert (tmp_path / "disk" / "step-000000000001" / "rank-00000.manifest.json").exists(), "main writes the old layout"
-    policy["tier"][1]["keep"] = 1
-    with tiercel.Store(policy, rank=0, world_size=1) as s:
-        for step in (1, 2):
-            got = s.reader(step, tiers=["disk"]).get_all()
-            assert got["x"]["a"].tobytes() == np.full(50000, step, np.float32).tobytes()
-        s.save(3, {"x": {"a": np.full(50000, 3, np.float32)}}).wait(60)
-        s.flush()
-        assert s.steps()["disk"] == [3]
-        s._core.gc("disk", 0.0)
-        assert not (tmp_path / "disk" / "step-000000000001").exists() and not (tmp_path / "disk" / "step-000000000002").exists()
-        assert s.reader(3, tiers=["disk"]).get_all()["x"]["a"][0] == 3
-    shutil.rmtree(ram, ignore_errors=True)
+def test_a_tier_of_format_2_is_read_saved_on_and_gcd(tmp_path):
+    """Saved by the code before format 3 (the format 2 layout), then read, saved on and gc'd."""
+    ram = new_shm_root("format2")
+    shutil.copytree(FORMAT2, tmp_path / "disk")
+    assert (tmp_path / "disk" / "step-000000000001" / "rank-00000.manifest.json").exists(), "the fixture has the old layout"
+    policy = make_policy(ram, tmp_path / "disk", every=1, disk_opts={"keep": 1})
+    try:
+        with tiercel.Store(policy, rank=0, world_size=1) as s:
+            for step in (1, 2):
+                got = s.reader(step, tiers=["disk"]).get_all()
+                assert got["x"]["a"].tobytes() == np.full(50000, step, np.float32).tobytes()
+            s.save(3, {"x": {"a": np.full(50000, 3, np.float32)}}).wait(60)
+            s.flush()
+            assert s.steps()["disk"] == [3]
+            s._core.gc("disk", 0.0)
+            assert not (tmp_path / "disk" / "step-000000000001").exists() and not (tmp_path / "disk" / "step-000000000002").exists()
+            assert s.reader(3, tiers=["disk"]).get_all()["x"]["a"][0] == 3
+    finally:
+        shutil.rmtree(ram, ignore_errors=True)
