@@ -83,12 +83,13 @@ def markdown(res: dict[str, Any]) -> str:
     servers = sorted({k.removeprefix("boto3_put_s_") for lim in res["limits"].values() for k in lim if k.startswith("boto3_put_s_")})
     lines += ["", "The same step's bytes without tiercel (seconds, median), and the hashing a save does per chunk:", "",
               "| workload | MiB a step | disk write + fsync | torch.save + fsync | "
-              + "".join(f"boto3 put_object ({s}) | " for s in servers) + "CRC32C + XXH3-128, one core |",
-              "| --- |" + " ---: |" * (4 + len(servers))]
+              + "".join(f"boto3 put_object ({s}) | " for s in servers) + "CRC32C + XXH3-128, one core | memcpy, one core |",
+              "| --- |" + " ---: |" * (5 + len(servers))]
     for w, lim in res["limits"].items():
         cells = [w, f"{lim['state_bytes'] / MiB:.1f}", f"{lim.get('disk_write_fsync_s', float('nan')):.3f}",
                  f"{lim.get('torch_save_fsync_s', float('nan')):.3f}"]
         cells += [f"{lim[f'boto3_put_s_{s}']:.3f}" for s in servers] + [f"{lim['hash_gb_s']:.2f} GB/s"]
+        cells += [f"{lim['memcpy_gb_s']:.2f} GB/s" if "memcpy_gb_s" in lim else ""]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| goal | measured | met |", "| --- | --- | --- |"]
     lines += [f"| {g} | {m} | {'yes' if ok else 'no'} |" for g, m, ok in GOALS(res)]

@@ -31,7 +31,7 @@ In the same run, the limits and alternatives: the disk's write rate (write + fsy
 step's bytes in one file, in --dir), `torch.save` of the state to --dir (+ fsync), boto3's
 `put_object` of the step's bytes as one object on each S3 server, and the rate of the hashing
 a save does for each chunk (CRC32C and XXH3-128 in one pass, `tiercel._core.crc32c_and_hash`,
-4 MiB chunks on one core). Chunks are stored raw (`compression = "none"`, --compression):
+4 MiB chunks on one core) beside one core's memcpy of the same bytes, its limit. Chunks are stored raw (`compression = "none"`, --compression):
 random-initialised weights do not compress, and dedup is what is measured.
 
     python bench/bytes.py [--steps 10] [--tiers fs,moto,seaweedfs] [--quick]
@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -287,27 +287,40 @@ def boto3_put(server: MotoServer | SeaweedServer, arrays: list[np.ndarray], repe
     return statistics.median(times)
 
 
-def hash_rate(arrays: list[np.ndarray], chunk: int = 4 << 20) -> float:
-    """GB/s of CRC32C + XXH3-128 over the bytes in `chunk`-sized pieces, one core (best of 5:
-    on a shared machine the other processes slow some passes)."""
+def pass_rate(arrays: list[np.ndarray], each: Callable[[np.ndarray], object], chunk: int = 4 << 20) -> float:
+    """GB/s of `each` over the bytes in `chunk`-sized pieces, one core (best of 5: on a shared
+    machine the other processes slow some passes)."""
     pieces = [x[i:i + chunk] for x in arrays for i in range(0, x.nbytes, chunk)]
     total = sum(p.nbytes for p in pieces)
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
         for p in pieces:
-            _core.crc32c_and_hash(p)
+            each(p)
         best = min(best, time.perf_counter() - t0)
     return total / best / 1e9
+
+
+def hash_rate(arrays: list[np.ndarray]) -> float:
+    """The hashing a save does per chunk: CRC32C and XXH3-128 in one pass."""
+    return pass_rate(arrays, _core.crc32c_and_hash)
+
+
+def memcpy_rate(arrays: list[np.ndarray]) -> float:
+    """The physical limit beside it: one core copying the same bytes (into one buffer that
+    stays in cache, so that the rate is the reading's)."""
+    dst = np.empty(4 << 20, np.uint8)
+    return pass_rate(arrays, lambda p: np.copyto(dst[:p.nbytes], p))
 
 
 def limits(name: str, a: argparse.Namespace, work: Path) -> tuple[dict[str, Any], list[np.ndarray]]:
     """The disk's, torch.save's and the hashing's numbers for a workload's step; its bytes."""
     arrays, state, nbytes = tensors_of(name, a.quick)
-    out: dict[str, Any] = {"state_bytes": nbytes, "hash_gb_s": hash_rate(arrays),
+    out: dict[str, Any] = {"state_bytes": nbytes, "hash_gb_s": hash_rate(arrays), "memcpy_gb_s": memcpy_rate(arrays),
                            "disk_write_fsync_s": statistics.median(disk_write(arrays, work) for _ in range(a.repeat)),
                            "torch_save_fsync_s": statistics.median(torch_save(state, work) for _ in range(a.repeat))}
-    log(f"  {name}: {nbytes / 2**20:.1f} MiB a step; hashing {out['hash_gb_s']:.2f} GB/s on one core; "
+    log(f"  {name}: {nbytes / 2**20:.1f} MiB a step; hashing {out['hash_gb_s']:.2f} GB/s on one core "
+        f"(memcpy {out['memcpy_gb_s']:.2f}); "
         f"write + fsync {out['disk_write_fsync_s']:.3f} s, torch.save + fsync {out['torch_save_fsync_s']:.3f} s")
     return out, arrays
 

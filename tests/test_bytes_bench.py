@@ -47,7 +47,7 @@ def test_quick_mode_runs_and_dedup_writes_what_changed(tmp_path):
         assert per_step("dense", t, True) > 0.95 * per_step("dense", t, False), t
         s3 = configs[("lora", "s3", True)]["steps"]
         assert all(sum(r["requests"].values()) > 0 for r in s3), "the s3 tier's requests were counted"
-    assert all(lim["hash_gb_s"] > 0 for lim in res["limits"].values())
+    assert all(lim["hash_gb_s"] > 0 and lim["memcpy_gb_s"] > 0 for lim in res["limits"].values())
     md = (out.parent / "bytes.md").read_text()
     assert "| lora | moto |" in md and "| goal | measured | met |" in md
 

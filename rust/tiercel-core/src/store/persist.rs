@@ -206,7 +206,8 @@ impl Store {
 /// replication lags behind, or the peer tier gets every few), and reads a slower tier.
 #[derive(Default)]
 pub(super) struct OwnCopies {
-    /// The newest steps committed on the peer tier, as many as it keeps.
+    /// The newest steps committed on the peer tier, as many as it keeps (one where its `keep`
+    /// is unset).
     replicated: std::collections::BTreeSet<u64>,
     /// Steps whose persist to the peer tier is queued or running (else a step could leave
     /// memory while its replication runs, and be missing once it commits).
