@@ -3,7 +3,8 @@ moto, every request counted at the server's side by rank and step. A fresh proce
 step costs exactly 3N + 4 requests (data, manifest and a listing of its area per rank; the
 committer's record and retention); in the steady state a rank that does not commit makes 3
 (data, manifest, 1 DeleteObjects: the commits its sweep needs come from the counter), only the
-committer lists.
+committer lists; the step costs about 3N + 6 in all, and up to 4 more when the committer is
+new to the role (it reads the records of the kept step and of its own once).
 About 40 s; TIERCEL_SCALE_REAL_SMOKE=0 leaves it out."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from conftest import PYTHON, TESTS_DIR, child_env
 
 BENCH = TESTS_DIR.parent / "bench/scale_real.py"
 N = 4
+KEEP = 1  # bench/scale_real.py's
 
 
 @pytest.mark.skipif(os.environ.get("TIERCEL_SCALE_REAL_SMOKE") == "0", reason="TIERCEL_SCALE_REAL_SMOKE=0")
@@ -37,6 +39,9 @@ def test_scale_real_counts_four_ranks_on_moto(tmp_path):
         what = json.dumps({k: ph[k] for k in ("by_kind", "per_rank", "busiest_log")})
         assert ph["median_rank"] == 3, what
         assert ph["by_kind"]["LIST"] == 2 and ph["by_kind"]["PUT"] == 2 * N + 1, what
-        assert abs(ph["requests"] - (3 * N + 6)) <= 2, what
+        # Around 3N + 6; a committer that did not commit the step before also reads the
+        # commit records of the kept step and of its own (a HEAD and a GET each, once per
+        # process: whether they are another job's, before retention removes one): up to 4 more.
+        assert 3 * N + 4 <= ph["requests"] <= 3 * N + 8 + 2 * (KEEP + 1), what
         assert ph["busiest_requests"] <= 3 + 12, what
     assert out.with_suffix(".md").read_text().count("| moto | 4 |") == 2
