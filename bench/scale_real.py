@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _measure import write_results  # noqa: E402
 from faultproxy import ANY_REQUEST, request_kind  # noqa: E402
+from fork_ranks import FORK_RANKS  # noqa: E402
 from servers import ACCESS_KEY, SECRET_KEY, MotoServer, SeaweedServer, weed_binary  # noqa: E402
 
 #: The simulator's request kinds (POST: DeleteObjects), and multipart uploads (none for a
@@ -89,23 +90,7 @@ def rank_main(rank):
         mark(step)
     store.close()
 
-
-pids = []
-for rank in range(world):
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            rank_main(rank)
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    pids.append(pid)
-failed = [r for r, pid in enumerate(pids) if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
-sys.exit(f"ranks {failed} failed" if failed else 0)
-"""
+""" + FORK_RANKS
 
 
 def kind_of(method: str, target: str) -> str:

@@ -12,9 +12,9 @@ import statistics
 import subprocess
 
 import pytest
-from test_coordinator_scale import FORK_RANKS
 
 from conftest import PYTHON, child_env
+from fork_ranks import FORK_RANKS
 
 td = pytest.importorskip("torch.distributed")
 

@@ -16,31 +16,12 @@ import subprocess
 import pytest
 
 from conftest import PYTHON, child_env, make_policy
+from fork_ranks import FORK_RANKS
 
 td = pytest.importorskip("torch.distributed")
 
 WORLD = 48
 PREFIX = "scale"
-
-# The end of every forking worker script: rank_main(rank) in `world` forked processes; the
-# script fails naming the ranks that raised.
-FORK_RANKS = r"""
-pids = []
-for rank in range(world):
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            rank_main(rank)
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    pids.append(pid)
-failed = [r for r, pid in enumerate(pids) if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
-sys.exit(f"ranks {failed} failed" if failed else 0)
-"""
 
 WORKER = r"""
 import datetime, json, os, sys, traceback

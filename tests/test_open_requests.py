@@ -12,10 +12,10 @@ import json
 import subprocess
 
 import pytest
-from test_coordinator_scale import FORK_RANKS
 
 from conftest import PYTHON, child_env
 from faultproxy import FaultProxy
+from fork_ranks import FORK_RANKS
 from servers import moto_server, s3_env  # noqa: F401 (fixtures)
 from test_object_store import shm  # noqa: F401 (fixture)
 
