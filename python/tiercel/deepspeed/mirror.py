@@ -38,8 +38,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..errors import TiercelError
-from ..step import Reader
+from ..errors import NotFoundError, TiercelError
+from ..step import Reader, SaveHandle
 from ..store import Store
 from .layout import Save
 from .snapshot import Snapshot
@@ -56,6 +56,9 @@ OK = "ok"
 RANKS_WAIT_S = 600.0
 #: How long a rank waits for its save to be committed in the memory tier.
 COMMIT_WAIT_S = 60.0
+#: How many recent steps' newest saves the mirror remembers (a step is saved again right
+#: after its first save, or not at all).
+_STEPS_KEPT = 4
 
 
 def enabled(mirror: bool | None) -> bool:
@@ -78,12 +81,18 @@ class Mirror:
         #: The last save whose files this rank wrote ((tag, seconds)), and the last error.
         self.last_written: tuple[str, float] | None = None
         self.last_error: BaseException | None = None
+        #: The newest save of each recent step: it carries this rank's files of the step's
+        #: earlier saves under the same put names (DeepSpeedEngine.commit).
+        self._newest: dict[int, Snapshot] = {}
 
     def submit(self, snapshot: Snapshot, save: Save, files: dict[str, str]) -> None:
         """Queues the files of one save (relative path -> put), written once `snapshot`
         has committed the step. Every rank calls it for every save, files or not."""
         self._saves += 1
         save_id = f"{self.launch}-{self._saves:06d}"
+        self._newest[snapshot.step] = snapshot
+        for old in sorted(self._newest)[:-_STEPS_KEPT]:
+            del self._newest[old]
         self._last = self._executor.submit(self._run, snapshot, save, dict(files), save_id)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -143,19 +152,41 @@ class Mirror:
     def _reader(self, snapshot: Snapshot) -> Reader:
         """This rank's part of the step, once the memory tier committed it (a few
         milliseconds after the snapshot on the slowest rank of the host). A step retention
-        removed since raises NotFoundError at once."""
-        handle = snapshot.handle
-        assert handle is not None
+        removed since raises NotFoundError at once. Where the step was saved again before this
+        thread got to it (save_16bit_model, then save_checkpoint of the same tag: the other
+        ranks' second save replaces the first before it is read here), the newer save is read:
+        it carries this save's files under the same names."""
         memory = self.store.tiers()[0]["name"]
-        deadline = time.monotonic() + COMMIT_WAIT_S
-        while (state := handle.states().get(memory, "missing")) != "committed":
-            if state.startswith(("failed", "skipped", "missing", "not scheduled")):
-                raise TiercelError(f"step {snapshot.step}: the memory tier '{memory}' {state}")
-            if time.monotonic() > deadline:  # "running", or "written" while another rank of the host copies
-                raise TiercelError(f"step {snapshot.step}: the memory tier '{memory}' has not committed it after "
-                                   f"{COMMIT_WAIT_S:.0f} s (still {state})")
+        while True:
+            handle = snapshot.handle
+            assert handle is not None
+            state = _final_state(handle, memory)
+            if state == "committed":
+                try:
+                    return Reader(self.store, snapshot.step, trust_pickles=True)
+                except NotFoundError:  # committed, and taken back since by a newer save of the step
+                    newer = self._newer(snapshot)
+                    if newer is None:
+                        raise
+            else:
+                newer = self._newer(snapshot) if state.startswith("skipped") else None
+                if newer is None:
+                    raise TiercelError(f"step {snapshot.step}: the memory tier '{memory}' {state}")
+            newer.join()
+            if newer.error is not None:
+                raise TiercelError(f"step {snapshot.step}: the memory tier '{memory}' {state}, and the save "
+                                   f"that replaced it failed: {newer.error}")
+            snapshot = newer
+
+    def _newer(self, snapshot: Snapshot) -> Snapshot | None:
+        """The save of the same step submitted after `snapshot`, if one was (the training
+        thread submits it just after starting its snapshot: a moment is allowed for that)."""
+        deadline = time.monotonic() + 2.0
+        while (newer := self._newest.get(snapshot.step, snapshot)) is snapshot:
+            if time.monotonic() > deadline:
+                return None
             time.sleep(0.01)
-        return Reader(self.store, snapshot.step, trust_pickles=True)
+        return newer
 
     def _publish(self, save: Save, save_id: str) -> None:
         """Rank 0: once every rank's marker is there, the tag folder and `latest`, if every
@@ -209,6 +240,18 @@ class Mirror:
                     shutil.rmtree(path, ignore_errors=True)
                 else:
                     os.unlink(path)
+
+
+def _final_state(handle: SaveHandle, memory: str) -> str:
+    """The memory tier's state of the save once it is final, or after COMMIT_WAIT_S."""
+    deadline = time.monotonic() + COMMIT_WAIT_S
+    while (state := handle.states().get(memory, "missing")) != "committed":
+        if state.startswith(("failed", "skipped", "missing", "not scheduled")):
+            return state
+        if time.monotonic() > deadline:  # "running", or "written" while another rank of the host copies
+            return f"has not committed it after {COMMIT_WAIT_S:.0f} s (still {state})"
+        time.sleep(0.01)
+    return state
 
 
 def _save_id_of(name: str) -> str:
