@@ -77,7 +77,8 @@ class Item:
     shard: Shard | None
     chunks: tuple[Chunk, ...]
     #: For a replicated put: the rank whose copy persistent tiers store (its replica group's
-    #: lowest rank); None otherwise.
+    #: lowest rank); None otherwise, and for items that ranks were found to hold alike when
+    #: they saved (`"matched"`: stored once too, but not restored as a replica group).
     replica_primary: int | None = None
 
     @property
@@ -134,7 +135,7 @@ class Manifest:
                 meta=it.get("meta") or {},
                 shard=Shard.from_json(it["shard"]) if it.get("shard") else None,
                 chunks=tuple(Chunk.from_json(c) for c in it["chunks"]),
-                replica_primary=it["replica"]["primary"] if it.get("replica") else None,
+                replica_primary=it["replica"]["primary"] if it.get("replica") and not it["replica"].get("matched") else None,
             )
             for i, it in enumerate(d["items"])
         )

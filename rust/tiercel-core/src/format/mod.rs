@@ -147,6 +147,12 @@ pub struct Replica {
     /// primary's manifest of the same step on the same tier (`link_shared` of the tier module `replica`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub shared: bool,
+    /// Not declared: the ranks were found to hold these bytes on the save path, by the
+    /// digest of their chunks (`store::matched`). Such a copy is not checked at the commit
+    /// (its digest was), a restore still checks it against the primary's (`replica::resolve`),
+    /// and the ranks do not restore it together as a replica group.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub matched: bool,
 }
 
 /// One shard of a global array: the item's `shape` is the shard's own; it starts at

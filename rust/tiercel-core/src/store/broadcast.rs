@@ -108,7 +108,7 @@ impl StepReader {
             .iter()
             .enumerate()
             .filter(|(_, it)| it.nbytes > 0)
-            .filter_map(|(i, it)| Some((it.replica.as_ref()?.primary, i)))
+            .filter_map(|(i, it)| Some((it.replica.as_ref().filter(|r| !r.matched)?.primary, i)))
             .collect();
         items.sort_by(|a, b| m.items[a.1].name.cmp(&m.items[b.1].name));
         let items = items

@@ -77,7 +77,7 @@ const REMEMBERED_COUNTS: usize = 4096;
 /// The counter and what this process counted with it.
 #[derive(Default)]
 pub(super) struct Commits {
-    counter: RwLock<Option<Arc<dyn StepCounter>>>,
+    pub(super) counter: RwLock<Option<Arc<dyn StepCounter>>>,
     /// (tier, step) -> (counter key, generation) of this rank's save counted in there, until
     /// it is known committed: what `retract_count` poisons before the step is written again.
     counted: Mutex<BTreeMap<(String, u64), Counted>>,

@@ -12,6 +12,7 @@ mod commit;
 mod copy;
 mod handle;
 mod job;
+mod matched;
 pub mod metrics;
 mod pending;
 mod persist;
@@ -86,6 +87,8 @@ pub struct Store {
     /// The job-wide counter that commits on shared tiers count ranks in (`commit`): the
     /// coordinator's (`set_counter`), this process's own in a job of one; none: they list.
     commits: commit::Commits,
+    /// What this process knows of the ranks that hold the same bytes as it (`matched`).
+    matching: matched::Matching,
     /// The relay replicas of a group pass chunks over on restore (started on first use).
     relay: parking_lot::Mutex<Option<Arc<crate::transport::relay::Relay>>>,
     /// Whether segments for this process's next save are (being) pre-faulted: after each
@@ -243,6 +246,7 @@ impl Store {
             launch: parking_lot::RwLock::new((world_size == 1).then(launch_token)),
             committed: Default::default(),
             commits: if world_size == 1 { commit::Commits::local() } else { Default::default() },
+            matching: Default::default(),
             relay: Default::default(),
             prefaulting: Default::default(),
             save_order: Default::default(),

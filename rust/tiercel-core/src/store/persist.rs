@@ -368,7 +368,9 @@ fn write_and_commit(store: &Store, slot: &TierSlot, manifest: &Manifest, parts: 
     let src = SegmentSource { manifest, segments: parts };
     let write = || {
         store.retract_count(slot, manifest.step);
-        slot.tier.write_rank(manifest, &src, &slot.link).and_then(|_| store.commit_persisted(slot, manifest))
+        // Items another rank stores for this save are written as references to its copy.
+        let matched = store.match_ranks(slot, manifest);
+        slot.tier.write_rank(matched.as_ref().unwrap_or(manifest), &src, &slot.link).and_then(|_| store.commit_persisted(slot, manifest))
     };
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(write)) {
         Ok(res) => Some(res),

@@ -141,7 +141,7 @@ impl StepWriter {
                 nbytes: spec.nbytes,
                 meta: spec.meta,
                 shard: spec.shard,
-                replica: spec.replica.map(|primary| format::Replica { primary, shared: false }),
+                replica: spec.replica.map(|primary| format::Replica { primary, shared: false, matched: false }),
                 chunks,
             });
         }

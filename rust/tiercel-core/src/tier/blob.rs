@@ -188,7 +188,7 @@ impl Tier for BlobTier {
     fn write_rank(&self, logical: &Manifest, src: &dyn ChunkSource, link: &Link) -> Result<Manifest> {
         // Replicated items are stored once per replica group, by its primary rank.
         let logical = &crate::tier::replica::share(logical);
-        if logical.items.iter().any(|i| i.replica.is_some()) {
+        if logical.items.iter().any(|i| i.replica.as_ref().is_some_and(|r| !r.matched)) {
             let mut r = self.replicated.lock();
             r.insert(logical.step);
             while r.len() > 64 {
@@ -247,6 +247,10 @@ impl Tier for BlobTier {
 
     fn counts_commits(&self) -> bool {
         true
+    }
+
+    fn dedups(&self) -> bool {
+        self.dedup
     }
 
     fn commit_counted(&self, step: u64, world_size: u32, generation: &Option<String>) -> Result<()> {

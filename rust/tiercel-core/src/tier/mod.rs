@@ -107,6 +107,12 @@ pub trait Tier: Send + Sync {
         false
     }
 
+    /// Whether the tier refers to chunks it stores already instead of writing them again
+    /// (`dedup`): then bytes that several ranks hold are stored once too (`store::matched`).
+    fn dedups(&self) -> bool {
+        false
+    }
+
     /// Writes `step`'s commit record for save `generation` without looking for the other
     /// ranks' manifests: the caller has counted every one of `world_size` ranks in, each
     /// after its manifest of `generation` was durable here. Only where `counts_commits`.

@@ -145,7 +145,7 @@ mod tests {
             nbytes: 8,
             meta: serde_json::Value::Null,
             shard: None,
-            replica: Some(Replica { primary: 0, shared: false }),
+            replica: Some(Replica { primary: 0, shared: false, matched: false }),
             chunks: (0..2)
                 .map(|c| ChunkMeta {
                     offset: c * 4,
