@@ -118,6 +118,15 @@ def test_two_ranks_with_the_same_parameters_store_them_once(shm, tmp_path, compr
     assert least <= stored <= 2 * MODEL + (256 << 10), f"disk holds {stored} bytes for 2 parameter sets of {MODEL}"
     assert du(tmp_path / "disk2") >= 6 * MODEL
     assert not list(Path(tmp_path / "disk").rglob("*.tmp*")), "temporary files left behind"
+    # `tiercel inspect` tells the bytes a rank's step refers to in another rank's objects.
+    toml = tmp_path / "policy.toml"
+    toml.write_text(f'[[tier]]\nname = "ram"\nkind = "memory"\nroot = "{ram}"\n\n'
+                    f'[[tier]]\nname = "disk"\nkind = "fs"\nurl = "{tmp_path / "disk"}"\n')
+    out = subprocess.run([PYTHON, "-m", "tiercel", "--policy", str(toml), "inspect", "3", "--tier", "disk", "--json"],
+                         env=child_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    theirs = sorted(r["other_ranks_bytes"] for r in json.loads(out.stdout)["ranks"])
+    assert theirs[0] == 0 and theirs[1] >= MODEL * (0.8 if compression != "none" else 1), theirs
 
 
 KILL_WORKER = r"""

@@ -66,12 +66,25 @@ def object_key(step: int, obj: dict) -> str:
 
 
 def shared_bytes(step: int, m: dict) -> int:
-    """The stored bytes of `m`'s chunks that lie in another step's data object (shared with
-    that step: format version 3)."""
+    """The stored bytes of `m`'s chunks that lie in another step's data object of its own
+    rank (shared with that step: format version 3)."""
     own = f"step-{step:012d}."
-    foreign = {i for i, o in enumerate(m["objects"]) if o.get("key") and not o["key"].rsplit("/", 1)[-1].startswith(own)}
+    foreign = {i for i, o in enumerate(m["objects"])
+               if o.get("key") and not o["key"].rsplit("/", 1)[-1].startswith(own) and _in_area(o["key"], m["rank"])}
     return sum(c["stored_len"] for it in m["items"] for c in it["chunks"]
                if c["object"] in foreign and not (it.get("replica") or {}).get("shared"))
+
+
+def other_ranks_bytes(m: dict) -> int:
+    """The stored bytes of `m`'s chunks that another rank's objects hold (replicated items,
+    and items found alike on the ranks when they saved: format.md, "Items matched by content")."""
+    theirs = {i for i, o in enumerate(m["objects"]) if o.get("key") and not _in_area(o["key"], m["rank"])}
+    return sum(c["stored_len"] for it in m["items"] for c in it["chunks"] if c["object"] in theirs)
+
+
+def _in_area(key: str, rank: int) -> bool:
+    """Whether an object key lies in rank `rank`'s area (keys outside every area: an older format's, the rank's)."""
+    return "/rank-" not in key or f"/rank-{rank:05d}/" in key
 
 
 class Ctx:

@@ -7,7 +7,7 @@ from collections import Counter
 from typing import Any
 
 from .. import _core
-from .context import EXIT_OK, Ctx, shared_bytes
+from .context import EXIT_OK, Ctx, other_ranks_bytes, shared_bytes
 from .output import count, fmt_bytes, fmt_ratio, fmt_time, json_out, table
 
 
@@ -58,6 +58,7 @@ def cmd_inspect(ctx: Ctx) -> int:
         raw = sum(i["nbytes"] for i in items)
         stored = sum(i["stored_bytes"] for i in items)
         shared = shared_bytes(step, m)
+        theirs = other_ranks_bytes(m)
         doc["ranks"].append({
             "rank": r,
             "format": m["format"],
@@ -69,6 +70,8 @@ def cmd_inspect(ctx: Ctx) -> int:
             "stored_bytes": stored,
             # Of those, the bytes stored by an earlier step (chunks this step shares with it).
             "shared_bytes": shared,
+            # And the bytes other ranks store (the same bytes as theirs: stored once).
+            "other_ranks_bytes": theirs,
             "ratio": round(raw / stored, 4) if stored else None,
             "items": items,
         })
@@ -83,7 +86,8 @@ def cmd_inspect(ctx: Ctx) -> int:
         print(f"rank {rk['rank']}: {count(len(rk['items']), 'item')} in {count(len(rk['puts']), 'put')} ({', '.join(rk['puts'])}); "
               f"{count(len(rk['objects']), 'object')}; chunk size {fmt_bytes(rk['chunk_size'])}; "
               f"raw {fmt_bytes(rk['raw_bytes'])}, stored {fmt_bytes(rk['stored_bytes'])} "
-              f"({fmt_ratio(rk['raw_bytes'], rk['stored_bytes'])}), {fmt_bytes(rk['shared_bytes'])} of it shared with other steps")
+              f"({fmt_ratio(rk['raw_bytes'], rk['stored_bytes'])}), {fmt_bytes(rk['shared_bytes'])} of it shared with other steps"
+              + (f", {fmt_bytes(rk['other_ranks_bytes'])} stored by other ranks" if rk["other_ranks_bytes"] else ""))
         rows = [[i["name"], i["kind"], i["dtype"], "[" + ", ".join(map(str, i["shape"])) + "]", fmt_bytes(i["nbytes"]),
                  str(i["chunks"]), _codec_mix(i["codecs"]), fmt_bytes(i["stored_bytes"]),
                  fmt_ratio(i["nbytes"], i["stored_bytes"])] for i in rk["items"]]
@@ -92,7 +96,8 @@ def cmd_inspect(ctx: Ctx) -> int:
             print("  " + line)
     if len(doc["ranks"]) > 1:
         raw = sum(r["raw_bytes"] for r in doc["ranks"])
-        stored = sum(r["stored_bytes"] for r in doc["ranks"])
+        # Bytes one rank stores for others count once.
+        stored = sum(r["stored_bytes"] - r["other_ranks_bytes"] for r in doc["ranks"])
         shared = sum(r["shared_bytes"] for r in doc["ranks"])
         print()
         print(f"all {len(doc['ranks'])} ranks: {count(sum(len(r['items']) for r in doc['ranks']), 'item')}; "
