@@ -12,6 +12,10 @@ LABELS = {"tiercel": "tiercel (RAM + peer + bucket, every iteration)", "persist"
           "dcp": "torch DCP to a shared directory (Young/Daly)"}
 
 
+#: The model's row for tiercel's host-loss costs at Young/Daly's interval (modelled, not run).
+INTERVAL = "tiercel/host at Young/Daly's interval"
+
+
 def step_times(run: dict, warmup: int, skip: int) -> dict:
     """Median step times of a method: without checkpoints (the first launch's warmup, less
     its first 2 iterations), with them (every launch past its first `skip` iterations), and
@@ -41,6 +45,11 @@ def model_costs(result: dict) -> dict[str, gm.Costs]:
             if method == "tiercel":
                 overhead = max(0.0, (st["with_checkpoints_s"] or it) - it)
                 out[f"tiercel/{rec['kind']}"] = gm.Costs(it, overhead, restart, rec["restore_s"], True, rec["iterations_lost"])
+                if rec["kind"] == "host":
+                    # Modelled, not run: the same costs with a checkpoint at Young/Daly's
+                    # interval for them, as the baselines get (the step time a checkpoint
+                    # adds, here on a CPU that trains too, is then paid once per interval).
+                    out[INTERVAL] = gm.Costs(it, overhead, restart, rec["restore_s"])
             elif method not in out:
                 out[method] = gm.Costs(it, st["save_s"] or run["plan"]["first_save_s"], restart, rec["restore_s"])
     return out

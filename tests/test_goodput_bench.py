@@ -116,4 +116,5 @@ def test_quick_mode_runs_every_failure(tmp_path):
     # The baselines checkpoint every k iterations and fail mid-interval: they lose work.
     for m in ("persist", "dcp"):
         assert res["runs"][m]["plan"]["k"] > 1 and fails[m, "crash"]["iterations_lost"] >= 1, res["runs"][m]
-    assert set(res["model"]["ettr"]) == {"tiercel/host", "tiercel/preempt", "tiercel/crash", "persist", "dcp"}
+    assert set(res["model"]["ettr"]) == {"tiercel/host", "tiercel/preempt", "tiercel/crash", "persist", "dcp",
+                                         "tiercel/host at Young/Daly's interval"}
