@@ -181,3 +181,40 @@ fn a_follower_remembers_its_primary_and_has_nothing_to_delete() {
     assert_eq!(m1.tiers.lock()["disk"].last, Some(("a".to_string(), 0)));
     assert!(m1.tiers.lock()["disk"].published.is_empty());
 }
+
+#[test]
+fn at_10000_ranks_each_makes_at_most_2_counter_operations_and_each_group_stores_once() {
+    // 10,000 ranks in 8 replica groups of identical bytes (HSDP: replicas of one shard hold
+    // the same), meeting through one counter, in arrival order; then the next persist with the
+    // bytes unchanged. Rank r holds group r % 8's bytes.
+    const N: u32 = 10_000;
+    const GROUPS: u32 = 8;
+    let counter = LocalCounter::default();
+    let ops = AtomicUsize::new(0);
+    struct Counting<'a>(&'a LocalCounter, &'a AtomicUsize);
+    impl StepCounter for Counting<'_> {
+        fn add(&self, key: &str, by: i64) -> Result<i64> {
+            self.1.fetch_add(1, Ordering::Relaxed);
+            self.0.add(key, by)
+        }
+    }
+    let c = Counting(&counter, &ops);
+    let memories: Vec<Matching> = (0..N).map(|_| Matching::default()).collect();
+    for step in 1..=2u64 {
+        ops.store(0, Ordering::Relaxed);
+        let mut primaries = vec![Vec::new(); GROUPS as usize];
+        for r in 0..N {
+            let d = format!("group{}", r % GROUPS);
+            let p = memories[r as usize].primary(&c, r, "disk", key(step, &d), d).unwrap().expect("a sole publisher");
+            primaries[(r % GROUPS) as usize].push(p);
+        }
+        for (g, ps) in primaries.iter().enumerate() {
+            assert!(ps.iter().all(|&p| p == g as u32), "group {g} agrees on its first rank as primary");
+        }
+        let per_rank = ops.load(Ordering::Relaxed) as f64 / f64::from(N);
+        // Step 1: a claim each, then a publication (8 ranks) or a read (the rest): 2N.
+        // Step 2: the same bytes: a publication or a read each: N.
+        let want = if step == 1 { 2.0 } else { 1.0 };
+        assert_eq!(per_rank, want, "step {step}: {per_rank} counter operations per rank");
+    }
+}
