@@ -48,9 +48,14 @@ pub fn link_shared(m: &mut Manifest, primary: &Manifest) -> Result<()> {
         let it = &m.items[i];
         let theirs = primary.item_index(&it.name).map(|j| &primary.items[j]);
         differs(m, i, theirs).map_err(|why| {
+            let cause = if r.matched {
+                "the ranks found to hold the same bytes when they saved hold other bytes here: the primary's manifest is of \
+                 another save, or was changed since"
+            } else {
+                "the ranks declared as replicas (replica_group) did not save the same bytes"
+            };
             Error::integrity(format!(
-                "step {}: rank {}'s replicated item '{}' differs from rank {}'s copy ({why}); the ranks declared as \
-                 replicas (replica_group) did not save the same bytes",
+                "step {}: rank {}'s replicated item '{}' differs from rank {}'s copy ({why}); {cause}",
                 m.step, m.rank, it.name, r.primary
             ))
             .at(m.step, m.rank)
@@ -184,6 +189,12 @@ mod tests {
         assert_eq!(e.kind, crate::ErrorKind::Integrity);
         assert!(e.message.contains("rank 1's replicated item 'model/w' differs from rank 0's"), "{}", e.message);
         assert!(e.message.contains("chunk 0"), "{}", e.message);
+        assert!(e.message.contains("declared as replicas"), "{}", e.message);
+        // A copy matched by content, not declared, says so.
+        let mut m = manifest(1, 9);
+        m.items[0].replica = Some(Replica { primary: 0, shared: false, matched: true });
+        let e = link_shared(&mut share(&m), &primary).unwrap_err();
+        assert!(e.message.contains("found to hold the same bytes"), "{}", e.message);
     }
 
     #[test]
